@@ -1,0 +1,34 @@
+"""qdcp: PyTorch Distributed Checkpoint for quantized tensors.
+
+    import torch.distributed.checkpoint as dcp
+    from qdcp import QuantizedSavePlanner, QuantizedLoadPlanner
+
+    dcp.save(state, checkpoint_id=path, planner=QuantizedSavePlanner())
+    dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner())
+"""
+
+from qdcp.adapters import Adapter, find_adapter, register_adapter, registered_type_names
+from qdcp.adapters import torchao as _torchao
+from qdcp.errors import (
+    AlignmentError,
+    CheckpointFormatError,
+    LoadMismatchError,
+    QdcpError,
+    StagingError,
+    UnsupportedTensorError,
+)
+from qdcp.reader import SafeFileSystemReader, describe, read_metadata
+from qdcp.planner import QuantizedLoadPlanner, QuantizedSavePlanner
+
+for _adapter in _torchao.builtin_adapters():
+    register_adapter(_adapter)
+del _adapter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "QuantizedSavePlanner", "QuantizedLoadPlanner", "describe", "read_metadata", "SafeFileSystemReader",
+    "Adapter", "register_adapter", "find_adapter", "registered_type_names",
+    "QdcpError", "CheckpointFormatError", "UnsupportedTensorError", "AlignmentError",
+    "LoadMismatchError", "StagingError",
+]

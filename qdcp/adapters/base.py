@@ -1,0 +1,178 @@
+"""The adapter contract and the public registry of adapters.
+
+An adapter knows one family of quantized tensor subclasses. It answers, for a live instance: which
+components (inner buffers) hold its data and in what canonical form, how each shards with the
+logical tensor (a :mod:`qdcp.layouts` layout), which attributes configure it (JSON-able); and it can
+dequantize an instance, rebuild one from components, quantize a high-precision tensor the way a
+target instance is configured, and copy components into an existing instance in place.
+
+Planners and the stager talk to tensors only through this contract. Users add families with
+:func:`register_adapter`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping
+
+import torch
+
+from qdcp.errors import CheckpointFormatError, UnsupportedTensorError
+from qdcp.layouts import Layout
+
+
+class Adapter:
+    """One family of quantized tensors. Subclass and register an instance with :func:`register_adapter`.
+
+    Required: :attr:`type_names`, :meth:`matches`, :meth:`type_name`, :meth:`component_names`,
+    :meth:`layouts`, :meth:`attributes`, :meth:`dequantize`, :meth:`rebuild`, :meth:`quantize_like`.
+    The defaults of the rest assume components are plain attributes of the instance, stored as is.
+    """
+
+    #: registry names of the types this adapter handles, e.g. ``("torchao.Int8Tensor",)``
+    type_names: tuple[str, ...] = ()
+
+    def matches(self, cls: type) -> bool:
+        """Whether live instances of ``cls`` belong to this adapter."""
+        raise NotImplementedError
+
+    def type_name(self, t: torch.Tensor) -> str:
+        """Registry name of ``t``'s type (one of :attr:`type_names`)."""
+        raise NotImplementedError
+
+    def attributes(self, t: torch.Tensor) -> dict[str, Any]:
+        """Configuration of ``t`` as Python values that :func:`qdcp.spec.encode_value` accepts."""
+        raise NotImplementedError
+
+    def attribute_classes(self) -> Mapping[str, type]:
+        """Enums and records (by class name) that may appear in :meth:`attributes`."""
+        return {}
+
+    def component_names(self, t: torch.Tensor) -> list[str]:
+        """Names of the components present on ``t``, in a fixed order."""
+        raise NotImplementedError
+
+    def components(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Components of ``t`` in canonical (stored) form. Must not copy when canonical == native."""
+        return {n: getattr(t, n) for n in self.component_names(t)}
+
+    def native_components(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Components whose canonical form *is* the inner buffer: load may write straight into them."""
+        return self.components(t)
+
+    def inner_buffers(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every tensor that holds ``t``'s data, in native form (what a stager must copy)."""
+        return self.native_components(t)
+
+    def from_inner_buffers(self, t: torch.Tensor, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """A new instance like ``t`` whose data lives in ``buffers`` (same keys as :meth:`inner_buffers`)."""
+        raise NotImplementedError
+
+    def layouts(self, t: torch.Tensor) -> dict[str, Layout]:
+        """How each component shards with the logical tensor (shard-invariant)."""
+        raise NotImplementedError
+
+    def dequantize(self, t: torch.Tensor) -> torch.Tensor:
+        """The high-precision tensor ``t`` stands for, computed the way its library does."""
+        raise NotImplementedError
+
+    def rebuild(self, type_name: str, attrs: dict[str, Any], shape: tuple[int, ...],
+                dtype: torch.dtype, components: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """A new instance of logical ``shape`` from canonical ``components`` (any chunk's worth)."""
+        raise NotImplementedError
+
+    def quantize_like(self, target: torch.Tensor, hp: torch.Tensor,
+                      global_amax: torch.Tensor | None = None) -> torch.Tensor:
+        """Quantize ``hp`` the way ``target`` is configured; returns a new instance.
+
+        ``global_amax``, where given, is the abs-max of the whole logical tensor of which ``hp`` is a
+        shard: formats with a per-tensor scale must use it so every shard shares one scale.
+        """
+        raise NotImplementedError
+
+    def needs_global_amax(self, target: torch.Tensor) -> bool:
+        """Whether :meth:`quantize_like` into ``target`` depends on the whole tensor's abs-max."""
+        return False
+
+    def copy_into(self, target: torch.Tensor, components: Mapping[str, torch.Tensor]) -> None:
+        """Copy canonical ``components`` (all or some) into ``target``'s buffers, in place."""
+        native = self.native_components(target)
+        for name, value in components.items():
+            native[name].copy_(value)
+
+
+# ----------------------------------------------------------------------------- registry
+
+_lock = threading.Lock()
+_adapters: list[Adapter] = []
+_by_type_name: dict[str, Adapter] = {}
+_by_class: dict[type, Adapter | None] = {}
+
+
+def register_adapter(adapter: Adapter, *, override: bool = False) -> Adapter:
+    """Register ``adapter`` for its :attr:`~Adapter.type_names`; later registrations are tried first.
+
+    Raises ``ValueError`` if a type name is taken, unless ``override=True``.
+    """
+    if not isinstance(adapter, Adapter):
+        raise TypeError(f"expected a qdcp.Adapter instance, got {type(adapter).__name__}")
+    if not adapter.type_names:
+        raise ValueError(f"{type(adapter).__name__} declares no type_names")
+    with _lock:
+        for name in adapter.type_names:
+            if name in _by_type_name and _by_type_name[name] is not adapter and not override:
+                raise ValueError(f"type name {name!r} is already registered to "
+                                 f"{type(_by_type_name[name]).__name__}; pass override=True")
+        for name in adapter.type_names:
+            _by_type_name[name] = adapter
+        _adapters.insert(0, adapter)
+        _by_class.clear()
+    return adapter
+
+
+def registered_type_names() -> list[str]:
+    """All registered type names, sorted."""
+    with _lock:
+        return sorted(_by_type_name)
+
+
+def find_adapter(t: torch.Tensor | type) -> Adapter | None:
+    """The adapter for a live tensor (or class), or None for plain tensors and unknown types."""
+    cls = t if isinstance(t, type) else type(t)
+    if cls is torch.Tensor or cls is torch.nn.Parameter:
+        return None
+    try:
+        return _by_class[cls]
+    except KeyError:
+        pass
+    with _lock:
+        found = next((a for a in _adapters if a.matches(cls)), None)
+        _by_class[cls] = found
+    return found
+
+
+def adapter_for_type(type_name: str, fqn: str = "") -> Adapter:
+    """The adapter registered for a type name read from a checkpoint."""
+    with _lock:
+        adapter = _by_type_name.get(type_name)
+    if adapter is None:
+        raise CheckpointFormatError(
+            f"key {fqn!r}: the checkpoint stores type {type_name!r}, which no registered qdcp adapter "
+            f"handles (known: {', '.join(registered_type_names()) or 'none'}). Install the library "
+            f"that provides it or register an adapter with qdcp.register_adapter.")
+    return adapter
+
+
+def is_wrapper_subclass(t: Any) -> bool:
+    """True for a tensor subclass instance that is not a DTensor/Parameter over plain storage."""
+    return isinstance(t, torch.Tensor) and find_adapter(t) is not None
+
+
+def require_adapter(t: torch.Tensor, fqn: str) -> Adapter:
+    """The adapter for ``t``, or a clear error for a tensor subclass qdcp does not know."""
+    adapter = find_adapter(t)
+    if adapter is None:
+        raise UnsupportedTensorError(
+            f"key {fqn!r}: no qdcp adapter handles {type(t).__module__}.{type(t).__qualname__}. "
+            f"Register one with qdcp.register_adapter, or convert the tensor to a plain tensor first.")
+    return adapter

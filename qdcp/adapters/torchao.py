@@ -1,0 +1,458 @@
+"""Adapters for torchao's quantized tensors and low-bit optimizer states.
+
+torchao is optional: nothing here imports it until a torchao tensor is seen (then torchao is already
+imported) or a checkpoint entry of a torchao type must be rebuilt. Classes are recognised by module
+prefix and class name, and loaded from the fixed import paths in :data:`_CLASS_PATHS` only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any, Mapping
+
+import torch
+
+from qdcp.adapters.base import Adapter
+from qdcp.errors import LoadMismatchError, UnsupportedTensorError
+from qdcp.layouts import Blocked, Flat, Layout, Replicated
+
+_CLASS_PATHS: dict[str, str] = {
+    "Int8Tensor": "torchao.quantization",
+    "Float8Tensor": "torchao.quantization",
+    "IntxUnpackedToInt8Tensor": "torchao.quantization",
+    "NF4Tensor": "torchao.quantization",
+    "MXTensor": "torchao.prototype.mx_formats.mx_tensor",
+    "NVFP4Tensor": "torchao.prototype.mx_formats.nvfp4_tensor",
+    "OptimState8bit": "torchao.optim.subclass_8bit",
+    "OptimState4bit": "torchao.optim.subclass_4bit",
+    "OptimStateFp8": "torchao.optim.subclass_fp8",
+}
+
+# Enums and records that may appear in torchao attributes: class name -> (module, attribute).
+_ATTRIBUTE_CLASSES: dict[str, str] = {
+    "KernelPreference": "torchao.quantization.quantize_.common.kernel_preference",
+    "MappingType": "torchao.quantization.quant_primitives",
+    "Float8MMConfig": "torchao.float8.inference",
+    "QuantizeTensorToInt8Kwargs": "torchao.quantization.quantize_.workflows.int8.int8_tensor",
+    "QuantizeTensorToFloat8Kwargs": "torchao.quantization.quantize_.workflows.float8.float8_tensor",
+    "IntxUnpackedToInt8TensorActivationQuantization":
+        "torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor",
+    "PerTensor": "torchao.quantization.granularity",
+    "PerRow": "torchao.quantization.granularity",
+    "PerAxis": "torchao.quantization.granularity",
+    "PerGroup": "torchao.quantization.granularity",
+    "PerToken": "torchao.quantization.granularity",
+    "PerBlock": "torchao.quantization.granularity",
+    "ScaleCalculationMode": "torchao.prototype.mx_formats.config",
+    "QuantizeTensorToMXKwargs": "torchao.prototype.mx_formats.mx_tensor",
+    "QuantizeTensorToNVFP4Kwargs": "torchao.prototype.mx_formats.nvfp4_tensor",
+}
+
+
+def _import(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise UnsupportedTensorError(
+            f"torchao type {name} is needed but cannot be imported from {module} ({e}); "
+            f"install torchao 0.18 (pip install 'qdcp[torchao]')") from None
+
+
+class TorchAOAdapter(Adapter):
+    """Shared machinery for one torchao class that declares its data as ``TorchAOBaseTensor`` does.
+
+    Subclasses set :attr:`cls_name` and implement :meth:`layouts` and :meth:`quantize_like`.
+    """
+
+    cls_name: str = ""
+
+    def __init__(self) -> None:
+        self.type_names = (f"torchao.{self.cls_name}",)
+        self._attribute_classes: dict[str, type] | None = None
+
+    # --- identity
+    def matches(self, cls: type) -> bool:
+        return cls.__name__ == self.cls_name and cls.__module__.split(".")[0] == "torchao"
+
+    def type_name(self, t):
+        return self.type_names[0]
+
+    def tensor_class(self) -> type:
+        return _import(_CLASS_PATHS[self.cls_name], self.cls_name)
+
+    def attribute_classes(self) -> Mapping[str, type]:
+        if self._attribute_classes is None:
+            found = {}
+            for name, module in _ATTRIBUTE_CLASSES.items():
+                try:
+                    found[name] = getattr(importlib.import_module(module), name)
+                except (ImportError, AttributeError):
+                    pass
+            self._attribute_classes = found
+        return self._attribute_classes
+
+    # --- declarations (TorchAOBaseTensor style)
+    def _data_names(self, cls: type) -> tuple[list[str], list[str]]:
+        return list(cls.tensor_data_names), list(getattr(cls, "optional_tensor_data_names", []) or [])
+
+    def _attr_names(self, cls: type) -> list[str]:
+        return list(cls.tensor_attribute_names) + list(
+            getattr(cls, "optional_tensor_attribute_names", []) or [])
+
+    def component_names(self, t):
+        required, optional = self._data_names(type(t))
+        return required + [n for n in optional if getattr(t, n, None) is not None]
+
+    def attributes(self, t):
+        return {n: getattr(t, n) for n in self._attr_names(type(t))}
+
+    def dequantize(self, t):
+        return t.dequantize()
+
+    def rebuild(self, type_name, attrs, shape, dtype, components):
+        cls = self.tensor_class()
+        out = cls.__tensor_unflatten__(dict(components), dict(attrs), torch.Size(shape), None)
+        if tuple(out.shape) != tuple(shape):
+            raise LoadMismatchError(
+                f"rebuilt {self.cls_name} has shape {tuple(out.shape)}, expected {tuple(shape)}")
+        return out
+
+    def from_inner_buffers(self, t, buffers):
+        attrs = self.attributes(t)
+        return type(t).__tensor_unflatten__(dict(buffers), attrs, t.shape, t.stride())
+
+    def copy_into(self, target, components):
+        native = self.native_components(target)
+        missing = set(components) - set(native)
+        if missing:
+            raise LoadMismatchError(
+                f"the target {self.cls_name} has no component(s) {sorted(missing)} to load into")
+        for name, value in components.items():
+            native[name].copy_(value)
+
+
+# ----------------------------------------------------------------------------- affine int/float8
+
+def _block_layout(block_size, shape) -> Blocked:
+    block = tuple(int(b) for b in block_size)
+    if len(block) != len(shape):
+        raise UnsupportedTensorError(f"block_size {block} does not match shape {tuple(shape)}")
+    return Blocked(block)
+
+
+def _granularity_from_block(block_size, shape):
+    g = importlib.import_module("torchao.quantization.granularity")
+    block = [int(b) for b in block_size]
+    if block == [int(s) for s in shape]:
+        return g.PerTensor()
+    if all(b == 1 for b in block[:-1]):
+        return g.PerRow() if block[-1] == shape[-1] else g.PerGroup(block[-1])
+    raise UnsupportedTensorError(f"cannot express block_size {block} as a torchao granularity")
+
+
+def _symmetric(zero_point: torch.Tensor | None) -> bool:
+    return zero_point is None or not bool(torch.count_nonzero(zero_point))
+
+
+class _AffineAdapter(TorchAOAdapter):
+    """qdata elementwise; scale (and zero_point) one per ``block_size`` block."""
+
+    def layouts(self, t):
+        scale_layout = _block_layout(t.block_size, t.shape)
+        out: dict[str, Layout] = {}
+        for name in self.component_names(t):
+            value = getattr(t, name)
+            if name == "qdata":
+                out[name] = Blocked((1,) * t.ndim)
+            elif value.ndim == t.ndim and tuple(value.shape) == scale_layout.component_shape(t.shape):
+                out[name] = scale_layout
+            else:  # activation scales and pre-scales: whole-tensor values
+                out[name] = Replicated(tuple(value.shape))
+        return out
+
+
+class Int8TensorAdapter(_AffineAdapter):
+    """``torchao.quantization.Int8Tensor`` (Int8WeightOnlyConfig / Int8DynamicActivationInt8WeightConfig v2)."""
+
+    cls_name = "Int8Tensor"
+
+    def quantize_like(self, target, hp, global_amax=None):
+        mt = importlib.import_module("torchao.quantization.quant_primitives").MappingType
+        mapping = mt.SYMMETRIC if _symmetric(target.zero_point) else mt.ASYMMETRIC
+        gran = _granularity_from_block(target.block_size, target.shape)
+        return type(target).from_hp(
+            hp.to(target.dtype), gran, mapping_type=mapping, act_quant_kwargs=target.act_quant_kwargs,
+            act_quant_scale=target.act_quant_scale, act_quant_zero_point=target.act_quant_zero_point,
+            act_pre_scale=target.act_pre_scale, reduce_range=target.reduce_range)
+
+
+class Float8TensorAdapter(_AffineAdapter):
+    """``torchao.quantization.Float8Tensor`` (weight-only on CPU; any granularity)."""
+
+    cls_name = "Float8Tensor"
+
+    def quantize_like(self, target, hp, global_amax=None):
+        return type(target).from_hp(
+            hp.to(target.dtype), float8_dtype=target.qdata.dtype,
+            granularity=_granularity_from_block(target.block_size, target.shape),
+            mm_config=target.mm_config, kernel_preference=target.kernel_preference,
+            act_quant_kwargs=target.act_quant_kwargs)
+
+
+class IntxUnpackedToInt8TensorAdapter(_AffineAdapter):
+    """``torchao.quantization.IntxUnpackedToInt8Tensor`` (IntxWeightOnlyConfig and friends)."""
+
+    cls_name = "IntxUnpackedToInt8Tensor"
+
+    def quantize_like(self, target, hp, global_amax=None):
+        mt = importlib.import_module("torchao.quantization.quant_primitives").MappingType
+        mapping = mt.SYMMETRIC if _symmetric(target.zero_point) else mt.ASYMMETRIC
+        return type(target).from_hp(
+            hp.to(target.dtype), tuple(target.block_size), target.target_dtype, mapping_type=mapping,
+            activation_quantization=target.activation_quantization)
+
+
+# ----------------------------------------------------------------------------- MX / NVFP4
+
+def _swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
+    """Shape of a 128x4-tiled (cuBLAS block-scaling) scale for a (rows, cols) plain scale."""
+    return -(-rows // 128) * 32, -(-cols // 4) * 16
+
+
+def unswizzle_scale(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Plain ``(..., rows, cols)`` scales from 128x4-tiled ones (padding dropped)."""
+    from_blocked = _import("torchao.prototype.mx_formats.utils", "from_blocked")
+    if scale.ndim == 2:
+        return from_blocked(scale, rows, cols)
+    return torch.stack([from_blocked(s, rows, cols) for s in scale])
+
+
+def swizzle_scale(scale: torch.Tensor) -> torch.Tensor:
+    """128x4-tiled scales (zero padded) from plain ``(..., rows, cols)`` ones."""
+    to_blocked = _import("torchao.prototype.mx_formats.utils", "to_blocked")
+    shape = _swizzled_shape(scale.shape[-2], scale.shape[-1])
+    if scale.ndim == 2:
+        return to_blocked(scale).view(shape)
+    return torch.stack([to_blocked(s).view(shape) for s in scale])
+
+
+class _BlockScaledAdapter(TorchAOAdapter):
+    """MX and NVFP4: packed element data, one scale per ``block_size`` along the last dim.
+
+    Canonical scales are plain (unswizzled, unpadded) of shape ``(..., K / block_size)``; a tensor
+    with ``is_swizzled_scales`` gets its tiled layout back on load.
+    """
+
+    def _packing(self, t) -> int:
+        raise NotImplementedError
+
+    def _plain_scale_shape(self, t) -> tuple[int, ...]:
+        return tuple(t.shape[:-1]) + (t.shape[-1] // t.block_size,)
+
+    def components(self, t):
+        comps = super().components(t)
+        if t.is_swizzled_scales:
+            rows, cols = self._plain_scale_shape(t)[-2:]
+            comps["scale"] = unswizzle_scale(t.scale, rows, cols)
+        return comps
+
+    def native_components(self, t):
+        comps = super().components(t)
+        if t.is_swizzled_scales:
+            del comps["scale"]
+        return comps
+
+    def inner_buffers(self, t):
+        return TorchAOAdapter.components(self, t)
+
+    def copy_into(self, target, components):
+        components = dict(components)
+        if target.is_swizzled_scales and "scale" in components:
+            target.scale.copy_(swizzle_scale(components.pop("scale")).view(target.scale.shape))
+        super().copy_into(target, components)
+
+    def layouts(self, t):
+        ones = (1,) * (t.ndim - 1)
+        out: dict[str, Layout] = {"qdata": Blocked(ones + (self._packing(t),)),
+                                  "scale": Blocked(ones + (t.block_size,))}
+        for name in self.component_names(t):
+            if name not in out:
+                value = getattr(t, name)
+                out[name] = _per_tensor_layout(value, t.shape)
+        return out
+
+    def rebuild(self, type_name, attrs, shape, dtype, components):
+        components = dict(components)
+        if attrs.get("is_swizzled_scales"):
+            components["scale"] = swizzle_scale(components["scale"])
+        return super().rebuild(type_name, attrs, shape, dtype, components)
+
+
+def _per_tensor_layout(value: torch.Tensor, shape) -> Layout:
+    """A scale of one value per tensor (0-d or all ones: replicated) or per leading index."""
+    if value.ndim == len(shape) and value.numel() > 1:
+        block = tuple(n // v if v > 1 else n for n, v in zip(shape, value.shape))
+        return Blocked(block)
+    return Replicated(tuple(value.shape))
+
+
+class MXTensorAdapter(_BlockScaledAdapter):
+    """``torchao.prototype.mx_formats.MXTensor``: fp8 or fp4 (packed) elements, e8m0 scale per 32."""
+
+    cls_name = "MXTensor"
+
+    def _packing(self, t):
+        return 2 if t.elem_dtype == torch.float4_e2m1fn_x2 else 1
+
+    def quantize_like(self, target, hp, global_amax=None):
+        return type(target).to_mx(
+            hp.to(target.orig_dtype).contiguous(), target.elem_dtype, target.block_size,
+            kernel_preference=target.kernel_preference, act_quant_kwargs=target.act_quant_kwargs,
+            is_swizzled_scales=target.is_swizzled_scales)
+
+
+class NVFP4TensorAdapter(_BlockScaledAdapter):
+    """``torchao.prototype.mx_formats.NVFP4Tensor``: fp4 elements, e4m3 scale per 16, optional
+    per-tensor scale (quantize-on-load uses the whole tensor's amax for it)."""
+
+    cls_name = "NVFP4Tensor"
+
+    def _packing(self, t):
+        return 2
+
+    def needs_global_amax(self, target):
+        return target.per_tensor_scale is not None
+
+    def quantize_like(self, target, hp, global_amax=None):
+        per_tensor_scale = None
+        if target.per_tensor_scale is not None:
+            amax = global_amax if global_amax is not None else hp.abs().amax()
+            to_scale = _import(_CLASS_PATHS["NVFP4Tensor"], "per_tensor_amax_to_scale")
+            per_tensor_scale = to_scale(amax.to(hp.device))
+        return type(target).to_nvfp4(
+            hp.to(target.orig_dtype).contiguous(), block_size=target.block_size,
+            per_tensor_scale=per_tensor_scale, act_per_tensor_scale=target.act_per_tensor_scale,
+            is_swizzled_scales=target.is_swizzled_scales, use_triton_kernel=target.use_triton_kernel,
+            act_quant_kwargs=target.act_quant_kwargs)
+
+
+# ----------------------------------------------------------------------------- NF4
+
+class NF4TensorAdapter(TorchAOAdapter):
+    """``torchao.quantization.NF4Tensor`` (QLoRA): blocks over the flattened tensor."""
+
+    cls_name = "NF4Tensor"
+    _names = ["quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"]
+
+    def component_names(self, t):
+        return list(self._names)
+
+    def attributes(self, t):
+        return {"block_size": t.block_size, "scaler_block_size": t.scaler_block_size, "dtype": t.dtype}
+
+    def layouts(self, t):
+        return {"quantized_data": Flat(2),
+                "quantized_scalers": Flat(t.block_size),
+                "quantization_factor": Flat(t.block_size * t.scaler_block_size),
+                "scaler_mean": Replicated(tuple(t.scaler_mean.shape)),
+                "nf4": Replicated(tuple(t.nf4.shape))}
+
+    def dequantize(self, t):
+        return t.get_original_weight()
+
+    def rebuild(self, type_name, attrs, shape, dtype, components):
+        cls = self.tensor_class()
+        args_cls = _import("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "SubclassTensorArgs")
+        shape = torch.Size(shape)
+        stride = torch.empty(shape, device="meta").stride()
+        device = components["quantized_data"].device
+        meta = args_cls(shape, stride, 0, attrs["dtype"], device, False)
+        ctx = {"block_size": attrs["block_size"], "scaler_block_size": attrs["scaler_block_size"],
+               "n_blocks": math.prod(shape) // attrs["block_size"], "tensor_meta": meta}
+        return cls.__tensor_unflatten__(dict(components), ctx, shape, stride)
+
+    def from_inner_buffers(self, t, buffers):
+        return self.rebuild(self.type_names[0], self.attributes(t), tuple(t.shape), t.dtype, buffers)
+
+    def quantize_like(self, target, hp, global_amax=None):
+        to_nf4 = _import("torchao.quantization", "to_nf4")
+        return to_nf4(hp.to(target.dtype).contiguous(), target.block_size, target.scaler_block_size)
+
+
+# ----------------------------------------------------------------------------- torchao.optim
+
+class _OptimStateAdapter(TorchAOAdapter):
+    """``torchao.optim`` low-bit states: codes and one scale per ``block_size`` flattened elements."""
+
+    def component_names(self, t):
+        return list(type(t).tensor_attrs)
+
+    def _block_size(self, t) -> int:
+        return t.codes.numel() * self._codes_per_byte() // t.scale.numel()
+
+    def _codes_per_byte(self) -> int:
+        return 1
+
+    def attributes(self, t):
+        attrs = {"block_size": self._block_size(t), "dtype": t.dtype}
+        if hasattr(t, "signed"):
+            attrs["signed"] = bool(t.signed)
+        return attrs
+
+    def layouts(self, t):
+        codes = Flat(2) if self._codes_per_byte() == 2 else Blocked((1,) * t.ndim)
+        out: dict[str, Layout] = {"codes": codes, "scale": Flat(self._block_size(t))}
+        if "qmap" in type(t).tensor_attrs:
+            out["qmap"] = Replicated(tuple(t.qmap.shape))
+        return out
+
+    def _new(self, attrs, shape, device):
+        cls = self.tensor_class()
+        kwargs = {"block_size": attrs["block_size"], "device": device, "dtype": attrs["dtype"]}
+        if "signed" in attrs:
+            kwargs["signed"] = attrs["signed"]
+        return cls.zeros(tuple(shape), **kwargs)
+
+    def rebuild(self, type_name, attrs, shape, dtype, components):
+        out = self._new(attrs, shape, components["codes"].device)
+        for name, value in components.items():
+            getattr(out, name).copy_(value)
+        return out
+
+    def from_inner_buffers(self, t, buffers):
+        flat = t.__tensor_flatten__()[1]
+        return type(t).__tensor_unflatten__(dict(buffers), flat, t.shape, t.stride())
+
+    def quantize_like(self, target, hp, global_amax=None):
+        out = self._new(self.attributes(target), hp.shape, target.codes.device)
+        out.copy_(hp.to(target.codes.device))
+        return out
+
+
+class OptimState8bitAdapter(_OptimStateAdapter):
+    """``torchao.optim`` 8-bit state (AdamW8bit)."""
+
+    cls_name = "OptimState8bit"
+
+
+class OptimState4bitAdapter(_OptimStateAdapter):
+    """``torchao.optim`` 4-bit state (AdamW4bit): two codes per byte, flattened."""
+
+    cls_name = "OptimState4bit"
+
+    def _codes_per_byte(self):
+        return 2
+
+
+class OptimStateFp8Adapter(_OptimStateAdapter):
+    """``torchao.optim`` fp8 state (AdamWFp8)."""
+
+    cls_name = "OptimStateFp8"
+
+
+def builtin_adapters() -> list[Adapter]:
+    """The torchao adapters qdcp registers at import."""
+    return [Int8TensorAdapter(), Float8TensorAdapter(), IntxUnpackedToInt8TensorAdapter(),
+            MXTensorAdapter(), NVFP4TensorAdapter(), NF4TensorAdapter(),
+            OptimState8bitAdapter(), OptimState4bitAdapter(), OptimStateFp8Adapter()]

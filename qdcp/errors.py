@@ -1,0 +1,25 @@
+"""Exceptions qdcp raises. Each message names the state-dict key and says what to do."""
+
+
+class QdcpError(Exception):
+    """Base class of every error qdcp raises on purpose."""
+
+
+class CheckpointFormatError(QdcpError, ValueError):
+    """The checkpoint's qdcp spec or DCP metadata is malformed, tampered or from a newer qdcp."""
+
+
+class UnsupportedTensorError(QdcpError, TypeError):
+    """A tensor type has no qdcp adapter, or an attribute cannot be stored."""
+
+
+class AlignmentError(QdcpError, ValueError):
+    """A shard boundary does not fall on a block boundary of a quantized component."""
+
+
+class LoadMismatchError(QdcpError, ValueError):
+    """A checkpoint entry cannot be loaded into the target given (shape, missing component, ...)."""
+
+
+class StagingError(QdcpError, RuntimeError):
+    """A state dict was staged by something that does not understand quantized tensors."""

@@ -1,0 +1,182 @@
+"""How a component (inner buffer) of a quantized tensor shards with its logical tensor.
+
+A layout maps a chunk of the logical tensor -- ``(offsets, sizes)`` in logical coordinates, the unit
+DCP and DTensor speak in -- to the chunk of one component that holds exactly that chunk's data:
+
+- :class:`Blocked`: the component has the logical tensor's rank and one item per block of
+  ``block[d]`` logical elements along each dim ``d`` (``ceil(L/b)`` items). Element data is
+  ``Blocked((1, ..., 1))``; two fp4 values packed per byte along the last dim is
+  ``Blocked((1, ..., 2))``; a per-row scale of a ``[M, N]`` tensor is ``Blocked((1, N))``.
+- :class:`Flat`: the component is 1-D over the row-major flattened logical tensor, one item per
+  ``group`` elements (torchao optimizer states, NF4).
+- :class:`Replicated`: every chunk needs the whole component (lookup tables, per-tensor scales).
+
+A chunk *aligned* to a layout maps to a whole number of component items. ``expand`` gives the
+smallest aligned chunk that covers a chunk (read it, dequantize, slice: exact for any boundary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from qdcp.errors import AlignmentError, CheckpointFormatError
+
+Chunk = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+def full_chunk(shape: Sequence[int]) -> Chunk:
+    """The chunk covering the whole tensor."""
+    return tuple(0 for _ in shape), tuple(int(s) for s in shape)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Layout:
+    """Base class: subclasses implement :meth:`map_chunk` and :meth:`expand`."""
+
+    def component_shape(self, logical_shape: Sequence[int]) -> tuple[int, ...]:
+        """The component's global shape for a logical tensor of ``logical_shape``."""
+        return self.map_chunk(logical_shape, full_chunk(logical_shape))[1]
+
+    def map_chunk(self, logical_shape: Sequence[int], chunk: Chunk) -> Chunk:
+        """Component chunk holding exactly logical ``chunk``; :class:`AlignmentError` if none does."""
+        raise NotImplementedError
+
+    def expand(self, logical_shape: Sequence[int], chunk: Chunk) -> Chunk:
+        """Smallest aligned logical chunk that contains ``chunk``."""
+        raise NotImplementedError
+
+    def to_json(self) -> dict:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocked(Layout):
+    """One component item per ``block`` of logical elements, same rank as the logical tensor."""
+
+    block: tuple[int, ...]
+
+    def _check_rank(self, logical_shape: Sequence[int]) -> None:
+        if len(self.block) != len(logical_shape):
+            raise CheckpointFormatError(
+                f"block {self.block} does not match a logical tensor of rank {len(logical_shape)}")
+
+    def map_chunk(self, logical_shape, chunk):
+        self._check_rank(logical_shape)
+        offsets, sizes = chunk
+        out_o, out_s = [], []
+        for d, (o, s, b, n) in enumerate(zip(offsets, sizes, self.block, logical_shape)):
+            end = o + s
+            if o % b or (end % b and end != n):
+                raise AlignmentError(
+                    f"logical rows/cols [{o}, {end}) of dim {d} do not fall on blocks of {b}")
+            out_o.append(o // b)
+            out_s.append(_ceil_div(end, b) - o // b)
+        return tuple(out_o), tuple(out_s)
+
+    def expand(self, logical_shape, chunk):
+        self._check_rank(logical_shape)
+        offsets, sizes = chunk
+        out_o, out_s = [], []
+        for o, s, b, n in zip(offsets, sizes, self.block, logical_shape):
+            lo = (o // b) * b
+            hi = min(n, _ceil_div(o + s, b) * b)
+            out_o.append(lo)
+            out_s.append(hi - lo)
+        return tuple(out_o), tuple(out_s)
+
+    def to_json(self):
+        return {"kind": "blocked", "block": list(self.block)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat(Layout):
+    """A 1-D component over the flattened logical tensor, one item per ``group`` elements."""
+
+    group: int
+
+    def map_chunk(self, logical_shape, chunk):
+        offsets, sizes = chunk
+        numel = math.prod(logical_shape)
+        start, length = _linear_range(logical_shape, offsets, sizes)
+        end = start + length
+        if start % self.group or (end % self.group and end != numel):
+            raise AlignmentError(
+                f"flat elements [{start}, {end}) do not fall on groups of {self.group}")
+        return (start // self.group,), (_ceil_div(end, self.group) - start // self.group,)
+
+    def expand(self, logical_shape, chunk):
+        offsets, sizes = chunk
+        if not logical_shape:
+            return chunk
+        rows = int(logical_shape[0])
+        row_len = math.prod(logical_shape[1:])
+        step = self.group // math.gcd(self.group, row_len) if row_len else 1
+        lo = (offsets[0] // step) * step
+        hi = min(rows, _ceil_div(offsets[0] + sizes[0], step) * step)
+        return (lo,) + tuple(0 for _ in logical_shape[1:]), (hi - lo,) + tuple(logical_shape[1:])
+
+    def to_json(self):
+        return {"kind": "flat", "group": self.group}
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicated(Layout):
+    """The whole component belongs to every chunk; its shape is given, not derived."""
+
+    shape: tuple[int, ...]
+
+    def component_shape(self, logical_shape):
+        return self.shape
+
+    def map_chunk(self, logical_shape, chunk):
+        return full_chunk(self.shape)
+
+    def expand(self, logical_shape, chunk):
+        return chunk
+
+    def to_json(self):
+        return {"kind": "replicated"}
+
+
+def _linear_range(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> tuple[int, int]:
+    """Row-major ``(start, length)`` of a chunk; :class:`AlignmentError` if it is not contiguous."""
+    # Contiguous iff: leading dims of size 1, then one partial dim, then only full dims.
+    if math.prod(sizes) == 0:
+        return 0, 0
+    d = 0
+    while d < len(shape) and sizes[d] == 1:
+        d += 1
+    for k in range(d + 1, len(shape)):
+        if sizes[k] != shape[k]:
+            raise AlignmentError(
+                f"chunk at offsets {tuple(offsets)} sizes {tuple(sizes)} is not contiguous in a "
+                f"tensor of shape {tuple(shape)}: only row (dim-0) shards map to a flat buffer")
+    start, stride = 0, 1
+    for k in reversed(range(len(shape))):
+        start += offsets[k] * stride
+        stride *= shape[k]
+    return start, math.prod(sizes)
+
+
+def layout_from_json(data: dict, component_shape: Sequence[int]) -> Layout:
+    """Rebuild a layout recorded in a spec (``component_shape`` fills in a replicated one)."""
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if kind == "blocked":
+        block = data.get("block")
+        if (not isinstance(block, list) or len(block) > 16
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise CheckpointFormatError(f"bad block {block!r}")
+        return Blocked(tuple(block))
+    if kind == "flat":
+        g = data.get("group")
+        if not isinstance(g, int) or isinstance(g, bool) or g <= 0:
+            raise CheckpointFormatError(f"bad flat group {g!r}")
+        return Flat(g)
+    if kind == "replicated":
+        return Replicated(tuple(component_shape))
+    raise CheckpointFormatError(f"unknown layout {data!r}")

@@ -1,0 +1,532 @@
+"""DCP planners that save quantized tensors raw or dequantized and load them into any target.
+
+:class:`QuantizedSavePlanner` and :class:`QuantizedLoadPlanner` subclass DCP's default planners and
+behave exactly like them on plain tensors and non-tensor objects. Quantized entries (found through
+the adapter registry, bare or as the local tensor of a DTensor) are planned here:
+
+- save, raw: one DCP item per component, named ``<fqn>.__qdcp__.<component>``, its chunk mapped
+  from the logical chunk by the component's layout; the entry's JSON spec goes into
+  ``Metadata.planner_data["__qdcp__"]``.
+- save, dequantized: one plain item under ``<fqn>`` (dequantized when the writer asks for it).
+- load: every check that can be made from metadata is made in ``set_up_planner``, before any data
+  is read. Same type and config: components are read straight into the target's buffers. Anything
+  else: the covering chunk is read, dequantized and, for a quantized target, quantized like it;
+  the target is updated in place (its objects are kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import threading
+from typing import Any, Callable, Union
+
+import torch
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_save_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint._nested_dict import FLATTEN_MAPPING  # noqa: F401 (type only)
+from torch.distributed.tensor import DTensor
+
+from qdcp import spec as qspec
+from qdcp.adapters.base import Adapter, adapter_for_type, find_adapter, require_adapter
+from qdcp.errors import (
+    AlignmentError,
+    CheckpointFormatError,
+    LoadMismatchError,
+    StagingError,
+    UnsupportedTensorError,
+)
+from qdcp.layouts import Chunk, Layout, full_chunk, layout_from_json
+
+DequantizeChoice = Union[bool, Callable[[str, torch.Tensor], bool]]
+
+__all__ = ["QuantizedSavePlanner", "QuantizedLoadPlanner"]
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+    """A state-dict value seen as (local tensor, its chunk of the global tensor)."""
+
+    local: torch.Tensor
+    chunk: Chunk
+    global_shape: tuple[int, ...]
+    is_dtensor: bool
+
+
+def _place(value: Any) -> _Placed | None:
+    """Where ``value``'s data sits in its global tensor; None for non-tensors and off-mesh DTensors."""
+    if isinstance(value, DTensor):
+        if value.device_mesh.get_coordinate() is None:
+            return None
+        chunk = value.__create_chunk_list__()[0]
+        return _Placed(value._local_tensor, (tuple(chunk.offsets), tuple(chunk.sizes)),
+                       tuple(value.shape), True)
+    if isinstance(value, torch.Tensor):
+        return _Placed(value, full_chunk(value.shape), tuple(value.shape), False)
+    return None
+
+
+def _is_empty(chunk: Chunk) -> bool:
+    return math.prod(chunk[1]) == 0
+
+
+def _relative(inner: Chunk, outer: Chunk) -> Chunk:
+    return tuple(i - o for i, o in zip(inner[0], outer[0])), inner[1]
+
+
+def _narrow(t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    for dim, (o, s) in enumerate(zip(*chunk)):
+        t = t.narrow(dim, o, s)
+    return t
+
+
+def _expand(layouts: dict[str, Layout], shape: tuple[int, ...], chunk: Chunk) -> Chunk:
+    """Smallest chunk containing ``chunk`` that is aligned to every layout."""
+    for _ in range(8):
+        grown = chunk
+        for layout in layouts.values():
+            grown = layout.expand(shape, grown)
+        if grown == chunk:
+            return chunk
+        chunk = grown
+    raise AlignmentError(f"no aligned chunk covers {chunk} in a tensor of shape {shape}")
+
+
+def _layouts_from_spec(entry: qspec.EntrySpec) -> dict[str, Layout]:
+    out = {}
+    for c in entry.components:
+        layout = layout_from_json(c.layout, c.shape)
+        try:
+            derived = layout.component_shape(entry.shape)
+        except (AlignmentError, CheckpointFormatError) as e:
+            raise CheckpointFormatError(f"key {entry.fqn!r}: component {c.name!r}: {e}") from None
+        if tuple(derived) != tuple(c.shape):
+            raise CheckpointFormatError(
+                f"key {entry.fqn!r}: component {c.name!r} is recorded as {tuple(c.shape)} but its "
+                f"layout gives {tuple(derived)} for logical shape {entry.shape}")
+        out[c.name] = layout
+    return out
+
+
+def _describe_tensor(t: torch.Tensor, adapter: Adapter, fqn: str) -> tuple[dict, dict[str, Layout]]:
+    """JSON attrs and layouts of a live instance, with a clear error for unstorable attributes."""
+    try:
+        attrs = {k: qspec.encode_value(v) for k, v in adapter.attributes(t).items()}
+    except TypeError as e:
+        raise UnsupportedTensorError(
+            f"key {fqn!r}: {adapter.type_name(t)} has an attribute qdcp cannot store ({e}); "
+            f"save this entry dequantized (QuantizedSavePlanner(dequantize=...)).") from None
+    return attrs, adapter.layouts(t)
+
+
+# ----------------------------------------------------------------------------- save
+
+@dataclasses.dataclass
+class _SaveEntry:
+    fqn: str
+    spec: qspec.EntrySpec
+    placed: _Placed
+    adapter: Adapter
+    items: list[WriteItem]
+
+
+class QuantizedSavePlanner(DefaultSavePlanner):
+    """A :class:`~torch.distributed.checkpoint.DefaultSavePlanner` that also saves quantized tensors.
+
+    Args:
+        dequantize: False (default) stores quantized entries raw; True stores them as plain tensors
+            of their logical dtype; a callable ``(fqn, tensor) -> bool`` chooses per entry.
+        dequantize_dtype: dtype of dequantized entries (default: each entry's logical dtype).
+        **kwargs: passed to ``DefaultSavePlanner`` (``flatten_state_dict``, ``enable_plan_caching``...).
+    """
+
+    def __init__(self, dequantize: DequantizeChoice = False,
+                 dequantize_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not (isinstance(dequantize, bool) or callable(dequantize)):
+            raise TypeError("dequantize must be a bool or a callable (fqn, tensor) -> bool")
+        self.dequantize = dequantize
+        self.dequantize_dtype = dequantize_dtype
+        self._entries: dict[str, _SaveEntry] = {}
+        self._sources: dict[str, tuple[_SaveEntry, str | None]] = {}
+
+    # DCP calls this first, on every rank.
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
+        self._entries, self._sources = {}, {}
+        for fqn, value in list(self.state_dict.items()):
+            placed = _place(value)
+            if placed is None:
+                continue
+            adapter = find_adapter(placed.local)
+            if adapter is None:
+                _check_not_half_staged(fqn, placed.local)
+                continue
+            dequantize = self.dequantize(fqn, value) if callable(self.dequantize) else self.dequantize
+            entry = self._plan_dequantized(fqn, placed, adapter) if dequantize \
+                else self._plan_raw(fqn, placed, adapter)
+            self._entries[fqn] = entry
+            del self.state_dict[fqn]
+
+    def _plan_raw(self, fqn: str, placed: _Placed, adapter: Adapter) -> _SaveEntry:
+        t = placed.local
+        attrs, layouts = _describe_tensor(t, adapter, fqn)
+        comps = adapter.components(t)
+        if set(comps) != set(layouts):
+            raise UnsupportedTensorError(f"key {fqn!r}: adapter gave components {sorted(comps)} "
+                                         f"but layouts for {sorted(layouts)}")
+        specs, items = [], []
+        for name, value in comps.items():
+            layout = layouts[name]
+            try:
+                global_shape = layout.component_shape(placed.global_shape)
+                chunk = layout.map_chunk(placed.global_shape, placed.chunk) \
+                    if not _is_empty(placed.chunk) else None
+            except AlignmentError as e:
+                raise AlignmentError(
+                    f"key {fqn!r}: component {name!r}: this rank's shard {placed.chunk} {e}. Shard on "
+                    f"block boundaries, or save this entry dequantized.") from None
+            if chunk is not None and tuple(value.shape) != chunk[1]:
+                raise AlignmentError(
+                    f"key {fqn!r}: component {name!r} has local shape {tuple(value.shape)} but the "
+                    f"shard {placed.chunk} of {placed.global_shape} needs {chunk[1]}; the shard does "
+                    f"not own whole blocks. Save this entry dequantized.")
+            specs.append(qspec.ComponentSpec(name, tuple(global_shape), value.dtype, layout.to_json()))
+            if chunk is not None:
+                items.append(_write_item(qspec.component_fqn(fqn, name), chunk, global_shape,
+                                         value.dtype, placed.is_dtensor))
+        entry_spec = qspec.EntrySpec(fqn, qspec.RAW, adapter.type_name(t), placed.global_shape,
+                                     t.dtype, attrs, tuple(specs))
+        entry = _SaveEntry(fqn, entry_spec, placed, adapter, items)
+        for item in items:
+            self._sources[item.index.fqn] = (entry, item.index.fqn.rsplit(qspec.COMPONENT_SEPARATOR, 1)[1])
+        return entry
+
+    def _plan_dequantized(self, fqn: str, placed: _Placed, adapter: Adapter) -> _SaveEntry:
+        t = placed.local
+        attrs, _ = _describe_tensor(t, adapter, fqn)
+        dtype = self.dequantize_dtype or t.dtype
+        entry_spec = qspec.EntrySpec(fqn, qspec.DEQUANTIZED, adapter.type_name(t), placed.global_shape,
+                                     t.dtype, attrs, (), dtype)
+        items = [] if _is_empty(placed.chunk) else [
+            _write_item(fqn, placed.chunk, placed.global_shape, dtype, placed.is_dtensor)]
+        entry = _SaveEntry(fqn, entry_spec, placed, adapter, items)
+        if items:
+            self._sources[fqn] = (entry, None)
+        return entry
+
+    def create_local_plan(self) -> SavePlan:
+        plan = create_default_local_save_plan(self.state_dict, self.is_coordinator)
+        items = list(plan.items)
+        planner_data: dict[str, Any] = dict(self.mappings) if self.flatten_state_dict else {}
+        for entry in self._entries.values():
+            items.extend(entry.items)
+            for item in entry.items:
+                planner_data.setdefault(item.index.fqn, (item.index.fqn,))
+        planner_data[qspec.PLANNER_DATA_KEY] = qspec.dumps({f: e.spec for f, e in self._entries.items()})
+        self.plan = SavePlan(items, planner_data=planner_data)
+        if self._enable_plan_caching:
+            cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+            if cached is not None and cached.items == self.plan.items \
+                    and cached.planner_data == self.plan.planner_data:
+                return SavePlan([], usable=False)
+            self._pending_local_plan = self.plan
+        return self.plan
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        merged: dict[str, qspec.EntrySpec] = {}
+        stripped = []
+        for plan in all_plans:
+            data = dict(plan.planner_data or {})
+            for fqn, entry in qspec.loads(data.pop(qspec.PLANNER_DATA_KEY, None) or qspec.dumps({})).items():
+                other = merged.setdefault(fqn, entry)
+                if other != entry:
+                    raise LoadMismatchError(
+                        f"key {fqn!r}: ranks disagree on how it is stored ({other.to_json()} vs "
+                        f"{entry.to_json()}); every rank must hold the same type, config and mode.")
+            stripped.append(dataclasses.replace(plan, planner_data=data))
+        plans, metadata = super()._create_global_plan(stripped)
+        planner_data = dict(metadata.planner_data or {})
+        planner_data[qspec.PLANNER_DATA_KEY] = qspec.dumps(merged)
+        return plans, dataclasses.replace(metadata, planner_data=planner_data)
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        source = self._sources.get(write_item.index.fqn)
+        if source is None:
+            return super().resolve_data(write_item)
+        entry, component = source
+        t = entry.placed.local
+        if component is None:
+            return entry.adapter.dequantize(t).to(entry.spec.stored_dtype)
+        return entry.adapter.components(t)[component]
+
+
+def _write_item(fqn: str, chunk: Chunk, global_shape, dtype: torch.dtype, sharded: bool) -> WriteItem:
+    offsets, sizes = chunk
+    return WriteItem(
+        index=MetadataIndex(fqn, torch.Size(offsets)),
+        type=WriteItemType.SHARD if sharded else WriteItemType.TENSOR,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+            properties=TensorProperties(dtype=dtype),
+            size=torch.Size(global_shape)))
+
+
+def _check_not_half_staged(fqn: str, t: torch.Tensor) -> None:
+    """Refuse a plain tensor that a stager built from a quantized one without its data."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        raise UnsupportedTensorError(
+            f"key {fqn!r}: no qdcp adapter handles {type(t).__module__}.{type(t).__qualname__}. "
+            f"Register one with qdcp.register_adapter, or convert it to a plain tensor.")
+    inner = getattr(t, "__dict__", {})
+    if any(isinstance(v, torch.Tensor) for v in inner.values()):
+        raise StagingError(
+            f"key {fqn!r}: a plain tensor carries tensor attributes "
+            f"({', '.join(k for k, v in inner.items() if isinstance(v, torch.Tensor))}): it was staged "
+            f"from a quantized tensor by a stager that does not copy its inner buffers, and its "
+            f"storage holds no data. Pass async_stager=qdcp.QuantizedStager() to dcp.async_save.")
+
+
+# ----------------------------------------------------------------------------- load
+
+@dataclasses.dataclass
+class _LoadEntry:
+    fqn: str
+    placed: _Placed
+    adapter: Adapter | None            # the target's adapter (None for a plain target)
+    source: qspec.EntrySpec | None     # None: the checkpoint holds a plain tensor under fqn
+    mode: str                          # "direct" | "convert" | "quantize"
+    read_chunk: Chunk                  # logical chunk read from the checkpoint
+    buffers: dict[str, torch.Tensor]   # item fqn -> destination (target buffer or temporary)
+    temps: dict[str, str]              # item fqn -> component name, for temporaries
+    needs: dict[str, tuple[TensorStorageMetadata, Chunk]]  # item fqn -> (checkpoint md, chunk)
+    pending: int = 0
+
+
+class QuantizedLoadPlanner(DefaultLoadPlanner):
+    """A :class:`~torch.distributed.checkpoint.DefaultLoadPlanner` that fills whatever the target holds.
+
+    Quantized or plain targets, from raw, dequantized or plain checkpoint entries, at any sharding.
+    Targets are updated in place. ``weights_only`` (default True) loads non-tensor objects with
+    ``torch.load(weights_only=True)``, so a checkpoint cannot run code; pass False only for
+    checkpoints you trust that hold arbitrary pickled objects.
+    """
+
+    def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
+                 allow_partial_load: bool = False, weights_only: bool = True) -> None:
+        super().__init__(flatten_state_dict=flatten_state_dict,
+                         flatten_sharded_tensors=flatten_sharded_tensors,
+                         allow_partial_load=allow_partial_load)
+        self.weights_only = weights_only
+        self._entries: dict[str, _LoadEntry] = {}
+        self._dest: dict[str, _LoadEntry] = {}
+        self._lock = threading.Lock()
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        specs = read_specs(metadata)
+        self._entries, self._dest = {}, {}
+        for fqn, target in list(self.state_dict.items()):
+            source = specs.get(fqn)
+            placed = _place(target)
+            adapter = find_adapter(placed.local) if placed is not None else None
+            if source is not None and source.storage == qspec.DEQUANTIZED:
+                source = None  # stored as a plain tensor under fqn
+            if source is None and adapter is None:
+                continue  # plain target, plain entry (or not a tensor): DCP's default path
+            if placed is None:
+                raise LoadMismatchError(
+                    f"key {fqn!r}: the checkpoint stores a quantized tensor but the target holds "
+                    f"{type(target).__name__}; give a tensor (plain or quantized) as the target.")
+            del self.state_dict[fqn]
+            entry = self._plan_entry(fqn, placed, adapter, source, metadata)
+            if entry is not None:
+                self._entries[fqn] = entry
+                for item_fqn in entry.needs:
+                    self._dest[item_fqn] = entry
+
+    def _plan_entry(self, fqn, placed, adapter, source, metadata) -> _LoadEntry | None:
+        md = metadata.state_dict_metadata
+        if source is None:  # plain checkpoint entry -> quantized target
+            plain_md = md.get(fqn)
+            if plain_md is None:
+                if self.allow_partial_load:
+                    return None
+                raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
+            if not isinstance(plain_md, TensorStorageMetadata):
+                raise LoadMismatchError(f"key {fqn!r}: the checkpoint holds a non-tensor object here")
+            if tuple(plain_md.size) != placed.global_shape:
+                raise LoadMismatchError(
+                    f"key {fqn!r}: checkpoint shape {tuple(plain_md.size)} != target shape "
+                    f"{placed.global_shape}")
+            temp = torch.empty(placed.chunk[1], dtype=plain_md.properties.dtype)
+            return _LoadEntry(fqn, placed, adapter, None, "quantize", placed.chunk, {fqn: temp}, {},
+                              {fqn: (plain_md, placed.chunk)})
+
+        if source.shape != placed.global_shape:
+            raise LoadMismatchError(
+                f"key {fqn!r}: checkpoint shape {source.shape} != target shape {placed.global_shape}")
+        source_adapter = adapter_for_type(source.type, fqn)
+        layouts = _layouts_from_spec(source)
+        for c in source.components:
+            item_md = md.get(qspec.component_fqn(fqn, c.name))
+            if not isinstance(item_md, TensorStorageMetadata):
+                raise CheckpointFormatError(
+                    f"key {fqn!r}: component {c.name!r} is missing from the checkpoint")
+            if tuple(item_md.size) != tuple(c.shape) or item_md.properties.dtype != c.dtype:
+                raise CheckpointFormatError(
+                    f"key {fqn!r}: component {c.name!r} is stored as {tuple(item_md.size)} "
+                    f"{item_md.properties.dtype} but its spec says {c.shape} {c.dtype}")
+        if _is_empty(placed.chunk):
+            return None
+
+        if adapter is not None and _same_config(adapter, placed.local, source, fqn):
+            return self._plan_direct(fqn, placed, adapter, source, layouts, md)
+        read_chunk = _expand(layouts, source.shape, placed.chunk)
+        buffers, temps, needs = {}, {}, {}
+        for c in source.components:
+            item = qspec.component_fqn(fqn, c.name)
+            chunk = layouts[c.name].map_chunk(source.shape, read_chunk)
+            buffers[item] = torch.empty(chunk[1], dtype=c.dtype)
+            temps[item] = c.name
+            needs[item] = (md[item], chunk)
+        del source_adapter  # resolved again at finalize; looked up now to fail early
+        return _LoadEntry(fqn, placed, adapter, source, "convert", read_chunk, buffers, temps, needs)
+
+    def _plan_direct(self, fqn, placed, adapter, source, layouts, md) -> _LoadEntry:
+        native = adapter.native_components(placed.local)
+        buffers, temps, needs = {}, {}, {}
+        for c in source.components:
+            item = qspec.component_fqn(fqn, c.name)
+            try:
+                chunk = layouts[c.name].map_chunk(source.shape, placed.chunk)
+            except AlignmentError as e:
+                raise AlignmentError(f"key {fqn!r}: component {c.name!r}: the target shard "
+                                     f"{placed.chunk} {e}") from None
+            dest = native.get(c.name)
+            if dest is not None and dest.is_contiguous() and tuple(dest.shape) == chunk[1]:
+                buffers[item] = dest
+            else:
+                buffers[item] = torch.empty(chunk[1], dtype=c.dtype)
+                temps[item] = c.name
+            needs[item] = (md[item], chunk)
+        return _LoadEntry(fqn, placed, adapter, source, "direct", placed.chunk, buffers, temps, needs)
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        items = list(plan.items)
+        for entry in self._entries.values():
+            for item_fqn, (item_md, chunk) in entry.needs.items():
+                reads = create_read_items_for_chunk_list(
+                    item_fqn, item_md, [ChunkStorageMetadata(torch.Size(chunk[0]), torch.Size(chunk[1]))])
+                covered = sum(math.prod(r.lengths) for r in reads)
+                if covered != math.prod(chunk[1]):
+                    raise CheckpointFormatError(
+                        f"key {entry.fqn!r}: the checkpoint's chunks of {item_fqn!r} cover {covered} of "
+                        f"the {math.prod(chunk[1])} elements this rank needs (holes or overlaps).")
+                items.extend(reads)
+        return dataclasses.replace(plan, items=items)
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        for entry in self._entries.values():
+            entry.pending = 0
+        for item in new_plan.items:
+            entry = self._dest.get(item.dest_index.fqn)
+            if entry is not None:
+                entry.pending += 1
+        return super().finish_plan(new_plan)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        entry = self._dest.get(read_item.dest_index.fqn)
+        if entry is None:
+            return super().resolve_tensor(read_item)
+        buf = entry.buffers[read_item.dest_index.fqn]
+        return _narrow(buf, (tuple(read_item.dest_offsets), tuple(read_item.lengths)))
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        entry = self._dest.get(read_item.dest_index.fqn)
+        if entry is None:
+            return super().commit_tensor(read_item, tensor)
+        with self._lock:
+            entry.pending -= 1
+            done = entry.pending == 0
+        if done:
+            _finalize(entry)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=self.weights_only)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element  # DCP's own helper
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _same_config(adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, fqn: str) -> bool:
+    """Whether a target instance has the checkpoint entry's exact type, config and components."""
+    if adapter.type_name(t) != source.type:
+        return False
+    attrs, layouts = _describe_tensor(t, adapter, fqn)
+    if attrs != source.attrs or set(layouts) != {c.name for c in source.components}:
+        return False
+    comps = adapter.components(t)
+    for c in source.components:
+        if layouts[c.name].to_json() != c.layout or comps[c.name].dtype != c.dtype:
+            return False
+    return True
+
+
+def _finalize(entry: _LoadEntry) -> None:
+    """Turn what was read for one entry into the target's values, in place."""
+    target = entry.placed.local
+    if entry.mode == "direct":
+        if entry.temps:
+            entry.adapter.copy_into(target, {c: entry.buffers[i] for i, c in entry.temps.items()})
+        return
+    if entry.mode == "quantize":
+        hp = next(iter(entry.buffers.values()))
+    else:
+        source = entry.source
+        comps = {c: entry.buffers[i] for i, c in entry.temps.items()}
+        src_adapter = adapter_for_type(source.type, entry.fqn)
+        attrs = {k: qspec.decode_value(v, src_adapter.attribute_classes(), f"key {entry.fqn!r}: ")
+                 for k, v in source.attrs.items()}
+        rebuilt = src_adapter.rebuild(source.type, attrs, entry.read_chunk[1], source.dtype, comps)
+        hp = _narrow(src_adapter.dequantize(rebuilt), _relative(entry.placed.chunk, entry.read_chunk))
+    if entry.adapter is None:
+        with torch.no_grad():
+            target.copy_(hp)
+        return
+    new = entry.adapter.quantize_like(target, hp.to(target.device))
+    entry.adapter.copy_into(target, entry.adapter.components(new))
+
+
+def read_specs(metadata: Metadata | None) -> dict[str, qspec.EntrySpec]:
+    """The qdcp entry specs recorded in a checkpoint's DCP metadata ({} for a plain checkpoint)."""
+    data = getattr(metadata, "planner_data", None)
+    if not isinstance(data, dict) or qspec.PLANNER_DATA_KEY not in data:
+        return {}
+    return qspec.loads(data[qspec.PLANNER_DATA_KEY])

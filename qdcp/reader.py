@@ -1,0 +1,142 @@
+"""Reading checkpoint metadata without running code from it, and describing a checkpoint.
+
+DCP's ``.metadata`` file is a pickle. :func:`safe_load_metadata` unpickles it with an allowlist of
+DCP's metadata classes, torch dtypes/sizes and path classes: any other global is refused.
+:class:`SafeFileSystemReader` is a ``FileSystemReader`` that reads metadata that way.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import IO, Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+
+from qdcp import spec as qspec
+from qdcp.errors import CheckpointFormatError
+
+MAX_METADATA_BYTES = 1 << 30
+
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "strided"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"), ("pathlib", "Path"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointFormatError(
+            f"the checkpoint's .metadata refers to {module}.{name}, which is not a DCP metadata "
+            f"class; refusing to unpickle it (the file may be tampered with)")
+
+
+def safe_load_metadata(stream: IO[bytes]) -> Metadata:
+    """Unpickle DCP ``Metadata`` admitting only DCP's metadata classes and builtins."""
+    data = stream.read(MAX_METADATA_BYTES + 1)
+    if len(data) > MAX_METADATA_BYTES:
+        raise CheckpointFormatError(f".metadata is larger than {MAX_METADATA_BYTES} bytes")
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except CheckpointFormatError:
+        raise
+    except Exception as e:  # truncated or garbage pickles raise many types
+        raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {e!r}") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointFormatError(f".metadata holds a {type(md).__name__}, not DCP Metadata")
+    return md
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """A ``FileSystemReader`` whose ``read_metadata`` never runs code from the checkpoint."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = safe_load_metadata(f)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_metadata(path: str | os.PathLike) -> Metadata:
+    """The DCP ``Metadata`` of the checkpoint at ``path``, read safely."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint directory at {os.fspath(path)!r}")
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise CheckpointFormatError(
+            f"{os.fspath(path)!r} has no .metadata: it is not a DCP checkpoint, or its save did not finish")
+    return SafeFileSystemReader(path).read_metadata()
+
+
+def describe(path: str | os.PathLike) -> dict[str, dict]:
+    """Per state-dict key, how the checkpoint at ``path`` stores it.
+
+    Returns ``{key: info}`` where ``info["stored_as"]`` is ``"plain"``, ``"raw"``, ``"dequantized"``
+    or ``"object"``; tensors add ``shape`` and ``dtype`` (logical) and ``bytes`` (stored, excluding
+    framing); quantized entries add ``type``, ``attrs`` and, raw, ``components``: ``{name: {shape,
+    dtype, bytes, layout}}``.
+    """
+    from qdcp.planner import read_specs
+
+    md = read_metadata(path)
+    specs = read_specs(md)
+    owned = {qspec.component_fqn(e.fqn, c.name) for e in specs.values() for c in e.components}
+    out: dict[str, dict] = {}
+    for fqn, entry in sorted(specs.items()):
+        info: dict[str, Any] = {"stored_as": entry.storage, "type": entry.type,
+                                "shape": list(entry.shape), "dtype": qspec.dtype_to_str(entry.dtype),
+                                "attrs": entry.attrs}
+        if entry.storage == qspec.RAW:
+            comps = {}
+            for c in entry.components:
+                nbytes = _nbytes(c.shape, c.dtype)
+                comps[c.name] = {"shape": list(c.shape), "dtype": qspec.dtype_to_str(c.dtype),
+                                 "bytes": nbytes, "layout": c.layout}
+            info["components"] = comps
+            info["bytes"] = sum(c["bytes"] for c in comps.values())
+        else:
+            dtype = entry.stored_dtype or entry.dtype
+            info["stored_dtype"] = qspec.dtype_to_str(dtype)
+            info["bytes"] = _nbytes(entry.shape, dtype)
+        out[fqn] = info
+    for fqn, item in sorted(md.state_dict_metadata.items()):
+        if fqn in owned or fqn in out:
+            continue
+        if isinstance(item, TensorStorageMetadata):
+            dtype = item.properties.dtype
+            out[fqn] = {"stored_as": "plain", "shape": list(item.size),
+                        "dtype": qspec.dtype_to_str(dtype), "bytes": _nbytes(item.size, dtype)}
+        elif isinstance(item, BytesStorageMetadata):
+            out[fqn] = {"stored_as": "object"}
+    return out
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
