@@ -426,7 +426,7 @@ class _OptimStateAdapter(TorchAOAdapter):
 
     def quantize_like(self, target, hp, global_amax=None):
         out = self._new(self.attributes(target), hp.shape, target.codes.device)
-        out.copy_(hp.to(target.codes.device))
+        out.copy_(hp.to(device=target.codes.device, dtype=target.dtype))
         return out
 
 

@@ -1,0 +1,127 @@
+"""Every torchao type and configuration qdcp covers on CPU, built through torchao's own APIs.
+
+Each case gives ``from_hp(hp)`` -- the library's own high-precision -> quantized path for that
+config, which is also the reference for "quantize like the target" -- and ``dequantize(t)``, the
+library's own dequantize. All cases are logical ``SHAPE`` tensors of dtype ``case.dtype``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Callable
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402
+from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale  # noqa: E402
+from torchao.quantization import (  # noqa: E402
+    Float8Tensor,
+    Int8Tensor,
+    IntxUnpackedToInt8Tensor,
+    MappingType,
+    to_nf4,
+)
+from torchao.quantization.granularity import PerGroup, PerRow, PerTensor  # noqa: E402
+from torchao.quantization.quantize_.workflows.int8.int8_tensor import QuantizeTensorToInt8Kwargs  # noqa: E402
+from torchao.optim.subclass_4bit import OptimState4bit  # noqa: E402
+from torchao.optim.subclass_8bit import OptimState8bit  # noqa: E402
+from torchao.optim.subclass_fp8 import OptimStateFp8  # noqa: E402
+
+SHAPE = (256, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    from_hp: Callable[[torch.Tensor], torch.Tensor]
+    dtype: torch.dtype = torch.bfloat16
+    dequantize: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.dequantize()
+
+    def hp(self, seed: int, shape=SHAPE) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(shape, generator=g, dtype=torch.float32).to(self.dtype)
+
+    def make(self, seed: int, shape=SHAPE) -> torch.Tensor:
+        return self.from_hp(self.hp(seed, shape))
+
+
+def _optim(cls, **kw):
+    def make(hp):
+        t = cls.zeros(tuple(hp.shape), **kw, dtype=torch.float32)
+        t.copy_(hp.float())
+        return t
+    return make
+
+
+def _nvfp4(per_tensor: bool, swizzled: bool):
+    def make(hp):
+        pts = per_tensor_amax_to_scale(hp.abs().amax()) if per_tensor else None
+        return NVFP4Tensor.to_nvfp4(hp.contiguous(), per_tensor_scale=pts, is_swizzled_scales=swizzled)
+    return make
+
+
+CASES = [
+    Case("int8_row", lambda hp: Int8Tensor.from_hp(hp, PerRow())),
+    Case("int8_group32", lambda hp: Int8Tensor.from_hp(hp, PerGroup(32))),
+    Case("int8_tensor", lambda hp: Int8Tensor.from_hp(hp, PerTensor())),
+    Case("int8_asym_row", lambda hp: Int8Tensor.from_hp(hp, PerRow(), mapping_type=MappingType.ASYMMETRIC)),
+    Case("int8_dynamic_act", lambda hp: Int8Tensor.from_hp(
+        hp, PerRow(), act_quant_kwargs=QuantizeTensorToInt8Kwargs(granularity=PerRow()))),
+    Case("float8_row", lambda hp: Float8Tensor.from_hp(hp, granularity=PerRow())),
+    Case("float8_tensor_e5m2", lambda hp: Float8Tensor.from_hp(
+        hp, float8_dtype=torch.float8_e5m2, granularity=PerTensor())),
+    Case("float8_group64", lambda hp: Float8Tensor.from_hp(hp, granularity=PerGroup(64))),
+    Case("intx_int8_row", lambda hp: IntxUnpackedToInt8Tensor.from_hp(hp, (1, SHAPE[1]), torch.int8)),
+    Case("intx_int4_group32", lambda hp: IntxUnpackedToInt8Tensor.from_hp(hp, (1, 32), torch.int4)),
+    Case("intx_int4_group32_asym", lambda hp: IntxUnpackedToInt8Tensor.from_hp(
+        hp, (1, 32), torch.int4, mapping_type=MappingType.ASYMMETRIC)),
+    Case("intx_int2_group64_dynact", lambda hp: IntxUnpackedToInt8Tensor.from_hp(
+        hp, (1, 64), torch.int2, activation_quantization="int8_asym_per_token")),
+    Case("nf4", lambda hp: to_nf4(hp), dequantize=lambda t: t.get_original_weight()),
+    Case("nf4_block32", lambda hp: to_nf4(hp, 32, 128), dequantize=lambda t: t.get_original_weight()),
+    Case("mx_fp8", lambda hp: MXTensor.to_mx(hp, torch.float8_e4m3fn, 32)),
+    Case("mx_fp8_e5m2_swizzled", lambda hp: MXTensor.to_mx(hp, torch.float8_e5m2, 32, is_swizzled_scales=True)),
+    Case("mx_fp4", lambda hp: MXTensor.to_mx(hp, torch.float4_e2m1fn_x2, 32)),
+    Case("mx_fp4_swizzled", lambda hp: MXTensor.to_mx(hp, torch.float4_e2m1fn_x2, 32, is_swizzled_scales=True)),
+    Case("nvfp4", _nvfp4(False, False)),
+    Case("nvfp4_per_tensor", _nvfp4(True, False)),
+    Case("nvfp4_swizzled", _nvfp4(False, True)),
+    Case("nvfp4_per_tensor_swizzled", _nvfp4(True, True)),
+    Case("optim8bit_signed", _optim(OptimState8bit, signed=True, block_size=256), torch.float32),
+    Case("optim8bit_unsigned", _optim(OptimState8bit, signed=False, block_size=256), torch.float32),
+    Case("optim4bit", _optim(OptimState4bit, signed=True, block_size=128), torch.float32),
+    Case("optimfp8", _optim(OptimStateFp8, block_size=256), torch.float32),
+]
+CASE_BY_NAME = {c.name: c for c in CASES}
+
+
+def inner(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensor's inner buffers by name, as torch's subclass protocol lists them."""
+    names, _ = t.__tensor_flatten__()
+    return {n: getattr(t, n) for n in names}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a tensor's bytes, for bit-exact comparison of any dtype."""
+    t = t.detach().contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).to(torch.uint8)
+
+
+def assert_same_buffers(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Same subclass, same logical shape, and bit-identical inner buffers."""
+    assert type(a) is type(b), (type(a), type(b))
+    assert a.shape == b.shape
+    ia, ib = inner(a), inner(b)
+    assert sorted(ia) == sorted(ib)
+    for name in ia:
+        assert ia[name].shape == ib[name].shape, name
+        assert ia[name].dtype == ib[name].dtype, name
+        assert torch.equal(bits(ia[name]), bits(ib[name])), f"component {name} differs"
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    assert torch.equal(bits(a), bits(b))
