@@ -323,6 +323,7 @@ class _LoadEntry:
     buffers: dict[str, torch.Tensor]   # item fqn -> destination (target buffer or temporary)
     temps: dict[str, str]              # item fqn -> component name, for temporaries
     needs: dict[str, tuple[TensorStorageMetadata, Chunk]]  # item fqn -> (checkpoint md, chunk)
+    source_attrs: dict[str, Any] | None = None  # decoded attributes of a raw checkpoint entry
     pending: int = 0
 
 
@@ -390,6 +391,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             raise LoadMismatchError(
                 f"key {fqn!r}: checkpoint shape {source.shape} != target shape {placed.global_shape}")
         source_adapter = adapter_for_type(source.type, fqn)
+        source_attrs = {k: qspec.decode_value(v, source_adapter.attribute_classes(), f"key {fqn!r}: ")
+                        for k, v in source.attrs.items()}
         layouts = _layouts_from_spec(source)
         for c in source.components:
             item_md = md.get(qspec.component_fqn(fqn, c.name))
@@ -413,8 +416,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             buffers[item] = torch.empty(chunk[1], dtype=c.dtype)
             temps[item] = c.name
             needs[item] = (md[item], chunk)
-        del source_adapter  # resolved again at finalize; looked up now to fail early
-        return _LoadEntry(fqn, placed, adapter, source, "convert", read_chunk, buffers, temps, needs)
+        return _LoadEntry(fqn, placed, adapter, source, "convert", read_chunk, buffers, temps, needs,
+                          source_attrs)
 
     def _plan_direct(self, fqn, placed, adapter, source, layouts, md) -> _LoadEntry:
         native = adapter.native_components(placed.local)
@@ -512,9 +515,8 @@ def _finalize(entry: _LoadEntry) -> None:
         source = entry.source
         comps = {c: entry.buffers[i] for i, c in entry.temps.items()}
         src_adapter = adapter_for_type(source.type, entry.fqn)
-        attrs = {k: qspec.decode_value(v, src_adapter.attribute_classes(), f"key {entry.fqn!r}: ")
-                 for k, v in source.attrs.items()}
-        rebuilt = src_adapter.rebuild(source.type, attrs, entry.read_chunk[1], source.dtype, comps)
+        rebuilt = src_adapter.rebuild(source.type, entry.source_attrs, entry.read_chunk[1],
+                                      source.dtype, comps)
         hp = _narrow(src_adapter.dequantize(rebuilt), _relative(entry.placed.chunk, entry.read_chunk))
     if entry.adapter is None:
         with torch.no_grad():

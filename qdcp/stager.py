@@ -1,0 +1,263 @@
+"""An async-checkpoint stager that copies what really holds a quantized tensor's data.
+
+:class:`QuantizedStager` implements DCP's ``AsyncStager`` protocol for ``dcp.async_save``. DCP's own
+stagers copy a tensor through ``new_empty``/``zeros_like`` and fail (or copy nothing) on wrapper
+subclasses. This one asks each tensor's adapter for its inner buffers, copies them into CPU buffers
+that it keeps and reuses across checkpoints, and rebuilds an instance of the same type over them::
+
+    stager = QuantizedStager()
+    fut = dcp.async_save(state, checkpoint_id=path, planner=QuantizedSavePlanner(), async_stager=stager)
+    ...                     # training continues
+    fut.result()            # before the next async_save
+    stager.close()          # after the last one
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from qdcp.adapters.base import find_adapter
+from qdcp.errors import StagingError, UnsupportedTensorError
+
+__all__ = ["QuantizedStager"]
+
+_Path = tuple  # keys from the state dict's root to a value, e.g. ("model", "layers.0.weight")
+
+
+class _StagedDict(dict):
+    """The staged state dict: a plain dict that can be weakly referenced.
+
+    While it is alive an upload may still read the stager's buffers; nothing else in DCP keeps it
+    (``save`` works on a shallow copy), so its death tells the stager its buffers are free again.
+    """
+
+    __slots__ = ("__weakref__",)
+
+    def __reduce__(self):  # pickles (PROCESS checkpointer) as a plain dict
+        return dict, (dict(self),)
+
+
+def _accelerator_available() -> bool:
+    return torch.accelerator.is_available()
+
+
+def _path_str(path: _Path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+class QuantizedStager:
+    """Stages a state dict holding quantized tensors for ``dcp.async_save``.
+
+    Every quantized tensor (bare, or the local tensor of a DTensor) is staged as the inner buffers
+    its adapter reports, so staging memory is exactly the components' bytes; plain tensors are
+    staged as they are and other objects are deep-copied. Buffers are CPU tensors kept across calls,
+    keyed by the entry's path and component, and reallocated only when a shape, stride or dtype
+    changes.
+
+    Args:
+        pin_memory: pin the buffers (faster, non-blocking device-to-host copies). Default: True when
+            an accelerator is available. Ignored, silently, where none is.
+        reuse_buffers: keep buffers for the next ``stage()`` (False: allocate new ones every time).
+        non_blocking: copy from an accelerator with ``non_blocking=True`` on a side stream and wait
+            once at the end (no effect on CPU, where copies are plain ``copy_``).
+        async_staging: ``stage()`` returns a :class:`~concurrent.futures.Future` at once and copies
+            in a background thread; call :meth:`synchronize_staging` (or wait on
+            ``AsyncSaveResponse.staging_completion``) before the next in-place update of the model.
+        share_memory: allocate buffers in shared memory. Only useful with
+            ``AsyncCheckpointerType.PROCESS``, which otherwise moves them there on its first send.
+        busy_timeout: seconds ``stage()`` waits for the previous checkpoint's staged data to be
+            released (its upload finished) before raising :class:`~qdcp.StagingError`. Reused
+            buffers are never overwritten while an upload may still read them.
+    """
+
+    def __init__(self, pin_memory: bool | None = None, reuse_buffers: bool = True,
+                 non_blocking: bool = True, async_staging: bool = False,
+                 share_memory: bool = False, busy_timeout: float = 60.0) -> None:
+        accel = _accelerator_available()
+        self.pin_memory = accel if pin_memory is None else (bool(pin_memory) and accel)
+        self.reuse_buffers = reuse_buffers
+        self.non_blocking = non_blocking and accel
+        self.async_staging = async_staging
+        self.share_memory = share_memory
+        self.busy_timeout = busy_timeout
+        # async_save calls synchronize_staging() after starting the upload when this is True.
+        self._synchronize_after_execute = True
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._last_staged: weakref.ref | None = None
+        self._staging_future: Future | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="qdcp-stager") if async_staging else None
+        # Created on the caller's thread, as DCP's DefaultStager does, so it is never the compute stream.
+        self._stream = torch.Stream() if accel else None
+        self._closed = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """Whether ``dcp.async_save`` calls :meth:`synchronize_staging` once the upload has started."""
+        return self._synchronize_after_execute
+
+    @property
+    def staged_nbytes(self) -> int:
+        """Bytes held in staging buffers (the components' and plain tensors' bytes, no more)."""
+        return sum(b.untyped_storage().nbytes() for b in self._buffers.values())
+
+    # ------------------------------------------------------------------------- protocol
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future:
+        """A copy of ``state_dict`` that later in-place updates of the model do not change.
+
+        Returns the staged dict, or with ``async_staging`` a Future of it. Raises
+        :class:`~qdcp.StagingError` if the previous staged dict is still in use past ``busy_timeout``.
+        """
+        if self._closed:
+            raise StagingError("this QuantizedStager is closed; create a new one")
+        self.synchronize_staging()
+        if self.reuse_buffers:
+            self._wait_until_released()
+        ready = None
+        if self._stream is not None:
+            ready = torch.Event()
+            ready.record(torch.accelerator.current_stream())
+        if self._executor is None:
+            return self._stage(state_dict, ready)
+        future = self._executor.submit(self._stage, state_dict, ready)
+        self._staging_future = future
+        return future
+
+    def synchronize_staging(self) -> None:
+        """Wait until every copy of the last :meth:`stage` call has landed (re-raises its error)."""
+        future = self._staging_future
+        if future is not None:
+            future.result()
+            self._staging_future = None  # so this stager does not keep the staged dict alive
+
+    def close(self) -> None:
+        """Wait for staging, stop the background thread and drop this stager's buffers.
+
+        Uploads in flight keep the buffers they read alive on their own.
+        """
+        if self._closed:
+            return
+        try:
+            self.synchronize_staging()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            self._buffers.clear()
+            self._last_staged = None
+            self._closed = True
+
+    # ------------------------------------------------------------------------- staging
+
+    def _wait_until_released(self) -> None:
+        ref = self._last_staged
+        if ref is None or ref() is None:
+            return
+        deadline = time.monotonic() + self.busy_timeout
+        delay = 1e-4
+        while ref() is not None:
+            if time.monotonic() >= deadline:
+                raise StagingError(
+                    "stage() was called while the state dict staged by the previous call is still in "
+                    "use (its upload may be in flight): the buffers it reads would be overwritten. "
+                    "Wait for the previous dcp.async_save (fut.result()) before saving again, drop "
+                    "references to the previous staged dict (or a failed save's future), or use "
+                    "QuantizedStager(reuse_buffers=False).")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _stage(self, state_dict: dict[str, Any], ready: torch.Event | None) -> dict[str, Any]:
+        seen: set[tuple] = set()
+        memo: dict[int, Any] = {}
+        if self._stream is not None:
+            self._stream.wait_event(ready)
+            with self._stream:
+                staged = self._walk(state_dict, (), seen, memo)
+            self._stream.synchronize()
+        else:
+            staged = self._walk(state_dict, (), seen, memo)
+        if self.reuse_buffers:
+            for key in [k for k in self._buffers if k not in seen]:
+                del self._buffers[key]  # entries gone from the state dict
+        out = _StagedDict(staged)
+        self._last_staged = weakref.ref(out)
+        return out
+
+    def _walk(self, value: Any, path: _Path, seen: set, memo: dict[int, Any]) -> Any:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in memo:  # tied tensors stay tied, as with deepcopy
+                memo[id(value)] = (value, self._stage_tensor(value, path, seen))
+            return memo[id(value)][1]
+        if isinstance(value, dict):
+            items = {k: self._walk(v, path + (k,), seen, memo) for k, v in value.items()}
+            if type(value) is dict:
+                return items
+            try:
+                return type(value)(items)
+            except TypeError:
+                return items
+        if isinstance(value, list):
+            return [self._walk(v, path + (i,), seen, memo) for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            items = [self._walk(v, path + (i,), seen, memo) for i, v in enumerate(value)]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return copy.deepcopy(value)
+
+    def _stage_tensor(self, t: torch.Tensor, path: _Path, seen: set) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            # DTensor.from_local would call view_as, which quantized subclasses lack: keep the spec
+            # (mesh, placements, global shape) and swap in the staged local tensor.
+            local = self._stage_tensor(t._local_tensor, path, seen)
+            return DTensor(local, t._spec, requires_grad=False)
+        adapter = find_adapter(t)
+        if adapter is not None:
+            buffers = {name: self._copy(b, path, name, seen)
+                       for name, b in adapter.inner_buffers(t).items()}
+            return adapter.from_inner_buffers(t, buffers)
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            raise UnsupportedTensorError(
+                f"key {_path_str(path)!r}: QuantizedStager cannot stage "
+                f"{type(t).__module__}.{type(t).__qualname__}: no qdcp adapter handles it. Register "
+                f"one with qdcp.register_adapter, or convert it to a plain tensor.")
+        return self._copy(t.detach(), path, None, seen)
+
+    def _copy(self, src: torch.Tensor, path: _Path, name: str | None, seen: set) -> torch.Tensor:
+        key = (path, name)
+        seen.add(key)
+        buf = self._buffers.get(key) if self.reuse_buffers else None
+        stride = _cpu_stride(src)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.stride() != stride:
+            buf = self._allocate(src, stride)
+            if self.reuse_buffers:
+                self._buffers[key] = buf
+        buf.copy_(src, non_blocking=self.non_blocking and src.device.type != "cpu")
+        return buf
+
+    def _allocate(self, src: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+        if self.share_memory:
+            buf = torch.empty_strided(src.shape, stride, dtype=src.dtype).share_memory_()
+            if self.pin_memory and buf.untyped_storage().nbytes() > 0:
+                _pin_in_place(buf)
+            return buf
+        return torch.empty_strided(src.shape, stride, dtype=src.dtype,
+                                   pin_memory=self.pin_memory and src.numel() > 0)
+
+
+def _cpu_stride(src: torch.Tensor) -> tuple[int, ...]:
+    """Strides of a dense CPU copy of ``src``: its own where dense, else contiguous."""
+    return torch.empty_like(src, device="meta").stride()
+
+
+def _pin_in_place(buf: torch.Tensor) -> None:
+    """Page-lock shared memory in place (``pin_memory()`` would copy it out of shared memory)."""
+    import torch.cuda._pin_memory_utils as pin_utils  # what DCP's StateDictStager uses
+
+    storage = buf.untyped_storage()
+    pin_utils.pin_memory(storage.data_ptr(), storage.nbytes())
+    weakref.finalize(storage, pin_utils.unpin_memory, storage.data_ptr())

@@ -1,0 +1,175 @@
+"""Bad input gets a clear error naming the key, raised before any data is read or written."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import qdcp
+from qdcp import (
+    CheckpointFormatError,
+    LoadMismatchError,
+    QuantizedLoadPlanner,
+    QuantizedSavePlanner,
+    UnsupportedTensorError,
+)
+from quantized_cases import CASE_BY_NAME, bits, inner
+
+INT8 = CASE_BY_NAME["int8_group32"]
+
+
+def _raise_inner(fn):
+    """DCP wraps per-rank errors in CheckpointException (a BaseException); return the inner error."""
+    try:
+        fn()
+    except CheckpointException as e:
+        exc, _trace = next(iter(e.failures.values()))
+        raise exc from None
+
+
+def _saved(tmp_path):
+    path = tmp_path / "ckpt"
+    dcp.save({"w": INT8.make(0), "b": torch.ones(3)}, checkpoint_id=path, planner=QuantizedSavePlanner())
+    return path
+
+
+def _edit_spec(path, edit):
+    """Rewrite the qdcp spec inside .metadata (as an attacker or a bug would)."""
+    md_file = path / ".metadata"
+    md = pickle.loads(md_file.read_bytes())
+    doc = json.loads(md.planner_data["__qdcp__"])
+    edit(doc, md)
+    md.planner_data["__qdcp__"] = json.dumps(doc)
+    md_file.write_bytes(pickle.dumps(md))
+
+
+def _load_fresh(path):
+    target = INT8.make(1)
+    before = {n: bits(t).clone() for n, t in inner(target).items()}
+    state = {"w": target, "b": torch.zeros(3)}
+    return state, before
+
+
+def _assert_untouched(state, before):
+    for n, t in inner(state["w"]).items():
+        assert torch.equal(bits(t), before[n]), f"{n} was modified before the error"
+    assert torch.equal(state["b"], torch.zeros(3))
+
+
+@pytest.mark.parametrize("edit, error, match", [
+    (lambda d, md: d.update(version=99), CheckpointFormatError, "version 99"),
+    (lambda d, md: d.update(format="other"), CheckpointFormatError, "format 'qdcp'"),
+    (lambda d, md: d["entries"]["w"].update(type="torchao.NoSuchTensor"), CheckpointFormatError,
+     "'w'.*NoSuchTensor"),
+    (lambda d, md: d["entries"]["w"].update(shape=[256, 64]), LoadMismatchError, "'w'.*shape"),
+    (lambda d, md: d["entries"]["w"]["components"][1].update(dtype="float16"), CheckpointFormatError,
+     "'w'.*'scale'"),
+    (lambda d, md: d["entries"]["w"]["components"][1].update(shape=[256, 5]), CheckpointFormatError,
+     "'w'.*'scale'"),
+    (lambda d, md: md.state_dict_metadata.pop("w.__qdcp__.scale"), CheckpointFormatError,
+     "'w'.*'scale' is missing"),
+    (lambda d, md: d["entries"]["w"]["components"][0].update(layout={"kind": "spiral"}),
+     CheckpointFormatError, "unknown layout"),
+    (lambda d, md: d["entries"]["w"].update(dtype="complex_thing"), CheckpointFormatError, "dtype"),
+    (lambda d, md: d["entries"]["w"].update(storage="zip"), CheckpointFormatError, "'w'.*storage"),
+    (lambda d, md: d["entries"]["w"]["attrs"].update(
+        block_size={"object": "os.system", "fields": {}}), CheckpointFormatError, "not allowed"),
+])
+def test_tampered_spec_is_refused_before_reading(tmp_path, edit, error, match):
+    path = _saved(tmp_path)
+    _edit_spec(path, edit)
+    state, before = _load_fresh(path)
+    with pytest.raises(error, match=match):
+        _raise_inner(lambda: dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner()))
+    _assert_untouched(state, before)
+
+
+def test_shape_mismatch_with_target_names_key(tmp_path):
+    path = _saved(tmp_path)
+    target = INT8.from_hp(INT8.hp(1, (128, 128)))
+    with pytest.raises(LoadMismatchError, match="'w'.*shape"):
+        _raise_inner(lambda: dcp.load({"w": target, "b": torch.zeros(3)}, checkpoint_id=path,
+                                      planner=QuantizedLoadPlanner()))
+
+
+def test_missing_key_in_checkpoint(tmp_path):
+    path = _saved(tmp_path)
+    state = {"w": INT8.make(1), "b": torch.zeros(3), "other": INT8.make(2)}
+    with pytest.raises(RuntimeError, match="Missing key.*other"):
+        _raise_inner(lambda: dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner()))
+    # allow_partial_load skips it and loads the rest
+    dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner(allow_partial_load=True))
+    assert torch.equal(state["b"], torch.ones(3))
+
+
+def test_quantized_entry_into_non_tensor_target(tmp_path):
+    path = _saved(tmp_path)
+    with pytest.raises(LoadMismatchError, match="'w'"):
+        _raise_inner(lambda: dcp.load({"w": 5, "b": torch.zeros(3)}, checkpoint_id=path,
+                                      planner=QuantizedLoadPlanner()))
+
+
+def test_unknown_tensor_subclass_is_refused_at_save(tmp_path):
+    class Odd(torch.Tensor):
+        pass
+
+    t = torch.randn(4).as_subclass(Odd)
+    with pytest.raises(UnsupportedTensorError, match="'odd'.*register_adapter"):
+        _raise_inner(lambda: dcp.save({"odd": t}, checkpoint_id=tmp_path / "x",
+                                      planner=QuantizedSavePlanner()))
+    assert not (tmp_path / "x" / ".metadata").exists()
+
+
+def test_stale_staged_plain_tensor_with_inner_attributes_is_refused(tmp_path):
+    """A stager that builds a plain tensor and copies a subclass's __dict__ onto it (DCP's
+    StateDictStager does this) must not produce a checkpoint of uninitialised memory."""
+    fake = torch.empty(4, 4)
+    fake.qdata = torch.zeros(4, 4, dtype=torch.int8)
+    with pytest.raises(qdcp.StagingError, match="'w'.*QuantizedStager"):
+        _raise_inner(lambda: dcp.save({"w": fake}, checkpoint_id=tmp_path / "x",
+                                      planner=QuantizedSavePlanner()))
+    assert not (tmp_path / "x" / ".metadata").exists()
+
+
+def test_load_bytes_refuses_pickled_code(tmp_path):
+    class Boom:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    path = tmp_path / "evil"
+    dcp.save({"obj": Boom(), "t": torch.ones(2)}, checkpoint_id=path)
+    state = {"obj": None, "t": torch.zeros(2)}
+    with pytest.raises(pickle.UnpicklingError):
+        _raise_inner(lambda: dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner()))
+
+
+def test_tampered_metadata_pickle_is_refused(tmp_path):
+    path = _saved(tmp_path)
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    (path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointFormatError, match="builtins.print"):
+        qdcp.describe(path)
+    with pytest.raises(CheckpointFormatError):
+        qdcp.SafeFileSystemReader(path).read_metadata()
+
+
+def test_describe_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        qdcp.describe(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointFormatError, match="no .metadata"):
+        qdcp.describe(tmp_path / "empty")
+
+
+def test_dequantize_argument_type_checked():
+    with pytest.raises(TypeError, match="dequantize"):
+        QuantizedSavePlanner(dequantize="yes")
