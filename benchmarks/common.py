@@ -1,0 +1,93 @@
+"""Helpers shared by the benchmark scripts: timing, directory sizes, quantized state dicts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import statistics
+import time
+import warnings
+from typing import Callable
+
+import torch
+
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+
+
+def timed(fn: Callable[[], object], repeat: int = 3, setup: Callable[[], object] | None = None) -> float:
+    """Median wall time of ``fn`` over ``repeat`` runs (``setup`` runs untimed before each)."""
+    return compare({"x": (fn, setup)}, repeat)["x"]
+
+
+def compare(cases: dict[str, tuple[Callable[[], object], Callable[[], object] | None]],
+            repeat: int = 5) -> dict[str, float]:
+    """Median wall time of each ``(fn, setup)``, runs interleaved so drift hits all cases alike.
+
+    Before each timed run: its setup, then ``os.sync()`` so earlier writes are not flushed inside it.
+    """
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for r in range(repeat):
+        order = list(cases) if r % 2 == 0 else list(reversed(cases))
+        for name in order:
+            fn, setup = cases[name]
+            if setup:
+                setup()
+            os.sync()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes of every file under ``path``."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def fresh_dir(path: str) -> str:
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+def quantized_state(kind: str, logical_gib: float, rows: int = 4096, cols: int = 4096, seed: int = 0):
+    """``{layer{i}.weight: quantized tensor}`` of about ``logical_gib`` GiB of bf16 logical data."""
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+    from torchao.quantization import Int8Tensor, PerRow, to_nf4
+
+    make = {
+        "int8": lambda hp: Int8Tensor.from_hp(hp, PerRow()),
+        "mxfp8": lambda hp: MXTensor.to_mx(hp, torch.float8_e4m3fn, 32),
+        "nvfp4": lambda hp: NVFP4Tensor.to_nvfp4(hp),
+        "nf4": lambda hp: to_nf4(hp),
+    }[kind]
+    n = max(1, round(logical_gib * 2**30 / (rows * cols * 2)))
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": make(torch.randn(rows, cols, generator=g).to(torch.bfloat16))
+            for i in range(n)}
+
+
+def component_bytes(state) -> int:
+    """Bytes of every inner buffer of every quantized value (plain tensors count as they are)."""
+    import qdcp
+
+    total = 0
+    for t in state.values():
+        adapter = qdcp.find_adapter(t)
+        for c in (adapter.components(t).values() if adapter else [t]):
+            total += c.numel() * c.element_size()
+    return total
+
+
+def plain_twin(state) -> dict[str, torch.Tensor]:
+    """Plain tensors with the same names, shapes and dtypes as the components: vanilla DCP's job."""
+    import qdcp
+
+    out = {}
+    for key, t in state.items():
+        adapter = qdcp.find_adapter(t)
+        for name, c in (adapter.components(t).items() if adapter else [("", t)]):
+            out[f"{key}.{name}"] = c.clone()
+    return out

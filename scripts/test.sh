@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The one command that runs the whole test suite: makes .venv (Python 3.11), installs qdcp with
+# its test extra under constraints.txt (CPU torch), runs pytest with xdist. Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q -c constraints.txt -e '.[test]'
+exec .venv/bin/python -m pytest -n 2 "$@"

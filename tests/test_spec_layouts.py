@@ -1,0 +1,113 @@
+"""The spec parser and the layouts: exact mappings, and malformed input never crashes the parser."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qdcp import spec as qspec
+from qdcp.errors import AlignmentError, CheckpointFormatError
+from qdcp.layouts import Blocked, Flat, Replicated, layout_from_json
+
+
+def test_blocked_maps_rows_and_packed_columns():
+    scale = Blocked((1, 32))
+    assert scale.component_shape((256, 128)) == (256, 4)
+    assert scale.map_chunk((256, 128), ((64, 0), (64, 128))) == ((64, 0), (64, 4))
+    packed = Blocked((1, 2))
+    assert packed.map_chunk((10, 8), ((3, 0), (7, 8))) == ((3, 0), (7, 4))
+    with pytest.raises(AlignmentError):
+        Blocked((32, 1)).map_chunk((100, 4), ((16, 0), (32, 4)))
+    # a partial last block is aligned when it ends the tensor
+    assert Blocked((32, 1)).map_chunk((100, 4), ((96, 0), (4, 4))) == ((3, 0), (1, 4))
+    assert Blocked((32, 1)).expand((100, 4), ((40, 1), (10, 2))) == ((32, 1), (32, 2))
+
+
+def test_flat_maps_row_shards_only():
+    f = Flat(64)
+    assert f.component_shape((512, 256)) == (2048,)
+    assert f.map_chunk((512, 256), ((64, 0), (64, 256))) == ((256,), (256,))
+    with pytest.raises(AlignmentError, match="contiguous"):
+        f.map_chunk((512, 256), ((0, 0), (512, 128)))
+    with pytest.raises(AlignmentError):
+        Flat(16384).map_chunk((512, 256), ((10, 0), (100, 256)))
+    assert Flat(16384).expand((512, 256), ((10, 0), (100, 256))) == ((0, 0), (128, 256))
+    assert Flat(2).map_chunk((7,), ((0,), (7,))) == ((0,), (4,))
+
+
+def test_replicated_is_whole_for_any_chunk():
+    r = Replicated((16,))
+    assert r.map_chunk((512, 256), ((100, 0), (3, 256))) == ((0,), (16,))
+    assert layout_from_json(r.to_json(), (16,)) == r
+
+
+@given(rows=st.integers(1, 300), block=st.integers(1, 64), o=st.integers(0, 299), s=st.integers(1, 300))
+def test_expand_always_gives_an_aligned_cover(rows, block, o, s):
+    o, s = o % rows, max(1, min(s, rows - o % rows))
+    for layout in (Blocked((block, 1)), Flat(block)):
+        lo, sz = layout.expand((rows, 3), ((o, 0), (s, 3)))
+        assert lo[0] <= o and lo[0] + sz[0] >= o + s
+        layout.map_chunk((rows, 3), (lo, sz))  # aligned: does not raise
+
+
+def test_value_codec_roundtrip():
+    from torchao.quantization.granularity import PerRow
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    classes = {"PerRow": PerRow, "KernelPreference": KernelPreference}
+    for v in [None, 3, 1.5, "x", [1, 2], (1, (2, 3)), torch.float8_e4m3fn, {"a": [1]},
+              PerRow(-1), KernelPreference.AUTO, float("inf")]:
+        enc = qspec.encode_value(v)
+        json.dumps(enc, allow_nan=False)
+        assert qspec.decode_value(enc, classes) == v
+    with pytest.raises(TypeError):
+        qspec.encode_value(object())
+    with pytest.raises(CheckpointFormatError, match="not allowed"):
+        qspec.decode_value({"object": "PerRow", "fields": {}}, {})
+
+
+def _doc(entries):
+    return json.dumps({"format": "qdcp", "version": 1, "entries": entries})
+
+
+def test_spec_roundtrip():
+    e = qspec.EntrySpec("w", "raw", "torchao.Int8Tensor", (4, 8), torch.bfloat16, {"b": 1},
+                        (qspec.ComponentSpec("qdata", (4, 8), torch.int8, {"kind": "blocked", "block": [1, 1]}),))
+    assert qspec.loads(qspec.dumps({"w": e})) == {"w": e}
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**64, 2**64) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(entry=st.dictionaries(
+    st.sampled_from(["storage", "type", "shape", "dtype", "attrs", "components", "stored_dtype"]),
+    json_values, max_size=7))
+def test_spec_parser_fuzz_only_raises_format_errors(entry):
+    try:
+        qspec.loads(_doc({"w": entry}))
+    except CheckpointFormatError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=200) | st.binary(max_size=100).map(lambda b: b.decode("latin-1")))
+def test_spec_parser_fuzz_garbage(text):
+    try:
+        qspec.loads(text)
+    except CheckpointFormatError:
+        pass
+
+
+def test_spec_rejects_huge_and_deep_input():
+    with pytest.raises(CheckpointFormatError, match="bad size"):
+        qspec.loads(_doc({"w": {"storage": "dequantized", "type": "t", "shape": [2**60], "dtype": "int8"}}))
+    with pytest.raises(CheckpointFormatError):
+        qspec.loads("[" * 100000 + "]" * 100000)
