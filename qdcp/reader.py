@@ -135,6 +135,83 @@ def describe(path: str | os.PathLike) -> dict[str, dict]:
     return out
 
 
+def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = None) -> Any:
+    """Read one state-dict entry of the checkpoint at ``path`` on CPU, without a target.
+
+    Raw entries come back as an instance of their type (rebuilt through its adapter; the library
+    must be installed), plain and dequantized entries as plain tensors, objects as loaded with
+    ``torch.load(weights_only=True)``. Memory: this entry only.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from qdcp.adapters.base import adapter_for_type
+    from qdcp.planner import QuantizedLoadPlanner, read_specs
+
+    md = metadata if metadata is not None else read_metadata(path)
+    entry = read_specs(md).get(key)
+    if entry is not None and entry.storage == qspec.RAW:
+        adapter = adapter_for_type(entry.type, key)
+        attrs = {k: qspec.decode_value(v, adapter.attribute_classes(), f"key {key!r}: ")
+                 for k, v in entry.attrs.items()}
+        comps = {c.name: torch.empty(c.shape, dtype=c.dtype) for c in entry.components}
+        state = {qspec.component_fqn(key, n): t for n, t in comps.items()}
+        _load_quietly(state, path)
+        return adapter.rebuild(entry.type, attrs, entry.shape, entry.dtype, comps)
+    item = md.state_dict_metadata.get(key)
+    if item is None:
+        raise KeyError(f"key {key!r} is not in the checkpoint at {os.fspath(path)!r}")
+    state = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+             if isinstance(item, TensorStorageMetadata) else None}
+    _load_quietly(state, path)
+    return state[key]
+
+
+def _load_quietly(state: dict, path) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from qdcp.planner import QuantizedLoadPlanner
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=QuantizedLoadPlanner(),
+                 no_dist=True)
+
+
+def check_chunks(metadata: Metadata) -> list[str]:
+    """Problems with the chunks of every tensor item: out of bounds, overlapping, or holes."""
+    problems = []
+    for fqn, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        size = tuple(item.size)
+        total = 1
+        for s in size:
+            total *= s
+        covered = 0
+        boxes = []
+        for ch in item.chunks:
+            o, n = tuple(ch.offsets), tuple(ch.sizes)
+            if len(o) != len(size) or any(a < 0 or b < 0 or a + b > d for a, b, d in zip(o, n, size)):
+                problems.append(f"{fqn}: chunk at {o} of size {n} is outside {size}")
+                continue
+            vol = 1
+            for b in n:
+                vol *= b
+            covered += vol
+            boxes.append((o, n))
+        for i in range(len(boxes)):
+            for j in range(i + 1, len(boxes)):
+                (oa, na), (ob, nb) = boxes[i], boxes[j]
+                if all(a < c + e and c < a + b for a, b, c, e in zip(oa, na, ob, nb)) and \
+                        all(b > 0 for b in na) and all(e > 0 for e in nb):
+                    problems.append(f"{fqn}: chunks at {oa} and {ob} overlap")
+        if covered != total and not any("overlap" in p and p.startswith(fqn) for p in problems):
+            problems.append(f"{fqn}: chunks cover {covered} of {total} elements")
+    return problems
+
+
 def _nbytes(shape, dtype: torch.dtype) -> int:
     n = 1
     for s in shape:

@@ -1,0 +1,121 @@
+"""The qdcp command line, run as users run it (a subprocess), on real checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import qdcp
+from qdcp import QuantizedSavePlanner
+from quantized_cases import CASE_BY_NAME, assert_bitwise_equal, bits, inner
+
+CASES = [CASE_BY_NAME[n] for n in ("int8_group32", "mx_fp8_e5m2_swizzled", "nvfp4_per_tensor", "nf4",
+                                   "optim4bit")]
+
+
+def run(*args, ok=True):
+    proc = subprocess.run([sys.executable, "-m", "qdcp", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "ckpt"
+    state = {c.name: c.make(i) for i, c in enumerate(CASES)}
+    state["bias"] = torch.randn(5)
+    state["step"] = 7
+    dcp.save(state, checkpoint_id=path, planner=QuantizedSavePlanner())
+    return path, state
+
+
+def test_inspect_table_and_json(checkpoint):
+    path, state = checkpoint
+    out = run("inspect", path).stdout
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["key", "stored", "type"]
+    assert any(l.startswith("nf4 ") and "torchao.NF4Tensor" in l for l in lines)
+    assert lines[-1].startswith("total")
+    info = json.loads(run("inspect", path, "--json").stdout)
+    assert info == json.loads(json.dumps(qdcp.describe(path)))
+    assert info["step"]["stored_as"] == "object" and info["bias"]["stored_as"] == "plain"
+
+
+def test_verify_ok_then_detects_truncation(checkpoint, tmp_path):
+    path, _ = checkpoint
+    proc = run("verify", path)
+    assert proc.stdout.strip().endswith("0 problems")
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    data = bad / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    proc = run("verify", bad, ok=False)
+    assert proc.returncode == 1 and "FAIL" in proc.stdout
+
+
+def test_verify_detects_chunk_holes(checkpoint, tmp_path):
+    import pickle
+    import shutil
+    path, _ = checkpoint
+    bad = tmp_path / "holes"
+    shutil.copytree(path, bad)
+    md = pickle.loads((bad / ".metadata").read_bytes())
+    item = md.state_dict_metadata["int8_group32.__qdcp__.qdata"]
+    ch = item.chunks[0]
+    item.chunks[0] = type(ch)(offsets=ch.offsets, sizes=torch.Size([ch.sizes[0] - 1, ch.sizes[1]]))
+    (bad / ".metadata").write_bytes(pickle.dumps(md))
+    proc = run("verify", bad, ok=False)
+    assert proc.returncode == 1 and "int8_group32.__qdcp__.qdata: chunks cover" in proc.stdout
+
+
+def test_exit_codes_for_bad_paths(tmp_path):
+    assert run("verify", tmp_path / "missing", ok=False).returncode == 2
+    (tmp_path / "notckpt").mkdir()
+    proc = run("inspect", tmp_path / "notckpt", ok=False)
+    assert proc.returncode == 2 and "no .metadata" in proc.stderr
+
+
+def test_convert_safetensors_raw_and_dequantized(checkpoint, tmp_path):
+    from safetensors import safe_open
+    path, state = checkpoint
+    out = tmp_path / "raw.safetensors"
+    run("convert", path, out, "--to", "safetensors")
+    with safe_open(str(out), "pt") as f:
+        spec = json.loads(f.metadata()["qdcp"])
+        assert set(spec["entries"]) == {c.name for c in CASES}
+        for c in CASES:
+            adapter = qdcp.find_adapter(state[c.name])
+            for name, comp in adapter.components(state[c.name]).items():
+                assert torch.equal(bits(f.get_tensor(f"{c.name}.__qdcp__.{name}")), bits(comp))
+        assert torch.equal(f.get_tensor("bias"), state["bias"])
+    out2 = tmp_path / "deq.safetensors"
+    run("convert", path, out2, "--to", "safetensors", "--dequantize")
+    with safe_open(str(out2), "pt") as f:
+        for c in CASES:
+            assert_bitwise_equal(f.get_tensor(c.name), c.dequantize(state[c.name]))
+    out3 = tmp_path / "deq16.safetensors"
+    run("convert", path, out3, "--to", "safetensors", "--dequantize", "--dtype", "fp16")
+    with safe_open(str(out3), "pt") as f:
+        assert f.get_tensor("nf4").dtype == torch.float16
+    assert run("convert", path, out3, "--to", "safetensors", ok=False).returncode == 2  # exists
+
+
+def test_convert_to_portable_dcp(checkpoint, tmp_path):
+    path, state = checkpoint
+    out = tmp_path / "portable"
+    run("convert", path, out, "--to", "dcp", "--dequantize")
+    target = {c.name: torch.zeros(state[c.name].shape, dtype=c.dtype) for c in CASES}
+    target["bias"], target["step"] = torch.zeros(5), 0
+    dcp.load(target, checkpoint_id=out)  # stock DCP
+    for c in CASES:
+        assert_bitwise_equal(target[c.name], c.dequantize(state[c.name]))
+    assert target["step"] == 7 and torch.equal(target["bias"], state["bias"])
