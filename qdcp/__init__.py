@@ -9,6 +9,7 @@
 
 from qdcp.adapters import Adapter, find_adapter, register_adapter, registered_type_names
 from qdcp.adapters import torchao as _torchao
+from qdcp.adapters import transformer_engine as _transformer_engine
 from qdcp.errors import (
     AlignmentError,
     CheckpointFormatError,
@@ -17,17 +18,21 @@ from qdcp.errors import (
     StagingError,
     UnsupportedTensorError,
 )
-from qdcp.reader import SafeFileSystemReader, describe, read_metadata
+from qdcp.offload import to_device
+from qdcp.reader import SafeFileSystemReader, describe, read_entry, read_metadata
 from qdcp.planner import QuantizedLoadPlanner, QuantizedSavePlanner
 
 for _adapter in _torchao.builtin_adapters():
+    register_adapter(_adapter)
+for _adapter in _transformer_engine.builtin_adapters():
     register_adapter(_adapter)
 del _adapter
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "QuantizedSavePlanner", "QuantizedLoadPlanner", "describe", "read_metadata", "SafeFileSystemReader",
+    "QuantizedSavePlanner", "QuantizedLoadPlanner", "describe", "read_metadata", "read_entry",
+    "SafeFileSystemReader", "to_device",
     "Adapter", "register_adapter", "find_adapter", "registered_type_names",
     "QdcpError", "CheckpointFormatError", "UnsupportedTensorError", "AlignmentError",
     "LoadMismatchError", "StagingError",
