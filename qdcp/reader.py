@@ -69,11 +69,15 @@ def safe_load_metadata(stream: IO[bytes]) -> Metadata:
     return md
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """A ``FileSystemReader`` whose ``read_metadata`` never runs code from the checkpoint."""
+class _SafeMetadata:
+    """Mixin for DCP's file-system readers: ``read_metadata`` never runs code from the file."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
+        if not self.fs.exists(path):
+            raise CheckpointFormatError(
+                f"{os.fspath(self.path)!r} has no .metadata: it is not a DCP checkpoint, or its save "
+                f"did not finish")
         with self.fs.create_stream(path, "rb") as f:
             metadata = safe_load_metadata(f)
         if getattr(metadata, "storage_meta", None) is None:
@@ -82,14 +86,32 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def read_metadata(path: str | os.PathLike) -> Metadata:
-    """The DCP ``Metadata`` of the checkpoint at ``path``, read safely."""
+class SafeFileSystemReader(_SafeMetadata, FileSystemReader):
+    """A ``FileSystemReader`` whose ``read_metadata`` never runs code from the checkpoint."""
+
+
+def _is_url(path: str | os.PathLike) -> bool:
+    return "://" in os.fspath(path)
+
+
+def safe_storage_reader(path: str | os.PathLike, **storage_options: Any) -> FileSystemReader:
+    """A reader for a local path or an fsspec URL (``memory://``, ``s3://``...) that reads
+    ``.metadata`` safely; ``storage_options`` go to fsspec (e.g. ``client_kwargs``)."""
+    if _is_url(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        class SafeFsspecReader(_SafeMetadata, FsspecReader):
+            """An ``FsspecReader`` whose ``read_metadata`` never runs code from the checkpoint."""
+
+        return SafeFsspecReader(os.fspath(path), **storage_options)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint directory at {os.fspath(path)!r}")
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        raise CheckpointFormatError(
-            f"{os.fspath(path)!r} has no .metadata: it is not a DCP checkpoint, or its save did not finish")
-    return SafeFileSystemReader(path).read_metadata()
+    return SafeFileSystemReader(path)
+
+
+def read_metadata(path: str | os.PathLike, **storage_options: Any) -> Metadata:
+    """The DCP ``Metadata`` of the checkpoint at ``path`` (a path or fsspec URL), read safely."""
+    return safe_storage_reader(path, **storage_options).read_metadata()
 
 
 def describe(path: str | os.PathLike) -> dict[str, dict]:
@@ -175,7 +197,7 @@ def _load_quietly(state: dict, path) -> None:
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=QuantizedLoadPlanner(),
+        dcp.load(state, storage_reader=safe_storage_reader(path), planner=QuantizedLoadPlanner(),
                  no_dist=True)
 
 
