@@ -19,8 +19,15 @@ from qdcp.errors import (
     UnsupportedTensorError,
 )
 from qdcp.offload import to_device
-from qdcp.reader import SafeFileSystemReader, describe, read_entry, read_metadata
+from qdcp.reader import describe, read_entry, read_metadata
+from qdcp.storage import (
+    CheckpointReader,
+    CheckpointWriter,
+    storage_reader,
+    storage_writer,
+)
 from qdcp.planner import QuantizedLoadPlanner, QuantizedSavePlanner
+from qdcp.stager import QuantizedStager
 
 for _adapter in _torchao.builtin_adapters():
     register_adapter(_adapter)
@@ -31,8 +38,9 @@ del _adapter
 __version__ = "0.1.0"
 
 __all__ = [
-    "QuantizedSavePlanner", "QuantizedLoadPlanner", "describe", "read_metadata", "read_entry",
-    "SafeFileSystemReader", "to_device",
+    "QuantizedSavePlanner", "QuantizedLoadPlanner", "QuantizedStager", "describe", "read_metadata", "read_entry",
+    "CheckpointReader", "CheckpointWriter", "storage_reader",
+    "storage_writer", "to_device",
     "Adapter", "register_adapter", "find_adapter", "registered_type_names",
     "QdcpError", "CheckpointFormatError", "UnsupportedTensorError", "AlignmentError",
     "LoadMismatchError", "StagingError",

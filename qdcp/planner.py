@@ -23,9 +23,13 @@ import threading
 from typing import Any, Callable, Union
 
 import torch
+from torch.distributed.checkpoint import _version
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
+    create_default_local_load_plan,
     create_default_local_save_plan,
 )
 from torch.distributed.checkpoint.metadata import (
@@ -45,7 +49,6 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.checkpoint._nested_dict import FLATTEN_MAPPING  # noqa: F401 (type only)
 from torch.distributed.tensor import DTensor
 
 from qdcp import spec as qspec
@@ -318,13 +321,14 @@ class _LoadEntry:
     placed: _Placed
     adapter: Adapter | None            # the target's adapter (None for a plain target)
     source: qspec.EntrySpec | None     # None: the checkpoint holds a plain tensor under fqn
-    mode: str                          # "direct" | "convert" | "quantize"
+    mode: str                          # "direct" | "convert" | "quantize" | "raw_copy"
     read_chunk: Chunk                  # logical chunk read from the checkpoint
     buffers: dict[str, torch.Tensor]   # item fqn -> destination (target buffer or temporary)
     temps: dict[str, str]              # item fqn -> component name, for temporaries
     needs: dict[str, tuple[TensorStorageMetadata, Chunk]]  # item fqn -> (checkpoint md, chunk)
     source_attrs: dict[str, Any] | None = None  # decoded attributes of a raw checkpoint entry
     pending: int = 0
+    raw_owner: Adapter | None = None    # mode "raw_copy": the adapter whose raw_load fills the target
 
 
 class QuantizedLoadPlanner(DefaultLoadPlanner):
@@ -349,7 +353,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
         specs = read_specs(metadata)
-        self._entries, self._dest = {}, {}
+        self._entries, self._dest, self._handled = {}, {}, set()
         for fqn, target in list(self.state_dict.items()):
             source = specs.get(fqn)
             placed = _place(target)
@@ -363,6 +367,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                     f"key {fqn!r}: the checkpoint stores a quantized tensor but the target holds "
                     f"{type(target).__name__}; give a tensor (plain or quantized) as the target.")
             del self.state_dict[fqn]
+            self._handled.add(fqn)
             entry = self._plan_entry(fqn, placed, adapter, source, metadata)
             if entry is not None:
                 self._entries[fqn] = entry
@@ -403,11 +408,16 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 raise CheckpointFormatError(
                     f"key {fqn!r}: component {c.name!r} is stored as {tuple(item_md.size)} "
                     f"{item_md.properties.dtype} but its spec says {c.shape} {c.dtype}")
+        check_component_bytes(source)
         if _is_empty(placed.chunk):
             return None
 
         if adapter is not None and _same_config(adapter, placed.local, source, fqn):
             return self._plan_direct(fqn, placed, adapter, source, layouts, md)
+        if adapter is not None:
+            entry = _plan_raw_copy(fqn, placed, adapter, source, source_adapter, source_attrs, layouts, md)
+            if entry is not None:
+                return entry
         read_chunk = _expand(layouts, source.shape, placed.chunk)
         buffers, temps, needs = {}, {}, {}
         for c in source.components:
@@ -439,7 +449,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         return _LoadEntry(fqn, placed, adapter, source, "direct", placed.chunk, buffers, temps, needs)
 
     def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
+        if self.flatten_state_dict:
+            self._detect_pre_2_4_keys()
+        plan = create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
         items = list(plan.items)
         for entry in self._entries.values():
             for item_fqn, (item_md, chunk) in entry.needs.items():
@@ -452,6 +464,23 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                         f"the {math.prod(chunk[1])} elements this rank needs (holes or overlaps).")
                 items.extend(reads)
         return dataclasses.replace(plan, items=items)
+
+    def _detect_pre_2_4_keys(self) -> None:
+        """DCP's fallback for checkpoints saved before torch 2.4 (other flattened key names), as in
+        ``DefaultLoadPlanner.create_local_plan``, with the keys qdcp plans counted as present."""
+        owned = {qspec.component_fqn(f, c.name) for f, e in read_specs(self.metadata).items()
+                 for c in e.components}
+        missing = set(self.metadata.state_dict_metadata) - set(self.state_dict) - self._handled - owned
+        if not missing:
+            return
+        _version._derived_version = "2_3"
+        try:
+            old_state_dict, old_mappings = flatten_state_dict(self.original_state_dict)
+        finally:
+            _version._derived_version = None
+        if set(old_state_dict) & missing:
+            self.state_dict = {k: v for k, v in old_state_dict.items() if k not in self._handled}
+            self.mappings = old_mappings
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
         for entry in self._entries.values():
@@ -482,10 +511,34 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=self.weights_only)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element  # DCP's own helper
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _plan_raw_copy(fqn, placed, adapter, source, source_adapter, source_attrs, layouts, md):
+    """A raw entry of another type that holds the target's bits (e.g. TE MXFP8 <-> torchao MXTensor):
+    read the components one of the two adapters names, for exactly the target's chunk, and let it
+    copy them in (no dequantize, no requantization). None when neither adapter offers it, or the
+    target's chunk is not aligned to those components' layouts."""
+    for owner in (adapter, source_adapter):
+        names = owner.raw_load_sources(placed.local, source.type, source_attrs)
+        if names is None:
+            continue
+        buffers, temps, needs = {}, {}, {}
+        try:
+            for name in names:
+                c = source.component(name)
+                item = qspec.component_fqn(fqn, name)
+                chunk = layouts[name].map_chunk(source.shape, placed.chunk)
+                buffers[item] = torch.empty(chunk[1], dtype=c.dtype)
+                temps[item] = name
+                needs[item] = (md[item], chunk)
+        except (AlignmentError, KeyError):
+            return None
+        return _LoadEntry(fqn, placed, adapter, source, "raw_copy", placed.chunk, buffers, temps, needs,
+                          source_attrs, raw_owner=owner)
+    return None
 
 
 def _same_config(adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, fqn: str) -> bool:
@@ -509,6 +562,10 @@ def _finalize(entry: _LoadEntry) -> None:
         if entry.temps:
             entry.adapter.copy_into(target, {c: entry.buffers[i] for i, c in entry.temps.items()})
         return
+    if entry.mode == "raw_copy":
+        comps = {c: entry.buffers[i] for i, c in entry.temps.items()}
+        entry.raw_owner.raw_load(target, entry.source.type, entry.source_attrs, comps)
+        return
     if entry.mode == "quantize":
         hp = next(iter(entry.buffers.values()))
     else:
@@ -524,6 +581,17 @@ def _finalize(entry: _LoadEntry) -> None:
         return
     new = entry.adapter.quantize_like(target, hp.to(target.device))
     entry.adapter.copy_into(target, entry.adapter.components(new))
+
+
+def check_component_bytes(entry: qspec.EntrySpec) -> None:
+    """Refuse a raw entry whose components claim more bytes than any quantized format needs
+    (4x the logical tensor, plus 1 MiB): a file must not make the loader allocate without bound."""
+    logical = math.prod(entry.shape) * entry.dtype.itemsize
+    claimed = sum(math.prod(c.shape) * c.dtype.itemsize for c in entry.components)
+    if claimed > 4 * logical + (1 << 20):
+        raise CheckpointFormatError(
+            f"key {entry.fqn!r}: components claim {claimed} bytes for a logical tensor of {logical} "
+            f"bytes; the spec is corrupt or hostile")
 
 
 def read_specs(metadata: Metadata | None) -> dict[str, qspec.EntrySpec]:

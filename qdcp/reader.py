@@ -1,117 +1,23 @@
-"""Reading checkpoint metadata without running code from it, and describing a checkpoint.
+"""Reading a checkpoint without a target: its metadata, a description, single entries, chunk checks.
 
-DCP's ``.metadata`` file is a pickle. :func:`safe_load_metadata` unpickles it with an allowlist of
-DCP's metadata classes, torch dtypes/sizes and path classes: any other global is refused.
-:class:`SafeFileSystemReader` is a ``FileSystemReader`` that reads metadata that way.
+Everything here reads through :func:`qdcp.storage.storage_reader` (safe metadata, verified
+checksums).
 """
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
-from typing import IO, Any
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    StorageMeta,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from qdcp import spec as qspec
-from qdcp.errors import CheckpointFormatError
-
-MAX_METADATA_BYTES = 1 << 30
-
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "strided"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"), ("pathlib", "Path"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise CheckpointFormatError(
-            f"the checkpoint's .metadata refers to {module}.{name}, which is not a DCP metadata "
-            f"class; refusing to unpickle it (the file may be tampered with)")
-
-
-def safe_load_metadata(stream: IO[bytes]) -> Metadata:
-    """Unpickle DCP ``Metadata`` admitting only DCP's metadata classes and builtins."""
-    data = stream.read(MAX_METADATA_BYTES + 1)
-    if len(data) > MAX_METADATA_BYTES:
-        raise CheckpointFormatError(f".metadata is larger than {MAX_METADATA_BYTES} bytes")
-    try:
-        md = _MetadataUnpickler(io.BytesIO(data)).load()
-    except CheckpointFormatError:
-        raise
-    except Exception as e:  # truncated or garbage pickles raise many types
-        raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {e!r}") from None
-    if not isinstance(md, Metadata):
-        raise CheckpointFormatError(f".metadata holds a {type(md).__name__}, not DCP Metadata")
-    return md
-
-
-class _SafeMetadata:
-    """Mixin for DCP's file-system readers: ``read_metadata`` never runs code from the file."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        if not self.fs.exists(path):
-            raise CheckpointFormatError(
-                f"{os.fspath(self.path)!r} has no .metadata: it is not a DCP checkpoint, or its save "
-                f"did not finish")
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = safe_load_metadata(f)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeFileSystemReader(_SafeMetadata, FileSystemReader):
-    """A ``FileSystemReader`` whose ``read_metadata`` never runs code from the checkpoint."""
-
-
-def _is_url(path: str | os.PathLike) -> bool:
-    return "://" in os.fspath(path)
-
-
-def safe_storage_reader(path: str | os.PathLike, **storage_options: Any) -> FileSystemReader:
-    """A reader for a local path or an fsspec URL (``memory://``, ``s3://``...) that reads
-    ``.metadata`` safely; ``storage_options`` go to fsspec (e.g. ``client_kwargs``)."""
-    if _is_url(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        class SafeFsspecReader(_SafeMetadata, FsspecReader):
-            """An ``FsspecReader`` whose ``read_metadata`` never runs code from the checkpoint."""
-
-        return SafeFsspecReader(os.fspath(path), **storage_options)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint directory at {os.fspath(path)!r}")
-    return SafeFileSystemReader(path)
-
+from qdcp.storage import storage_reader
 
 def read_metadata(path: str | os.PathLike, **storage_options: Any) -> Metadata:
     """The DCP ``Metadata`` of the checkpoint at ``path`` (a path or fsspec URL), read safely."""
-    return safe_storage_reader(path, **storage_options).read_metadata()
+    return storage_reader(path, **storage_options).read_metadata()
 
 
 def describe(path: str | os.PathLike) -> dict[str, dict]:
@@ -167,7 +73,7 @@ def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = No
     import torch.distributed.checkpoint as dcp
 
     from qdcp.adapters.base import adapter_for_type
-    from qdcp.planner import QuantizedLoadPlanner, read_specs
+    from qdcp.planner import check_component_bytes, read_specs
 
     md = metadata if metadata is not None else read_metadata(path)
     entry = read_specs(md).get(key)
@@ -175,6 +81,9 @@ def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = No
         adapter = adapter_for_type(entry.type, key)
         attrs = {k: qspec.decode_value(v, adapter.attribute_classes(), f"key {key!r}: ")
                  for k, v in entry.attrs.items()}
+        check_component_bytes(entry)
+        for c in entry.components:
+            _check_claimed_bytes(md, qspec.component_fqn(key, c.name))
         comps = {c.name: torch.empty(c.shape, dtype=c.dtype) for c in entry.components}
         state = {qspec.component_fqn(key, n): t for n, t in comps.items()}
         _load_quietly(state, path)
@@ -182,10 +91,45 @@ def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = No
     item = md.state_dict_metadata.get(key)
     if item is None:
         raise KeyError(f"key {key!r} is not in the checkpoint at {os.fspath(path)!r}")
+    if isinstance(item, TensorStorageMetadata):
+        _check_claimed_bytes(md, key)
     state = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
              if isinstance(item, TensorStorageMetadata) else None}
     _load_quietly(state, path)
     return state[key]
+
+
+_stored_cache: tuple[Any, dict[str, int]] = (None, {})
+
+
+def _stored_bytes(md: Metadata) -> dict[str, int]:
+    """Bytes stored per item fqn (framing included), computed once per metadata object."""
+    global _stored_cache
+    if _stored_cache[0] is not md:
+        totals: dict[str, int] = {}
+        for idx, info in (md.storage_data or {}).items():
+            fqn = getattr(idx, "fqn", None)
+            totals[fqn] = totals.get(fqn, 0) + int(getattr(info, "length", 0) or 0)
+        _stored_cache = (md, totals)
+    return _stored_cache[1]
+
+
+def _check_claimed_bytes(md: Metadata, fqn: str) -> None:
+    """A tensor item cannot hold more elements than its stored bytes: refuse before allocating."""
+    from qdcp.errors import CheckpointFormatError
+
+    item = md.state_dict_metadata.get(fqn)
+    if not isinstance(item, TensorStorageMetadata):
+        raise CheckpointFormatError(f"{fqn!r} is not a tensor item of the checkpoint")
+    claimed = 1
+    for s in item.size:
+        claimed *= int(s)
+    claimed *= item.properties.dtype.itemsize
+    stored = _stored_bytes(md).get(fqn, 0)
+    if claimed > stored:
+        raise CheckpointFormatError(
+            f"{fqn!r} claims {claimed} bytes but its stored items hold {stored}; the checkpoint's "
+            f"metadata is corrupt or hostile")
 
 
 def _load_quietly(state: dict, path) -> None:
@@ -197,7 +141,7 @@ def _load_quietly(state: dict, path) -> None:
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=safe_storage_reader(path), planner=QuantizedLoadPlanner(),
+        dcp.load(state, storage_reader=storage_reader(path), planner=QuantizedLoadPlanner(),
                  no_dist=True)
 
 

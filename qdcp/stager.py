@@ -15,6 +15,7 @@ that it keeps and reuses across checkpoints, and rebuilds an instance of the sam
 from __future__ import annotations
 
 import copy
+import gc
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -132,10 +133,9 @@ class QuantizedStager:
 
     def synchronize_staging(self) -> None:
         """Wait until every copy of the last :meth:`stage` call has landed (re-raises its error)."""
-        future = self._staging_future
+        future, self._staging_future = self._staging_future, None  # never keep the staged dict alive
         if future is not None:
             future.result()
-            self._staging_future = None  # so this stager does not keep the staged dict alive
 
     def close(self) -> None:
         """Wait for staging, stop the background thread and drop this stager's buffers.
@@ -160,8 +160,12 @@ class QuantizedStager:
         if ref is None or ref() is None:
             return
         deadline = time.monotonic() + self.busy_timeout
-        delay = 1e-4
+        delay, collected = 1e-4, False
         while ref() is not None:
+            if delay >= 0.05 and not collected:  # a reference cycle may be all that holds it
+                gc.collect()
+                collected = True
+                continue
             if time.monotonic() >= deadline:
                 raise StagingError(
                     "stage() was called while the state dict staged by the previous call is still in "
@@ -172,6 +176,7 @@ class QuantizedStager:
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
+    @torch.no_grad()
     def _stage(self, state_dict: dict[str, Any], ready: torch.Event | None) -> dict[str, Any]:
         seen: set[tuple] = set()
         memo: dict[int, Any] = {}

@@ -9,4 +9,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -c constraints.txt -e '.[test]'
+# TransformerEngine's pure-Python wheel (tests load its real classes on CPU; see tests/te_cpu.py)
+.venv/bin/python -m pip install -q --no-deps transformer-engine==2.20.2
 exec .venv/bin/python -m pytest -n 2 "$@"

@@ -159,7 +159,7 @@ def test_tampered_metadata_pickle_is_refused(tmp_path):
     with pytest.raises(CheckpointFormatError, match="builtins.print"):
         qdcp.describe(path)
     with pytest.raises(CheckpointFormatError):
-        qdcp.SafeFileSystemReader(path).read_metadata()
+        qdcp.CheckpointReader(path).read_metadata()
 
 
 def test_describe_errors(tmp_path):

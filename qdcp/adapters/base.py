@@ -100,6 +100,19 @@ class Adapter:
         for name, value in components.items():
             native[name].copy_(value)
 
+    def raw_load_sources(self, target: torch.Tensor, source_type: str,
+                         source_attrs: dict[str, Any]) -> list[str] | None:
+        """For a raw checkpoint entry of *another* type: the source components from which
+        :meth:`raw_load` fills ``target`` exactly (the same bits in another library's layout), or
+        None (default) when it cannot. Asked of the target's adapter, then of the source's."""
+        return None
+
+    def raw_load(self, target: torch.Tensor, source_type: str, source_attrs: dict[str, Any],
+                 components: Mapping[str, torch.Tensor]) -> None:
+        """Fill ``target`` in place from the canonical ``components`` named by :meth:`raw_load_sources`
+        (for the chunk ``target`` holds)."""
+        raise NotImplementedError
+
 
 # ----------------------------------------------------------------------------- registry
 

@@ -1,0 +1,206 @@
+"""How long ``dcp.async_save`` with :class:`qdcp.stager.QuantizedStager` blocks the caller, and what it costs.
+
+Builds a state dict of Int8Tensor weights (4096x4096, per-row scales) holding ``--gib`` GiB of
+components, then measures, in one run:
+
+- blocked: time the ``async_save`` call takes / a plain memcpy (``copy_``) of the same bytes into
+  memory that is already touched (goal <= 1.2 on CPU; <= 0.05 with ``async_staging=True``);
+- done: time until the upload finished (written and fsynced), in seconds;
+- peak mem: peak resident-memory growth during the save / the components' bytes, sampled from
+  /proc every 2 ms (staging buffers, which stay allocated for the next save, are counted);
+- the same for DCP's own ``async_save`` of plain tensors with the same byte count.
+
+The first save of a stager allocates its buffers (cold); later saves reuse them (warm).
+Run: ``python benchmarks/async_save.py [--gib 0.25] [--dir /tmp] [--repeat 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torchao.quantization import Int8Tensor  # noqa: E402
+from torchao.quantization.granularity import PerRow  # noqa: E402
+
+from qdcp import QuantizedSavePlanner  # noqa: E402
+from qdcp.adapters.base import find_adapter  # noqa: E402
+from qdcp.stager import QuantizedStager  # noqa: E402
+
+SHAPE = (4096, 4096)
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    """Resident set size of this process, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class PeakRSS:
+    """Samples RSS in a thread; ``peak - start`` is the growth while the block ran."""
+
+    def __enter__(self):
+        self.start = self.peak = rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start
+
+
+def quantized_state(gib: float) -> dict:
+    """Int8Tensor weights holding about ``gib`` GiB of components (qdata, scale, zero_point)."""
+    n = max(1, round(gib * 2**30 / (SHAPE[0] * SHAPE[1])))
+    g = torch.Generator().manual_seed(0)
+    return {f"layers.{i}.weight": Int8Tensor.from_hp(torch.randn(SHAPE, generator=g).to(torch.bfloat16),
+                                                     PerRow()) for i in range(n)}
+
+
+def component_bytes(state: dict) -> int:
+    return sum(b.nbytes for t in state.values() for b in find_adapter(t).inner_buffers(t).values())
+
+
+def plain_state(nbytes: int) -> dict:
+    """Plain int8 tensors of the given total size, shaped like the quantized weights."""
+    n = max(1, round(nbytes / (SHAPE[0] * SHAPE[1])))
+    return {f"layers.{i}.weight": torch.randint(-128, 127, SHAPE, dtype=torch.int8) for i in range(n)}
+
+
+def memcpy_seconds(state: dict, repeat: int) -> float:
+    """Best time to copy every tensor's bytes into already-touched CPU memory."""
+    srcs = [b for t in state.values()
+            for b in (find_adapter(t).inner_buffers(t).values() if find_adapter(t) else [t])]
+    dsts = [torch.empty_like(s) for s in srcs]
+    times = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def run_saves(state: dict, root: str, repeat: int, stager=None, planner_cls=None) -> list[dict]:
+    """``repeat`` async saves, each measured against memcpys timed just before and after it (this
+    machine's memory bandwidth drifts); the first save is the stager's cold one."""
+    out = []
+    for i in range(repeat):
+        before = memcpy_seconds(state, 2)
+        path = os.path.join(root, f"ckpt{i}")
+        kwargs = {"async_stager": stager} if stager is not None else {}
+        if planner_cls is not None:
+            kwargs["planner"] = planner_cls()
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            fut = dcp.async_save(state, checkpoint_id=path, **kwargs)
+            blocked = time.perf_counter() - t0
+            staged = None
+            if hasattr(fut, "staging_completion"):
+                fut.staging_completion.result()
+                staged = time.perf_counter() - t0
+                fut = fut.upload_completion
+            fut.result()
+            done = time.perf_counter() - t0
+        memcpy = (before + memcpy_seconds(state, 2)) / 2
+        out.append({"blocked": blocked / memcpy, "staged": staged, "done": done, "mem": mem.growth})
+        shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+def stage_only(stager: QuantizedStager, state: dict, repeat: int) -> float:
+    """Median time ``stager.stage()`` alone blocks (warm buffers) / memcpy: DCP's own overhead excluded."""
+    ratios = []
+    for _ in range(repeat):
+        memcpy = memcpy_seconds(state, 2)
+        t0 = time.perf_counter()
+        staged = stager.stage(state)
+        blocked = time.perf_counter() - t0
+        if hasattr(staged, "result"):
+            staged.result()
+        del staged
+        stager.synchronize_staging()
+        ratios.append(blocked / memcpy)
+    return statistics.median(ratios)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gib", type=float, default=1.0, help="GiB of quantized components (default 1)")
+    parser.add_argument("--dir", default=None, help="where to write checkpoints (default: a temp dir)")
+    parser.add_argument("--repeat", type=int, default=5, help="saves per configuration (default 5)")
+    args = parser.parse_args()
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        # A fixed mmap threshold makes glibc return freed tensors to the OS at once, so RSS
+        # growth measures what a save really holds. Re-exec with it set.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+        os.execv(sys.executable, [sys.executable] + sys.argv)
+
+    state = quantized_state(args.gib)
+    nbytes = component_bytes(state)
+    memcpy = memcpy_seconds(state, 3)
+    print(f"{len(state)} Int8Tensor weights {SHAPE}, components {nbytes / 2**30:.3f} GiB; "
+          f"memcpy {memcpy * 1e3:.1f} ms ({nbytes / memcpy / 2**30:.2f} GiB/s); "
+          f"{torch.get_num_threads()} threads, accelerator: {torch.accelerator.is_available()}")
+
+    root = tempfile.mkdtemp(prefix="qdcp-bench-", dir=args.dir)
+    rows, only = [], []
+    try:
+        for label, options in [("QuantizedStager", {}), ("QuantizedStager async_staging", {"async_staging": True})]:
+            stager = QuantizedStager(**options)
+            runs = run_saves(state, root, args.repeat, stager, QuantizedSavePlanner)
+            only.append((label, stage_only(stager, state, 3)))
+            staged_ratio = stager.staged_nbytes / nbytes
+            stager.close()
+            rows.append((label, runs, staged_ratio))
+        del state
+        plain = plain_state(nbytes)
+        rows.append(("DCP DefaultStager, plain tensors", run_saves(plain, root, args.repeat), None))
+        stager = QuantizedStager()
+        runs = run_saves(plain, root, args.repeat, stager)
+        rows.append(("QuantizedStager, plain tensors", runs, stager.staged_nbytes / nbytes))
+        stager.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    print(f"\n{'configuration':36} {'save':>5} {'blocked/memcpy':>15} {'staged s':>9} {'done s':>7} "
+          f"{'peak mem/bytes':>15} {'buffers/bytes':>14}")
+    for label, runs, staged_ratio in rows:
+        warm = runs[1:] or runs
+        summary = [("cold", runs[0]), ("warm", {k: (statistics.median(r[k] for r in warm)
+                                                    if warm[0][k] is not None else None) for k in runs[0]})]
+        for which, r in summary:
+            staged = f"{r['staged']:9.3f}" if r["staged"] is not None else f"{'-':>9}"
+            buffers = f"{staged_ratio:14.3f}" if staged_ratio is not None else f"{'-':>14}"
+            print(f"{label:36} {which:>5} {r['blocked']:15.3f} {staged} {r['done']:7.2f} "
+                  f"{r['mem'] / nbytes:15.3f} {buffers}")
+    for label, ratio in only:
+        print(f"{label + ': stage() alone':52} {ratio:15.3f}")
+    print("\nblocked/memcpy goals: <= 1.2 (sync staging, warm), <= 0.05 (async_staging). "
+          "warm = median of saves 2..n, whose buffers are reused.")
+
+
+if __name__ == "__main__":
+    main()

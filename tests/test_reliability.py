@@ -1,0 +1,152 @@
+"""Atomic commits, crashes (SIGKILL in a subprocess at several points), checksums, overwrite."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import qdcp
+from qdcp import CheckpointFormatError, QdcpError, QuantizedLoadPlanner, QuantizedSavePlanner
+from qdcp.storage import ChecksumError, CheckpointReader, CheckpointWriter
+from crash_worker import state
+from quantized_cases import assert_same_buffers
+
+WORKER = os.path.join(os.path.dirname(__file__), "crash_worker.py")
+
+
+def _inner(fn):
+    try:
+        return fn()
+    except CheckpointException as e:
+        raise next(iter(e.failures.values()))[0] from None
+
+
+def save(path, version, overwrite=False, **kw):
+    dcp.save(state(version), storage_writer=CheckpointWriter(path, overwrite=overwrite, **kw),
+             planner=QuantizedSavePlanner(), no_dist=True)
+
+
+def load(path):
+    out = state(99)
+    _inner(lambda: dcp.load(out, storage_reader=CheckpointReader(path), planner=QuantizedLoadPlanner(),
+                            no_dist=True))
+    return out
+
+
+def assert_is_version(loaded, version):
+    expected = state(version)
+    for k in ("int8", "nf4", "mx"):
+        assert_same_buffers(loaded[k], expected[k])
+    assert torch.equal(loaded["bias"], expected["bias"]) and loaded["step"] == version
+
+
+def crash(path, version, kill_at, overwrite=False):
+    args = [sys.executable, WORKER, str(path), str(version), kill_at] + (["--overwrite"] if overwrite else [])
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
+
+
+def verify(path):
+    return subprocess.run([sys.executable, "-m", "qdcp", "verify", str(path)], capture_output=True,
+                          text=True, timeout=120)
+
+
+KILL_POINTS = ["resolve:1", "resolve:4", "resolve:9", "before_commit", "replace", "cleanup"]
+
+
+@pytest.mark.parametrize("kill_at", KILL_POINTS)
+def test_killed_overwrite_leaves_a_loadable_checkpoint(tmp_path, kill_at):
+    path = tmp_path / "ckpt"
+    save(path, 1)
+    crash(path, 2, kill_at, overwrite=True)
+    # killed before the commit: the old checkpoint, untouched; after it: the new one
+    assert_is_version(load(path), 2 if kill_at == "cleanup" else 1)
+    assert verify(path).returncode == 0
+    # the next save cleans the debris of the killed one
+    save(path, 3, overwrite=True)
+    assert_is_version(load(path), 3)
+    referenced = {i.relative_path for i in qdcp.read_metadata(path).storage_data.values()}
+    assert {n for n in os.listdir(path) if n.endswith(".distcp")} == referenced
+
+
+@pytest.mark.parametrize("kill_at", ["resolve:1", "resolve:9", "before_commit", "replace"])
+def test_killed_first_save_is_detected_as_partial(tmp_path, kill_at):
+    path = tmp_path / "fresh"
+    crash(path, 2, kill_at)
+    assert path.is_dir() and not (path / ".metadata").exists()
+    # DCP re-raises a reader's metadata error as an AssertionError that carries qdcp's message
+    with pytest.raises((CheckpointFormatError, AssertionError), match="did not finish"):
+        load(path)
+    proc = verify(path)
+    assert proc.returncode == 2 and "did not finish" in proc.stderr
+
+
+def test_overwrite_needs_an_explicit_choice(tmp_path):
+    path = tmp_path / "ckpt"
+    save(path, 1)
+    before = {n: (path / n).read_bytes() for n in os.listdir(path)}
+    with pytest.raises(QdcpError, match="already exists.*overwrite=True"):
+        _inner(lambda: save(path, 2))
+    assert {n: (path / n).read_bytes() for n in os.listdir(path)} == before
+    assert_is_version(load(path), 1)
+
+
+def test_second_save_to_a_path_in_flight_is_refused(tmp_path):
+    path = tmp_path / "ckpt"
+    errors = []
+
+    class Nested(QuantizedSavePlanner):
+        def resolve_data(self, item):
+            if not errors:
+                try:
+                    _inner(lambda: save(path, 5, overwrite=True))
+                except QdcpError as e:
+                    errors.append(e)
+            return super().resolve_data(item)
+
+    dcp.save(state(1), storage_writer=CheckpointWriter(path), planner=Nested(), no_dist=True)
+    assert errors and "in progress" in str(errors[0])
+    assert_is_version(load(path), 1)
+    save(path, 2, overwrite=True)  # released after the first save finished
+    assert_is_version(load(path), 2)
+
+
+def _item_at(md, file_name, offset):
+    for index, info in md.storage_data.items():
+        if info.relative_path == file_name and info.offset <= offset < info.offset + info.length:
+            return index.fqn
+    return None
+
+
+def test_flipped_byte_anywhere_is_reported_with_its_key(tmp_path):
+    path = tmp_path / "ckpt"
+    save(path, 1)
+    md = qdcp.read_metadata(path)
+    (data_file,) = [n for n in os.listdir(path) if n.endswith(".distcp")]
+    raw = (path / data_file).read_bytes()
+    offsets = sorted({int(i * (len(raw) - 1) / 29) for i in range(30)})
+    for off in offsets:
+        fqn = _item_at(md, data_file, off)
+        flipped = bytearray(raw)
+        flipped[off] ^= 0x5A
+        (path / data_file).write_bytes(bytes(flipped))
+        key = fqn.split(".__qdcp__.")[0]
+        with pytest.raises(ChecksumError, match=f"key '{key}'"):
+            load(path)
+    (path / data_file).write_bytes(raw)
+    assert_is_version(load(path), 1)
+
+
+def test_checksums_off_gives_a_stock_readable_checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    dcp.save({"w": torch.arange(10.0), "n": 3}, storage_writer=CheckpointWriter(path, checksums=False))
+    out = {"w": torch.zeros(10), "n": 0}
+    dcp.load(out, checkpoint_id=path)  # stock reader
+    assert torch.equal(out["w"], torch.arange(10.0)) and out["n"] == 3
