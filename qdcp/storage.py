@@ -7,6 +7,8 @@
   with it, new data files get fresh names and the new ``.metadata`` atomically replaces the old one
   (``rename``), so a save killed at any point leaves the previous checkpoint loadable. Files of the
   previous checkpoint are removed only after the commit. One save per path at a time per process.
+  Used by ``dcp.async_save`` as its stager (when none is given), it stages through
+  :class:`qdcp.QuantizedStager`.
 - :func:`storage_writer` / :func:`storage_reader` pick the file-system or fsspec variant for a path
   or URL (``memory://``, ``s3://``...).
 """
@@ -232,6 +234,30 @@ class _AtomicWriting:
     def _setup_atomic(self, overwrite: bool) -> None:
         self.qdcp_overwrite = overwrite
         self._holds_path = False
+        self._stager = None
+
+    # DCP uses a writer that is an AsyncStager as the stager of dcp.async_save when none is given:
+    # stage through qdcp's stager so quantized tensors are copied by their inner buffers.
+    def stage(self, state_dict):
+        if self._stager is None:
+            from qdcp.stager import QuantizedStager
+
+            self._stager = QuantizedStager()
+        return self._stager.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        if self._stager is not None:
+            self._stager.synchronize_staging()
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def __getstate__(self):  # the PROCESS checkpointer pickles the writer: buffers stay here
+        state = self.__dict__.copy()
+        state["_stager"] = None
+        return state
 
     def _key(self) -> str:
         return os.path.abspath(os.fspath(self.path)) if not _is_url(self.path) else os.fspath(self.path)

@@ -150,3 +150,16 @@ def test_checksums_off_gives_a_stock_readable_checkpoint(tmp_path):
     out = {"w": torch.zeros(10), "n": 0}
     dcp.load(out, checkpoint_id=path)  # stock reader
     assert torch.equal(out["w"], torch.arange(10.0)) and out["n"] == 3
+
+
+def test_async_save_through_checkpoint_writer_stages_quantized_tensors(tmp_path):
+    """With qdcp's writer and no explicit stager, DCP stages through the writer: it must copy
+    quantized tensors by their inner buffers, and the live state may change right after."""
+    live = state(1)
+    path = tmp_path / "ckpt"
+    writer = CheckpointWriter(path)
+    fut = dcp.async_save(live, storage_writer=writer, planner=QuantizedSavePlanner())
+    live["int8"].qdata.zero_()  # training goes on
+    fut.result()
+    writer.close()
+    assert_is_version(load(path), 1)
