@@ -22,7 +22,7 @@ def timed(fn: Callable[[], object], repeat: int = 3, setup: Callable[[], object]
 
 
 def compare(cases: dict[str, tuple[Callable[[], object], Callable[[], object] | None]],
-            repeat: int = 5) -> dict[str, float]:
+            repeat: int = 5, sync: bool = True) -> dict[str, float]:
     """Median wall time of each ``(fn, setup)``, runs interleaved so drift hits all cases alike.
 
     Before each timed run: its setup, then ``os.sync()`` so earlier writes are not flushed inside it.
@@ -34,7 +34,8 @@ def compare(cases: dict[str, tuple[Callable[[], object], Callable[[], object] | 
             fn, setup = cases[name]
             if setup:
                 setup()
-            os.sync()
+            if sync:
+                os.sync()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)

@@ -65,6 +65,10 @@ class Blocked(Layout):
             raise CheckpointFormatError(
                 f"block {self.block} does not match a logical tensor of rank {len(logical_shape)}")
 
+    def component_shape(self, logical_shape):
+        self._check_rank(logical_shape)
+        return tuple(_ceil_div(int(n), b) for n, b in zip(logical_shape, self.block))
+
     def map_chunk(self, logical_shape, chunk):
         self._check_rank(logical_shape)
         offsets, sizes = chunk
@@ -98,6 +102,9 @@ class Flat(Layout):
     """A 1-D component over the flattened logical tensor, one item per ``group`` elements."""
 
     group: int
+
+    def component_shape(self, logical_shape):
+        return (_ceil_div(math.prod(logical_shape), self.group),)
 
     def map_chunk(self, logical_shape, chunk):
         offsets, sizes = chunk
