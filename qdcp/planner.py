@@ -17,6 +17,7 @@ the adapter registry, bare or as the local tensor of a DTensor) are planned here
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import math
 import threading
@@ -260,6 +261,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             for item in entry.items:
                 planner_data.setdefault(item.index.fqn, (item.index.fqn,))
         planner_data[qspec.PLANNER_DATA_KEY] = qspec.dumps({f: e.spec for f, e in self._entries.items()})
+        planner_data[_REPLICATED_KEY] = _replicated_digests(self._entries.values())
         self.plan = SavePlan(items, planner_data=planner_data)
         if self._enable_plan_caching:
             cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
@@ -271,8 +273,18 @@ class QuantizedSavePlanner(DefaultSavePlanner):
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         texts, stripped = [], []
-        for plan in all_plans:
+        digests: dict[str, tuple[int, str]] = {}
+        for rank, plan in enumerate(all_plans):
             data = dict(plan.planner_data or {})
+            for item_fqn, digest in (data.pop(_REPLICATED_KEY, None) or {}).items():
+                first = digests.setdefault(item_fqn, (rank, digest))
+                if first[1] != digest:
+                    fqn, name = item_fqn.rsplit(qspec.COMPONENT_SEPARATOR, 1)
+                    raise AlignmentError(
+                        f"key {fqn!r}: component {name!r} holds one value for the whole tensor, but "
+                        f"ranks {first[0]} and {rank} hold different values: the shards were quantized "
+                        f"each on its own (e.g. with its own per-tensor scale). Quantize the shards with "
+                        f"one scale for the whole tensor, or save this entry dequantized.")
             texts.append(data.pop(qspec.PLANNER_DATA_KEY, None) or qspec.dumps({}))
             stripped.append(dataclasses.replace(plan, planner_data=data))
         plans, metadata = super()._create_global_plan(stripped)
@@ -289,6 +301,27 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         if component is None:
             return entry.adapter.dequantize(t).to(entry.spec.stored_dtype)
         return entry.adapter.components(t)[component]
+
+
+_REPLICATED_KEY = "__qdcp_replicated__"  # per-rank digests of replicated components; not saved
+
+
+def _replicated_digests(entries) -> dict[str, str]:
+    """sha256 of each replicated component of the raw DTensor entries, to compare across ranks:
+    DCP keeps one rank's copy of a replicated item, so ranks that disagree must fail the save."""
+    out = {}
+    for entry in entries:
+        if not entry.placed.is_dtensor or entry.spec.storage != qspec.RAW:
+            continue
+        comps = None
+        for c in entry.spec.components:
+            if c.layout.get("kind") != "replicated":
+                continue
+            comps = comps if comps is not None else entry.adapter.components(entry.placed.local)
+            t = comps[c.name].detach().cpu().contiguous().reshape(-1)
+            data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            out[qspec.component_fqn(entry.fqn, c.name)] = hashlib.sha256(data).hexdigest()
+    return out
 
 
 def _merge_specs(texts: list[str]) -> str:
@@ -410,9 +443,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 raise LoadMismatchError(
                     f"key {fqn!r}: checkpoint shape {tuple(plain_md.size)} != target shape "
                     f"{placed.global_shape}")
-            temp = torch.empty(placed.chunk[1], dtype=plain_md.properties.dtype)
-            return _LoadEntry(fqn, placed, adapter, None, "quantize", placed.chunk, {fqn: temp}, {},
-                              {fqn: (plain_md, placed.chunk)})
+            read_chunk = _amax_chunk(adapter, placed) or placed.chunk
+            temp = torch.empty(read_chunk[1], dtype=plain_md.properties.dtype)
+            return _LoadEntry(fqn, placed, adapter, None, "quantize", read_chunk, {fqn: temp}, {},
+                              {fqn: (plain_md, read_chunk)})
 
         if source.shape != placed.global_shape:
             raise LoadMismatchError(
@@ -440,7 +474,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             entry = _plan_raw_copy(fqn, placed, adapter, source, source_adapter, source_attrs, layouts, md)
             if entry is not None:
                 return entry
-        read_chunk = _expand(layouts, source.shape, placed.chunk)
+        read_chunk = _amax_chunk(adapter, placed) or _expand(layouts, source.shape, placed.chunk)
         buffers, temps, needs = {}, {}, {}
         for c in source.components:
             item = qspec.component_fqn(fqn, c.name)
@@ -576,6 +610,15 @@ def _same_config(adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, fqn
     return True
 
 
+def _amax_chunk(adapter: Adapter | None, placed: _Placed) -> Chunk | None:
+    """The whole tensor, for a shard of a target whose per-tensor scale needs the global amax:
+    every rank reads it all and computes the same amax, with no collective."""
+    if adapter is None or not adapter.needs_global_amax(placed.local):
+        return None
+    whole = full_chunk(placed.global_shape)
+    return whole if placed.chunk != whole else None
+
+
 def _finalize(entry: _LoadEntry) -> None:
     """Turn what was read for one entry into the target's values, in place."""
     target = entry.placed.local
@@ -588,19 +631,23 @@ def _finalize(entry: _LoadEntry) -> None:
         entry.raw_owner.raw_load(target, entry.source.type, entry.source_attrs, comps)
         return
     if entry.mode == "quantize":
-        hp = next(iter(entry.buffers.values()))
+        read = next(iter(entry.buffers.values()))
     else:
         source = entry.source
         comps = {c: entry.buffers[i] for i, c in entry.temps.items()}
         src_adapter = adapter_for_type(source.type, entry.fqn)
         rebuilt = src_adapter.rebuild(source.type, entry.source_attrs, entry.read_chunk[1],
                                       source.dtype, comps)
-        hp = _narrow(src_adapter.dequantize(rebuilt), _relative(entry.placed.chunk, entry.read_chunk))
+        read = src_adapter.dequantize(rebuilt)
+    hp = _narrow(read, _relative(entry.placed.chunk, entry.read_chunk))
     if entry.adapter is None:
         with torch.no_grad():
             target.copy_(hp)
         return
-    new = entry.adapter.quantize_like(target, hp.to(target.device))
+    global_amax = None
+    if entry.adapter.needs_global_amax(target):  # read_chunk is the whole tensor (_amax_chunk)
+        global_amax = read.abs().amax()
+    new = entry.adapter.quantize_like(target, hp.to(target.device), global_amax=global_amax)
     entry.adapter.copy_into(target, entry.adapter.components(new))
 
 

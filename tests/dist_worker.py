@@ -1,0 +1,691 @@
+"""The script every ``torchrun`` rank runs for ``tests/test_distributed.py``.
+
+    python -m torch.distributed.run --nproc-per-node N tests/dist_worker.py COMMAND DIR
+
+Commands (``N`` is the world size of the job):
+
+- ``reshard-save DIR``: saves, at ``N`` ranks, under ``DIR/n{N}/``: ``main`` (every torchao case of
+  ``quantized_cases`` as a DTensor ``Shard(0)`` (raw and dequantized) and ``Replicate()``), and one
+  checkpoint per per-tensor-scale case (``pt_<case>``), each saved on its own so that a refused
+  save does not hide the others. Checks the save-time behaviour and the ``.metadata``.
+- ``reshard-load DIR``: at ``M`` ranks, loads every ``DIR/n*/`` checkpoint into plain ``Shard(0)``
+  DTensors, plain full tensors, same-type quantized ``Shard(0)``/``Replicate()`` DTensors, and
+  compares with references computed here from the same deterministic data.
+- ``fsdp-save DIR`` / ``fsdp-load DIR``: FSDP2 (``fully_shard``) model with NF4 weights and three
+  trainable layers driven by ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8``, saved/loaded through
+  ``get_state_dict``/``set_state_dict``.
+
+Every check appends to a named *section*; rank 0 gathers the failures of all ranks, writes them to
+``DIR/results-<command>-<world>.json`` (``{section: [failure, ...]}``) and the job exits 1 if any
+section failed (2 if it crashed). pytest turns sections into test outcomes.
+
+Local shards are built the way FSDP2 builds its DTensors: ``DTensor(local, DTensorSpec(...))``
+without view ops (``DTensor.from_local`` calls ``view_as``, which ``Int8Tensor`` lacks).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import traceback
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import qdcp  # noqa: E402
+from qdcp import QdcpError, QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
+from quantized_cases import CASES, SHAPE, bits, inner  # noqa: E402
+
+# ----------------------------------------------------------------------------- setup
+
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
+USE_CUDA = torch.cuda.is_available() and torch.cuda.device_count() >= int(
+    os.environ.get("LOCAL_WORLD_SIZE", WORLD))
+DEVICE = torch.device("cuda", LOCAL_RANK) if USE_CUDA else torch.device("cpu")
+
+PER_TENSOR = ("int8_tensor", "float8_tensor_e5m2", "nvfp4_per_tensor", "nvfp4_per_tensor_swizzled")
+NF4 = ("nf4", "nf4_block32")
+ROW_LOCAL = tuple(c.name for c in CASES if c.name not in PER_TENSOR + NF4)
+CASE = {c.name: c for c in CASES}
+SEED = {c.name: 100 + i for i, c in enumerate(CASES)}
+
+_failures: dict[str, list[str]] = {}
+ROOT = ""  # the job's directory (argv[2])
+
+
+def check(section: str, ok: bool, msg: str) -> None:
+    _failures.setdefault(section, [])
+    if not ok:
+        _failures[section].append(f"[rank {RANK}/{WORLD}] {msg}")
+
+
+def section_error(section: str, what: str, e: BaseException) -> None:
+    check(section, False, f"{what}: {type(e).__name__}: {_short(e)}")
+
+
+def _short(e: BaseException, n: int = 600) -> str:
+    if isinstance(e, CheckpointException):  # name the first rank's own exception, not DCP's wrapper
+        for rank, err in sorted(e.failures.items()):
+            exc = err[0] if isinstance(err, tuple) else err
+            if isinstance(exc, BaseException):
+                return f"(rank {rank}) {type(exc).__name__}: {_short(exc, n)}"
+    s = str(e).replace("\n", " | ")
+    return s if len(s) <= n else s[:n] + "..."
+
+
+def init() -> torch.distributed.DeviceMesh:
+    if USE_CUDA:
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group("nccl" if USE_CUDA else "gloo")
+    return init_device_mesh(DEVICE.type, (WORLD,))
+
+
+def finish(results_path: str, crashed: BaseException | None = None) -> int:
+    if crashed is not None:
+        section_error("crash", "the job raised", crashed)
+        traceback.print_exception(crashed)
+    gathered: list = [None] * WORLD
+    dist.all_gather_object(gathered, _failures)
+    merged: dict[str, list[str]] = {}
+    for part in gathered:
+        for k, v in part.items():
+            merged.setdefault(k, []).extend(v)
+    bad = {k: v for k, v in merged.items() if v}
+    if RANK == 0:
+        with open(results_path, "w") as f:
+            json.dump(merged, f, indent=1)
+        for k, v in bad.items():
+            print(f"FAILED section {k}:", *v[:20], sep="\n  ", file=sys.stderr)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 2 if "crash" in bad else (1 if bad else 0)
+
+
+# ----------------------------------------------------------------------------- DTensors
+
+def row_chunks(rows: int, world: int) -> list[tuple[int, int]]:
+    """(offset, size) of each rank's rows for Shard(0): torch.chunk sizes, as DTensor does."""
+    size = -(-rows // world)
+    return [(min(r * size, rows), max(0, min(size, rows - r * size))) for r in range(world)]
+
+
+def make_dtensor(local: torch.Tensor, mesh, placement, shape, dtype) -> DTensor:
+    """A DTensor over ``local`` built without view ops (as FSDP2's ``_from_local_no_grad``)."""
+    stride = torch.empty(shape, device="meta").stride()
+    spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def nf4_ok(case, world: int, rows: int = SHAPE[0]) -> bool:
+    """Whether ``case`` (NF4) shards at ``world`` ranks: torchao splits NF4 on whole scaler blocks."""
+    group = _nf4_group(case)
+    return all((s * SHAPE[1]) % group == 0 for _, s in row_chunks(rows, world))
+
+
+def _nf4_group(case) -> int:
+    probe = case.from_hp(torch.zeros(SHAPE, dtype=case.dtype))
+    return probe.block_size * probe.scaler_block_size
+
+
+def buildable(name: str, world: int) -> bool:
+    return name not in NF4 or nf4_ok(CASE[name], world)
+
+
+def local_shard(name: str, hp: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s quantized shard of ``hp`` at ``world`` ranks.
+
+    Per-row-block formats and per-tensor formats: the case's ``from_hp`` of the rank's rows (each
+    shard quantized on its own, as a sharded quantize does). NF4: ``torch.chunk`` of the globally
+    quantized tensor, as FSDP2 shards an ``NF4Tensor`` parameter (one shared ``scaler_mean``).
+    """
+    case = CASE[name]
+    o, s = row_chunks(hp.shape[0], world)[rank]
+    if name in NF4:
+        return torch.chunk(case.from_hp(hp.to(DEVICE)), world)[rank]
+    return case.from_hp(hp[o:o + s].to(DEVICE))
+
+
+def ref_dequant(name: str, hp: torch.Tensor, world: int) -> torch.Tensor:
+    """The global tensor a ``Shard(0)`` checkpoint saved at ``world`` ranks stands for (on CPU)."""
+    case = CASE[name]
+    return torch.cat([case.dequantize(local_shard(name, hp, world, r)).cpu() for r in range(world)])
+
+
+def my_rows(t: torch.Tensor, world: int = None, rank: int = None) -> torch.Tensor:
+    o, s = row_chunks(t.shape[0], world or WORLD)[RANK if rank is None else rank]
+    return t[o:o + s]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None if ``a`` and ``b`` have the same type, shape and bit-identical inner buffers."""
+    if type(a) is not type(b):
+        return f"types {type(a).__name__} != {type(b).__name__}"
+    if a.shape != b.shape:
+        return f"shapes {tuple(a.shape)} != {tuple(b.shape)}"
+    if type(a) is torch.Tensor:
+        if a.dtype != b.dtype:
+            return f"dtypes {a.dtype} != {b.dtype}"
+        if torch.equal(bits(a.cpu()), bits(b.cpu())):
+            return None
+        if a.numel() <= 4:
+            return f"values {a.tolist()} != {b.tolist()}"
+        return "values differ"
+    ia, ib = inner(a), inner(b)
+    if sorted(ia) != sorted(ib):
+        return f"components {sorted(ia)} != {sorted(ib)}"
+    for n in ia:
+        if ia[n].shape != ib[n].shape or ia[n].dtype != ib[n].dtype:
+            return f"component {n}: {tuple(ia[n].shape)} {ia[n].dtype} != {tuple(ib[n].shape)} {ib[n].dtype}"
+        if not torch.equal(bits(ia[n].cpu()), bits(ib[n].cpu())):
+            diff = (ia[n].cpu().float() - ib[n].cpu().float()).abs() if ia[n].is_floating_point() else None
+            return f"component {n} differs" + (f" (max abs diff {diff.max().item():.3g})" if diff is not None
+                                                and diff.numel() and torch.isfinite(diff).all() else "")
+    return None
+
+
+def qdcp_error_in(e: BaseException) -> QdcpError | None:
+    """The QdcpError behind ``e`` (DCP wraps per-rank errors in CheckpointException)."""
+    if isinstance(e, QdcpError):
+        return e
+    if isinstance(e, CheckpointException):
+        for err in e.failures.values():
+            exc = err[0] if isinstance(err, tuple) else err
+            found = qdcp_error_in(exc) if isinstance(exc, BaseException) else None
+            if found is not None:
+                return found
+    cause = e.__cause__ or e.__context__
+    return qdcp_error_in(cause) if cause is not None else None
+
+
+# ----------------------------------------------------------------------------- reshard: save
+
+def main_state(mesh, world: int) -> dict:
+    """``shard.*`` raw Shard(0), ``deq.*`` dequantized Shard(0), ``repl.*`` raw Replicate()."""
+    state: dict = {"step": world, "bias": torch.arange(7, dtype=torch.float32)}
+    for c in CASES:
+        hp = c.hp(SEED[c.name])
+        if c.name not in PER_TENSOR and buildable(c.name, world):
+            for prefix in ("shard", "deq"):
+                state[f"{prefix}.{c.name}"] = make_dtensor(
+                    local_shard(c.name, hp, world, RANK), mesh, Shard(0), SHAPE, c.dtype)
+        state[f"repl.{c.name}"] = make_dtensor(c.from_hp(hp.to(DEVICE)), mesh, Replicate(), SHAPE, c.dtype)
+    return state
+
+
+def reshard_save(root: str, mesh) -> None:
+    out = os.path.join(root, f"n{WORLD}")
+    path = os.path.join(out, "main")
+    state = main_state(mesh, WORLD)
+    try:
+        dcp.save(state, checkpoint_id=path,
+                 planner=QuantizedSavePlanner(dequantize=lambda fqn, t: fqn.startswith("deq.")))
+    except BaseException as e:  # noqa: BLE001 (CheckpointException is a BaseException)
+        section_error("save_main", "dcp.save of the main checkpoint", e)
+        return
+    check("save_main", True, "")
+    dist.barrier()
+    if RANK == 0:
+        check_metadata(path, WORLD)
+
+    # Per-tensor scales, each shard quantized on its own (its own scale): its own checkpoint each.
+    outcomes = {}
+    for name in PER_TENSOR:
+        case = CASE[name]
+        hp = case.hp(SEED[name])
+        t = make_dtensor(local_shard(name, hp, WORLD, RANK), mesh, Shard(0), SHAPE, case.dtype)
+        try:
+            dcp.save({"w": t}, checkpoint_id=os.path.join(out, f"pt_{name}"), planner=QuantizedSavePlanner())
+            outcomes[name] = "saved"
+        except BaseException as e:  # noqa: BLE001
+            q = qdcp_error_in(e)
+            outcomes[name] = f"error {type(q or e).__name__}: {_short(q or e, 300)}"
+            check(f"save_per_tensor[{name}]", q is not None and "'w'" in str(q),
+                  f"{name}: the save failed without a QdcpError naming the key 'w': {_short(e)}")
+            check(f"save_per_tensor[{name}]", WORLD > 1, f"{name}: a 1-rank save must work: {_short(e)}")
+    if RANK == 0:
+        with open(os.path.join(out, "per_tensor_outcomes.json"), "w") as f:
+            json.dump(outcomes, f, indent=1)
+    dist.barrier()
+
+
+def check_metadata(path: str, world: int) -> None:
+    """Replicated components are written once: one chunk, one storage record."""
+    md = qdcp.read_metadata(path)
+    specs = qdcp.planner.read_specs(md)
+    n_replicated = 0
+    for fqn, entry in specs.items():
+        for c in entry.components:
+            item = f"{fqn}.__qdcp__.{c.name}"
+            tmd = md.state_dict_metadata.get(item)
+            check("metadata", tmd is not None, f"{item} missing from .metadata")
+            if tmd is None:
+                continue
+            stored = [k for k in md.storage_data if k.fqn == item]
+            if c.layout.get("kind") == "replicated" or fqn.startswith("repl."):
+                n_replicated += 1
+                check("metadata", len(tmd.chunks) == 1 and len(stored) == 1,
+                      f"{item} ({c.layout}) is replicated but has {len(tmd.chunks)} chunks / "
+                      f"{len(stored)} storage records")
+            elif c.layout.get("kind") == "blocked" and fqn.startswith("shard."):
+                check("metadata", len(tmd.chunks) == world,
+                      f"{item}: {len(tmd.chunks)} chunks for a Shard(0) entry saved at {world} ranks")
+    check("metadata", n_replicated > 0, "no replicated components seen")
+    check("metadata", "step" in md.state_dict_metadata and "bias" in md.state_dict_metadata,
+          "plain entries missing")
+
+
+# ----------------------------------------------------------------------------- reshard: load
+
+def reshard_load(root: str, mesh) -> None:
+    for sub in sorted(os.listdir(root)):
+        if not (sub.startswith("n") and sub[1:].isdigit()):
+            continue
+        n = int(sub[1:])
+        main = os.path.join(root, sub, "main")
+        if os.path.exists(os.path.join(main, ".metadata")):
+            load_main(main, n, mesh)
+            load_mixed(main, n, mesh)
+        for name in PER_TENSOR:
+            path = os.path.join(root, sub, f"pt_{name}")
+            if os.path.exists(os.path.join(path, ".metadata")):
+                load_per_tensor(path, name, n, mesh)
+    load_global_amax(mesh)
+
+
+def _load(section: str, what: str, state: dict, path: str) -> bool:
+    try:
+        dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner())
+        return True
+    except BaseException as e:  # noqa: BLE001
+        section_error(section, what, e)
+        return False
+
+
+def load_main(path: str, n: int, mesh) -> None:
+    tag = f"N={n}->M={WORLD}"
+    names = [c.name for c in CASES]
+    entries = {}  # fqn -> (case name, reference global dequantized tensor)
+    for name in names:
+        hp = CASE[name].hp(SEED[name])
+        if name not in PER_TENSOR and buildable(name, n):
+            ref = ref_dequant(name, hp, n)
+            entries[f"shard.{name}"] = (name, ref)
+            entries[f"deq.{name}"] = (name, ref)
+        entries[f"repl.{name}"] = (name, CASE[name].dequantize(CASE[name].from_hp(hp.to(DEVICE))).cpu())
+
+    # 1. plain Shard(0) DTensors and 2. plain full tensors on every rank
+    for section, sharded in (("plain_shard", True), ("plain_full", False)):
+        state = {"step": 0, "bias": torch.zeros(7)}
+        for fqn, (name, ref) in entries.items():
+            dtype = CASE[name].dtype
+            if sharded:
+                state[fqn] = make_dtensor(torch.zeros(my_rows(ref).shape, dtype=dtype, device=DEVICE),
+                                          mesh, Shard(0), SHAPE, dtype)
+            else:
+                state[fqn] = torch.zeros(SHAPE, dtype=dtype, device=DEVICE)
+        if not _load(section, f"{tag}: load into plain targets", state, path):
+            continue
+        check(section, state["step"] == n and torch.equal(state["bias"], torch.arange(7.0)),
+              f"{tag}: plain entries wrong")
+        for fqn, (name, ref) in entries.items():
+            got = state[fqn]._local_tensor if sharded else state[fqn]
+            want = my_rows(ref) if sharded else ref
+            check(section, same_bits(got.cpu(), want) is None,
+                  f"{tag}: {fqn}: plain target != reference dequantize ({same_bits(got.cpu(), want)})")
+
+    # 3. same type and config, Shard(0): raw -> buffers bit-identical to the source rows' buffers
+    #    4. Replicate(): bit-identical to the source; 5. dequantized -> quantized like the target
+    state, expect, locals_ = {}, {}, {}
+    for fqn, (name, ref) in entries.items():
+        case, hp = CASE[name], CASE[name].hp(SEED[name])
+        kind = fqn.split(".")[0]
+        if kind == "repl":
+            local = case.from_hp(case.hp(SEED[name] + 1000).to(DEVICE))
+            state[fqn] = make_dtensor(local, mesh, Replicate(), SHAPE, case.dtype)
+            expect[fqn] = case.from_hp(hp.to(DEVICE))
+        elif not buildable(name, WORLD):
+            continue  # no NF4 target shard at this world size (torchao cannot split it)
+        else:
+            local = local_shard(name, case.hp(SEED[name] + 1000), WORLD, RANK)
+            state[fqn] = make_dtensor(local, mesh, Shard(0), SHAPE, case.dtype)
+            if kind == "shard":
+                expect[fqn] = local_shard(name, hp, WORLD, RANK)
+            elif name in NF4:
+                expect[fqn] = None  # quantize-on-load into NF4 shards: checked in global_amax
+            else:  # dequantized entry: the target's config applied to the reference rows
+                expect[fqn] = case.from_hp(my_rows(ref).to(DEVICE))
+        locals_[fqn] = (state[fqn]._local_tensor, {k: v.data_ptr() for k, v in inner(local).items()})
+    # raw entries (shard.*, repl.*) in one load, dequantized entries (deq.*) in another
+    for section, kinds in (("same_type", ("shard", "repl")), ("deq_into_quantized", ("deq",))):
+        part = {k: v for k, v in state.items() if k.split(".")[0] in kinds}
+        if not _load(section, f"{tag}: load {'/'.join(kinds)} entries into same-type quantized targets",
+                     part, path):
+            continue
+        for fqn in part:
+            local, ptrs = locals_[fqn]
+            check(section, part[fqn]._local_tensor is local and
+                  {k: v.data_ptr() for k, v in inner(local).items()} == ptrs,
+                  f"{tag}: {fqn}: the target's local tensor or buffers were replaced, not updated in place")
+            if expect[fqn] is not None:
+                diff = same_bits(local, expect[fqn])
+                check(section, diff is None, f"{tag}: {fqn}: {diff}")
+
+
+def load_mixed(path: str, n: int, mesh) -> None:
+    """Raw entries and dequantized entries into quantized targets, in one load."""
+    tag = f"N={n}->M={WORLD}"
+    state, expect = {}, {}
+    for name in ("int8_row", "optim8bit_signed"):
+        case = CASE[name]
+        hp = case.hp(SEED[name])
+        ref = ref_dequant(name, hp, n)
+        for kind in ("shard", "deq"):
+            local = local_shard(name, case.hp(SEED[name] + 1000), WORLD, RANK)
+            state[f"{kind}.{name}"] = make_dtensor(local, mesh, Shard(0), SHAPE, case.dtype)
+            expect[f"{kind}.{name}"] = (local_shard(name, hp, WORLD, RANK) if kind == "shard"
+                                        else case.from_hp(my_rows(ref).to(DEVICE)))
+    if _load("mixed", f"{tag}: raw and dequantized entries into quantized targets in one load", state, path):
+        for fqn, want in expect.items():
+            diff = same_bits(state[fqn]._local_tensor, want)
+            check("mixed", diff is None, f"{tag}: {fqn}: {diff}")
+
+
+def load_per_tensor(path: str, name: str, n: int, mesh) -> None:
+    """A per-tensor-scale Shard(0) entry that qdcp agreed to save must load exact values."""
+    tag = f"{name} N={n}->M={WORLD}"
+    case, hp = CASE[name], CASE[name].hp(SEED[name])
+    ref = ref_dequant(name, hp, n)
+    sharded = make_dtensor(torch.zeros(my_rows(ref).shape, dtype=case.dtype, device=DEVICE),
+                           mesh, Shard(0), SHAPE, case.dtype)
+    full = torch.zeros(SHAPE, dtype=case.dtype, device=DEVICE)
+    for target, got, want in ((sharded, lambda: sharded._local_tensor, my_rows(ref)),
+                              (full, lambda: full, ref)):
+        try:
+            dcp.load({"w": target}, checkpoint_id=path, planner=QuantizedLoadPlanner())
+        except BaseException as e:  # noqa: BLE001
+            q = qdcp_error_in(e)
+            check(f"per_tensor[{name}]", q is not None and "'w'" in str(q),
+                  f"{tag}: the load failed without a QdcpError naming the key: {_short(e)}")
+            continue
+        diff = same_bits(got().cpu(), want)
+        check(f"per_tensor[{name}]", diff is None,
+              f"{tag}: saved without error but a plain target != the shards' dequantize ({diff}): "
+              f"wrong values")
+    # same type and config, shards quantized on their own: exact source shard (same layout) or a
+    # quantize of the exact values like the target (any other layout)
+    local = local_shard(name, case.hp(SEED[name] + 1000), WORLD, RANK)
+    target = make_dtensor(local, mesh, Shard(0), SHAPE, case.dtype)
+    try:
+        dcp.load({"w": target}, checkpoint_id=path, planner=QuantizedLoadPlanner())
+    except BaseException as e:  # noqa: BLE001
+        q = qdcp_error_in(e)
+        check(f"per_tensor[{name}]", q is not None and "'w'" in str(q),
+              f"{tag}: load into same type failed without a QdcpError naming the key: {_short(e)}")
+        return
+    got = case.dequantize(local).cpu()
+    requant = case.dequantize(case.from_hp(my_rows(ref).to(DEVICE))).cpu()
+    check(f"per_tensor[{name}]", torch.equal(bits(got), bits(my_rows(ref))) or torch.equal(bits(got), bits(requant)),
+          f"{tag}: same-type target holds neither the source values nor a requantize of them: wrong values")
+
+
+def load_global_amax(mesh) -> None:
+    """Quantize-on-load into sharded targets with a per-tensor scale uses the global amax.
+
+    A plain (vanilla DCP) checkpoint of the global high-precision tensor is loaded into NVFP4
+    per-tensor-scale Shard(0) targets: every rank's ``per_tensor_scale`` must be the one of the
+    whole tensor, and the buffers those of ``to_nvfp4(rows, per_tensor_scale=global)``.
+    """
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    hp = CASES[0].hp(777)
+    path = os.path.join(ROOT, f"plain_global_m{WORLD}")
+    dcp.save({"a": hp, "b": hp}, checkpoint_id=path)  # vanilla DCP, every rank writes the same
+    global_scale = per_tensor_amax_to_scale(hp.abs().amax()).to(DEVICE)
+    want_scale = global_scale.clone()  # the targets hold (and loading overwrites) their own copies
+    state, expect = {}, {}
+    for fqn, swz in (("a", False), ("b", True)):
+        local = NVFP4Tensor.to_nvfp4(torch.zeros(my_rows(hp).shape, dtype=hp.dtype, device=DEVICE) + 1,
+                                     per_tensor_scale=global_scale.clone(), is_swizzled_scales=swz)
+        state[fqn] = make_dtensor(local, mesh, Shard(0), SHAPE, hp.dtype)
+        expect[fqn] = NVFP4Tensor.to_nvfp4(my_rows(hp).to(DEVICE).contiguous(),
+                                           per_tensor_scale=global_scale, is_swizzled_scales=swz)
+    if not _load("global_amax", "load a plain checkpoint into NVFP4 per-tensor Shard(0) targets",
+                 state, path):
+        return
+    for fqn, want in expect.items():
+        got = state[fqn]._local_tensor
+        check("global_amax", torch.equal(got.per_tensor_scale.cpu(), want_scale.cpu()),
+              f"{fqn}: per_tensor_scale {got.per_tensor_scale.item():.6g} != the whole tensor's "
+              f"{want_scale.item():.6g} (the local shard's amax was used)")
+        diff = same_bits(got, want)
+        check("global_amax", diff is None, f"{fqn}: {diff}")
+
+
+# ----------------------------------------------------------------------------- FSDP2
+
+# NF4: FSDP2 pads uneven shards with new_empty, which NF4Tensor lacks, so its 384 rows split evenly
+# at 1-4 ranks; the trainable (256, 384) weights split unevenly at 3 ranks (86/86/84 rows), every
+# shard a whole number of optimizer blocks.
+FSDP_IN, FSDP_HIDDEN, FSDP_OUT = 128, 384, 256
+OPTIMS = (("a8", "AdamW8bit", {"block_size": 64}), ("a4", "AdamW4bit", {"block_size": 128}),
+          ("fp8", "AdamWFp8", {"block_size": 256}))
+
+
+class FsdpModel(torch.nn.Module):
+    """A frozen NF4 weight (QLoRA style) feeding three trainable layers, one per optimizer."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        from torchao.quantization import to_nf4
+
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(FSDP_HIDDEN, FSDP_IN, generator=g).to(torch.bfloat16)
+        # scaler blocks of 64 * 4 elements (2 rows)
+        self.base = torch.nn.Module()
+        self.base.weight = torch.nn.Parameter(to_nf4(w, 64, 4), requires_grad=False)
+        for name, _, _ in OPTIMS:
+            lin = torch.nn.Linear(FSDP_HIDDEN, FSDP_OUT, bias=True)
+            with torch.no_grad():
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / 16)
+                lin.bias.copy_(torch.randn(lin.bias.shape, generator=g))
+            setattr(self, name, lin)
+
+    def forward(self, x):
+        h = torch.nn.functional.linear(x.to(torch.bfloat16), self.base.weight).float().relu()
+        return sum(getattr(self, name)(h) for name, _, _ in OPTIMS)
+
+
+def manual_forward(model, x) -> torch.Tensor:
+    """The model's forward computed from its gathered (whole) parameters, at any world size."""
+    full = {k: gather_rows(p) for k, p in model.named_parameters()}  # NF4 weight: dequantized
+    with torch.no_grad():
+        h = torch.nn.functional.linear(x.cpu().to(torch.bfloat16), full["base.weight"]).float().relu()
+        return sum(torch.nn.functional.linear(h, full[f"{n}.weight"], full[f"{n}.bias"]) for n, _, _ in OPTIMS)
+
+
+def fsdp_setup(seed: int, mesh):
+    import torchao.optim as ao_optim
+    from torch.distributed.fsdp import fully_shard
+
+    model = FsdpModel(seed).to(DEVICE)
+    for name, _, _ in OPTIMS:
+        fully_shard(getattr(model, name), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opts = [getattr(ao_optim, cls)(getattr(model, name).parameters(), lr=1e-2, weight_decay=0.01, **kw)
+            for name, cls, kw in OPTIMS]
+    return model, opts
+
+
+def fsdp_grads(model, step: int) -> None:
+    """Deterministic gradients (the same global values at any world size), set as DTensors."""
+    for i, (fqn, p) in enumerate(sorted(model.named_parameters())):
+        if not p.requires_grad:
+            continue
+        g = torch.Generator().manual_seed(1000 * step + i)
+        full = torch.randn(p.shape, generator=g, dtype=p.dtype)
+        local = my_rows(full) if p.ndim else full
+        p.grad = make_dtensor(local.to(DEVICE).contiguous(), p.device_mesh, p.placements[0], p.shape, p.dtype)
+
+
+def gather_rows(t) -> torch.Tensor:
+    """The whole logical tensor of a Shard(0) DTensor (quantized locals dequantized), on CPU."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if qdcp.find_adapter(local) is not None:
+        local = qdcp.find_adapter(local).dequantize(local)
+    if not isinstance(t, DTensor):
+        return local.detach().cpu().clone()  # a snapshot: states such as "step" change in place
+    parts: list = [None] * WORLD
+    dist.all_gather_object(parts, local.detach().cpu())
+    return torch.cat(parts)
+
+
+def fsdp_snapshot(model, opts) -> dict:
+    out = {"params": {k: gather_rows(p) for k, p in model.named_parameters()}, "states": {}}
+    for (name, _, _), opt in zip(OPTIMS, opts):
+        for p_name, p in getattr(model, name).named_parameters():
+            for k, v in opt.state[p].items():
+                out["states"][f"{name}.{p_name}.{k}"] = gather_rows(v)
+    return out
+
+
+def state_types(model, opts) -> dict:
+    out = {}
+    for (name, _, _), opt in zip(OPTIMS, opts):
+        for p_name, p in getattr(model, name).named_parameters():
+            for k, v in opt.state[p].items():
+                local = v._local_tensor if isinstance(v, DTensor) else v
+                out[f"{name}.{p_name}.{k}"] = type(local).__name__
+    return out
+
+
+def fsdp_save(root: str, mesh) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    out = os.path.join(root, f"fsdp_n{WORLD}")
+    model, opts = fsdp_setup(0, mesh)
+    x = torch.randn(5, FSDP_IN, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    fsdp_grads(model, 1)
+    for o in opts:
+        o.step()
+    types = state_types(model, opts)
+    quantized = sorted(k for k, v in types.items() if v.startswith("OptimState"))
+    check("fsdp_save", len(quantized) == 2 * len(OPTIMS),
+          f"expected exp_avg/exp_avg_sq of each weight to be OptimState*, got {types}")
+    check("fsdp_save", isinstance(model.base.weight, DTensor)
+          and type(model.base.weight._local_tensor).__name__ == "NF4Tensor",
+          f"FSDP2 did not shard the NF4 weight as DTensor(NF4Tensor): {type(model.base.weight)}")
+    with torch.no_grad():
+        y = model(x).detach().cpu()
+    y_manual = manual_forward(model, x)
+    msd, osd = get_state_dict(model, opts)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "ckpt"),
+             planner=QuantizedSavePlanner())
+    snap1 = fsdp_snapshot(model, opts)
+    fsdp_grads(model, 2)
+    for o in opts:
+        o.step()
+    snap2 = fsdp_snapshot(model, opts)
+    nf4_full = gather_rows(model.base.weight)
+    if RANK == 0:
+        torch.save({"x": x.cpu(), "y": y, "y_manual": y_manual, "types": types, "after_save": snap1, "after_next_step": snap2,
+                    "nf4": nf4_full}, os.path.join(out, "ref.pt"))
+        md = qdcp.read_metadata(os.path.join(out, "ckpt"))
+        specs = qdcp.planner.read_specs(md)
+        check("fsdp_save", any(e.type == "torchao.NF4Tensor" for e in specs.values()),
+              f"no NF4 entry saved raw: {sorted(specs)}")
+        check("fsdp_save", sum(e.type.startswith("torchao.OptimState") for e in specs.values()) == 6,
+              f"expected 6 OptimState entries saved raw: {sorted(specs)}")
+        for fqn, e in specs.items():
+            for c in e.components:
+                if c.layout.get("kind") == "replicated":
+                    n = len(md.state_dict_metadata[f"{fqn}.__qdcp__.{c.name}"].chunks)
+                    check("fsdp_save", n == 1, f"{fqn}.{c.name} replicated but has {n} chunks")
+    dist.barrier()
+
+
+def fsdp_load(root: str, mesh) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    for sub in sorted(os.listdir(root)):
+        if not sub.startswith("fsdp_n") or not os.path.exists(os.path.join(root, sub, "ref.pt")):
+            continue
+        tag = f"FSDP2 N={sub[6:]}->M={WORLD}"
+        ref = torch.load(os.path.join(root, sub, "ref.pt"), weights_only=True)
+        model, opts = fsdp_setup(1, mesh)
+        msd, osd = get_state_dict(model, opts)  # initialises the optimizer states (zero-lr step)
+        try:
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, sub, "ckpt"),
+                     planner=QuantizedLoadPlanner())
+            set_state_dict(model, opts, model_state_dict=msd, optim_state_dict=osd)
+        except BaseException as e:  # noqa: BLE001
+            section_error("fsdp_load", f"{tag}: load", e)
+            continue
+        check("fsdp_load", state_types(model, opts) == ref["types"],
+              f"{tag}: state types {state_types(model, opts)} != saved {ref['types']}")
+        check("fsdp_load", type(model.base.weight._local_tensor).__name__ == "NF4Tensor",
+              f"{tag}: NF4 weight is no longer NF4: {type(model.base.weight._local_tensor)}")
+        snap = fsdp_snapshot(model, opts)
+        for group in ("params", "states"):
+            for k, want in ref["after_save"][group].items():
+                got = snap[group].get(k)
+                check("fsdp_load", got is not None and same_bits(got, want) is None,
+                      f"{tag}: {group} {k}: {None if got is None else same_bits(got, want)}")
+        nf4 = model.base.weight._local_tensor
+        src = torch.chunk(FsdpModel(0).base.weight.data, WORLD)[RANK]  # the saved rows' NF4 buffers
+        check("fsdp_load", same_bits(nf4, src.to(DEVICE)) is None,
+              f"{tag}: NF4 local buffers differ from the saved rows' ({same_bits(nf4, src)})")
+        y = manual_forward(model, ref["x"].to(DEVICE))
+        check("fsdp_load", same_bits(y, ref["y_manual"]) is None, f"{tag}: forward (gathered params) differs")
+        if WORLD > 1:  # at 1 rank, torchao's NF4Tensor.fsdp_post_all_gather fails (gets 1 output, not 3)
+            with torch.no_grad():
+                y = model(ref["x"].to(DEVICE)).detach().cpu()
+            check("fsdp_load", same_bits(y, ref["y"]) is None, f"{tag}: FSDP2 forward output differs")
+        fsdp_grads(model, 2)
+        for o in opts:
+            o.step()
+        snap = fsdp_snapshot(model, opts)
+        for group in ("params", "states"):
+            for k, want in ref["after_next_step"][group].items():
+                got = snap[group].get(k)
+                check("fsdp_step", got is not None and same_bits(got, want) is None,
+                      f"{tag}: after one more step, {group} {k}: "
+                      f"{None if got is None else same_bits(got, want)}")
+
+
+# ----------------------------------------------------------------------------- main
+
+COMMANDS = {"reshard-save": reshard_save, "reshard-load": reshard_load,
+            "fsdp-save": fsdp_save, "fsdp-load": fsdp_load}
+
+
+def main() -> int:
+    # a hung collective must not hang pytest: dump every thread's stack and exit
+    faulthandler.dump_traceback_later(int(os.environ.get("QDCP_WORKER_TIMEOUT", "240")), exit=True)
+    global ROOT
+    command, root = sys.argv[1], sys.argv[2]
+    ROOT = root
+    mesh = init()
+    crashed = None
+    try:
+        COMMANDS[command](root, mesh)
+    except BaseException as e:  # noqa: BLE001
+        crashed = e
+    return finish(os.path.join(root, f"results-{command}-{WORLD}.json"), crashed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
