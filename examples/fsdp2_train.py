@@ -1,0 +1,144 @@
+"""FSDP2 training with a quantized model, a low-bit optimizer and async quantized checkpoints.
+
+A frozen NF4 base weight (QLoRA style) feeds a trainable layer optimized by torchao's AdamW8bit
+(its states are quantized ``OptimState8bit`` DTensors). Every ``--ckpt-every`` steps the model and
+optimizer state are saved with ``dcp.async_save`` + ``QuantizedSavePlanner`` + ``QuantizedStager``
+while training goes on. ``--resume`` loads the newest checkpoint at whatever world size this run
+has and continues; the losses it prints from the resumed step on are checked against the log of
+the first run.
+
+    torchrun --nproc-per-node 2 examples/fsdp2_train.py --dir /tmp/qdcp-fsdp2 --steps 8
+    torchrun --nproc-per-node 4 examples/fsdp2_train.py --dir /tmp/qdcp-fsdp2 --steps 8 --resume
+
+gloo on CPU; nccl with one GPU per rank where CUDA is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # torchao's compiled optimizer step fails on CPU
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, QuantizedStager  # noqa: E402
+
+DIM, HIDDEN = 256, 512
+
+
+class QLoRAStyleModel(torch.nn.Module):
+    """Frozen NF4 projection, then a trainable layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchao.quantization import to_nf4
+
+        g = torch.Generator().manual_seed(0)
+        self.base = torch.nn.Linear(DIM, HIDDEN, bias=False)
+        self.base.weight = torch.nn.Parameter(
+            to_nf4(torch.randn(HIDDEN, DIM, generator=g).to(torch.bfloat16)), requires_grad=False)
+        self.head = torch.nn.Linear(HIDDEN, DIM)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.randn(DIM, HIDDEN, generator=g) / HIDDEN**0.5)
+            self.head.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.linear(x.to(torch.bfloat16), self.base.weight).float().relu()
+        return self.head(h)
+
+
+def batch(step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same batch on every rank and at every world size (so losses compare exactly)."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(32, DIM, generator=g)
+    return x.to(device), torch.tanh(x).to(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--ckpt-every", type=int, default=3)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    # async_save plans with collectives from a background thread: give it its own process group,
+    # or they interleave with FSDP's collectives on the default one.
+    ckpt_group = dist.new_group(backend="gloo")
+
+    import torchao.optim
+
+    model = QLoRAStyleModel().to(device)
+    fully_shard(model.head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torchao.optim.AdamW8bit(model.head.parameters(), lr=1e-3, block_size=256)
+
+    os.makedirs(args.dir, exist_ok=True)
+    log_path = os.path.join(args.dir, "losses.json")
+    start = 0
+    if args.resume:
+        saved = sorted(int(d.split("_")[1]) for d in os.listdir(args.dir) if d.startswith("step_"))
+        start = saved[-1]
+        model_sd, optim_sd = get_state_dict(model, optim)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=os.path.join(args.dir, f"step_{start}"), planner=QuantizedLoadPlanner())
+        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if rank == 0:
+            print(f"resumed from step {start} at world size {world}")
+
+    stager = QuantizedStager()
+    pending = None
+    losses = {}
+    for step in range(start, args.steps):
+        x, y = batch(step, device)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses[step] = loss.item()
+        if rank == 0:
+            print(f"step {step} loss {losses[step]:.6f}")
+        if (step + 1) % args.ckpt_every == 0:
+            if pending is not None:
+                pending.result()  # one checkpoint in flight at a time
+            model_sd, optim_sd = get_state_dict(model, optim)
+            pending = dcp.async_save({"model": model_sd, "optim": optim_sd},
+                                     checkpoint_id=os.path.join(args.dir, f"step_{step + 1}"),
+                                     planner=QuantizedSavePlanner(), async_stager=stager,
+                                     process_group=ckpt_group)
+    if pending is not None:
+        pending.result()
+    stager.close()
+
+    if rank == 0:
+        if not args.resume:
+            with open(log_path, "w") as f:
+                json.dump(losses, f)
+        else:
+            with open(log_path) as f:
+                first = {int(k): v for k, v in json.load(f).items()}
+            same = all(first[s] == losses[s] for s in losses)
+            print(f"losses from step {start} on identical to the first run: {same}")
+            if not same:
+                raise SystemExit("resumed losses differ from the first run")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
