@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import io
 import math
+import re
 import threading
 from typing import Any, Callable, Union
 
@@ -379,6 +380,7 @@ class _LoadEntry:
     source_attrs: dict[str, Any] | None = None  # decoded attributes of a raw checkpoint entry
     pending: int = 0
     raw_owner: Adapter | None = None    # mode "raw_copy": the adapter whose raw_load fills the target
+    storage: dict[str, str] = dataclasses.field(default_factory=dict)  # item fqn -> checkpoint item, if other
 
 
 class QuantizedLoadPlanner(DefaultLoadPlanner):
@@ -409,10 +411,14 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     def _plan_entries(self, metadata: Metadata) -> None:
         specs = self._specs
+        md = metadata.state_dict_metadata
         for fqn, target in list(self.state_dict.items()):
             source = specs.get(fqn)
             placed = _place(target)
             adapter = find_adapter(placed.local) if placed is not None else None
+            if source is None and fqn not in md and placed is not None \
+                    and self._plan_group_members(fqn, placed, adapter, specs, metadata):
+                continue
             if source is not None and source.storage == qspec.DEQUANTIZED:
                 source = None  # stored as a plain tensor under fqn
             if source is None and adapter is None:
@@ -429,8 +435,56 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 for item_fqn in entry.needs:
                     self._dest[item_fqn] = entry
 
-    def _plan_entry(self, fqn, placed, adapter, source, metadata) -> _LoadEntry | None:
+    def _plan_group_members(self, fqn, placed, adapter, specs, metadata) -> bool:
+        """Keys the checkpoint lacks, mapped through a group's members (TE GroupedLinear's
+        ``weight`` <-> ``weight0..weight{n-1}``): a target ``<key><i>`` is member ``i`` of a stored
+        group ``<key>`` (the logical chunk its adapter names); a grouped target ``<key>`` whose
+        members are stored as ``<key><i>`` is loaded member by member, in place. True if planned."""
         md = metadata.state_dict_metadata
+        m = re.fullmatch(r"(.*\D)(\d+)", fqn)
+        group = specs.get(m.group(1)) if m and not placed.is_dtensor else None
+        if group is not None and group.storage == qspec.RAW:
+            g_adapter = adapter_for_type(group.type, m.group(1))
+            member_chunk = getattr(g_adapter, "member_chunk", None)
+            attrs = {k: qspec.decode_value(v, g_adapter.attribute_classes(), f"key {fqn!r}: ")
+                     for k, v in group.attrs.items()}
+            chunk = member_chunk(attrs, group.shape, int(m.group(2))) if member_chunk else None
+            if chunk is not None:
+                if math.prod(chunk[1]) != math.prod(placed.local.shape):
+                    raise LoadMismatchError(f"key {fqn!r}: member {m.group(2)} of {m.group(1)!r} has "
+                                            f"shape {chunk[1]}, the target {tuple(placed.local.shape)}")
+                del self.state_dict[fqn]
+                self._handled.add(fqn)
+                member = _Placed(placed.local, chunk, group.shape, False)
+                self._add(self._plan_entry(fqn, member, adapter, group, metadata, src_fqn=m.group(1)))
+                return True
+        members = getattr(adapter, "members", None) if adapter is not None else None
+        if members is None or placed.is_dtensor or (f"{fqn}0" not in md and f"{fqn}0" not in specs):
+            return False
+        del self.state_dict[fqn]
+        self._handled.add(fqn)
+        for i, member in enumerate(members(placed.local)):
+            key = f"{fqn}{i}"
+            source = specs.get(key)
+            if source is not None and source.storage == qspec.DEQUANTIZED:
+                source = None
+            m_adapter = find_adapter(member)
+            if source is None and m_adapter is None:
+                self.state_dict[key] = member  # plain member view <- plain entry: DCP's own path
+                continue
+            self._handled.add(key)
+            self._add(self._plan_entry(key, _place(member), m_adapter, source, metadata))
+        return True
+
+    def _add(self, entry: _LoadEntry | None) -> None:
+        if entry is not None:
+            self._entries[entry.fqn] = entry
+            for item_fqn in entry.needs:
+                self._dest[item_fqn] = entry
+
+    def _plan_entry(self, fqn, placed, adapter, source, metadata, src_fqn=None) -> _LoadEntry | None:
+        md = metadata.state_dict_metadata
+        src_fqn = src_fqn or fqn
         if source is None:  # plain checkpoint entry -> quantized target
             plain_md = md.get(fqn)
             if plain_md is None:
@@ -451,12 +505,13 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         if source.shape != placed.global_shape:
             raise LoadMismatchError(
                 f"key {fqn!r}: checkpoint shape {source.shape} != target shape {placed.global_shape}")
+        src_items = {c.name: qspec.component_fqn(src_fqn, c.name) for c in source.components}
         source_adapter = adapter_for_type(source.type, fqn)
         source_attrs = {k: qspec.decode_value(v, source_adapter.attribute_classes(), f"key {fqn!r}: ")
                         for k, v in source.attrs.items()}
         layouts = _layouts_from_spec(source)
         for c in source.components:
-            item_md = md.get(qspec.component_fqn(fqn, c.name))
+            item_md = md.get(src_items[c.name])
             if not isinstance(item_md, TensorStorageMetadata):
                 raise CheckpointFormatError(
                     f"key {fqn!r}: component {c.name!r} is missing from the checkpoint")
@@ -469,11 +524,13 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             return None
 
         if adapter is not None and _same_config(adapter, placed.local, source, fqn):
-            return self._plan_direct(fqn, placed, adapter, source, layouts, md)
+            return _with_storage(self._plan_direct(fqn, placed, adapter, source, layouts, md, src_items),
+                                 fqn, src_items)
         if adapter is not None:
-            entry = _plan_raw_copy(fqn, placed, adapter, source, source_adapter, source_attrs, layouts, md)
+            entry = _plan_raw_copy(fqn, placed, adapter, source, source_adapter, source_attrs, layouts, md,
+                                   src_items)
             if entry is not None:
-                return entry
+                return _with_storage(entry, fqn, src_items)
         read_chunk = _amax_chunk(adapter, placed) or _expand(layouts, source.shape, placed.chunk)
         buffers, temps, needs = {}, {}, {}
         for c in source.components:
@@ -481,11 +538,11 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             chunk = layouts[c.name].map_chunk(source.shape, read_chunk)
             buffers[item] = torch.empty(chunk[1], dtype=c.dtype)
             temps[item] = c.name
-            needs[item] = (md[item], chunk)
-        return _LoadEntry(fqn, placed, adapter, source, "convert", read_chunk, buffers, temps, needs,
-                          source_attrs)
+            needs[item] = (md[src_items[c.name]], chunk)
+        return _with_storage(_LoadEntry(fqn, placed, adapter, source, "convert", read_chunk, buffers, temps,
+                                        needs, source_attrs), fqn, src_items)
 
-    def _plan_direct(self, fqn, placed, adapter, source, layouts, md) -> _LoadEntry:
+    def _plan_direct(self, fqn, placed, adapter, source, layouts, md, src_items) -> _LoadEntry:
         native = adapter.native_components(placed.local)
         buffers, temps, needs = {}, {}, {}
         for c in source.components:
@@ -501,7 +558,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             else:
                 buffers[item] = torch.empty(chunk[1], dtype=c.dtype)
                 temps[item] = c.name
-            needs[item] = (md[item], chunk)
+            needs[item] = (md[src_items[c.name]], chunk)
         return _LoadEntry(fqn, placed, adapter, source, "direct", placed.chunk, buffers, temps, needs)
 
     def create_local_plan(self) -> LoadPlan:
@@ -511,8 +568,13 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         items = list(plan.items)
         for entry in self._entries.values():
             for item_fqn, (item_md, chunk) in entry.needs.items():
+                stored = entry.storage.get(item_fqn, item_fqn)
                 reads = create_read_items_for_chunk_list(
-                    item_fqn, item_md, [ChunkStorageMetadata(torch.Size(chunk[0]), torch.Size(chunk[1]))])
+                    stored, item_md, [ChunkStorageMetadata(torch.Size(chunk[0]), torch.Size(chunk[1]))])
+                if stored != item_fqn:  # another key's item: this entry's own destination name
+                    reads = [dataclasses.replace(r, dest_index=MetadataIndex(item_fqn, r.dest_index.offset,
+                                                                             r.dest_index.index))
+                             for r in reads]
                 covered = sum(math.prod(r.lengths) for r in reads)
                 if covered != math.prod(chunk[1]):
                     raise CheckpointFormatError(
@@ -571,7 +633,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def _plan_raw_copy(fqn, placed, adapter, source, source_adapter, source_attrs, layouts, md):
+def _plan_raw_copy(fqn, placed, adapter, source, source_adapter, source_attrs, layouts, md, src_items):
     """A raw entry of another type that holds the target's bits (e.g. TE MXFP8 <-> torchao MXTensor):
     read the components one of the two adapters names, for exactly the target's chunk, and let it
     copy them in (no dequantize, no requantization). None when neither adapter offers it, or the
@@ -588,12 +650,21 @@ def _plan_raw_copy(fqn, placed, adapter, source, source_adapter, source_attrs, l
                 chunk = layouts[name].map_chunk(source.shape, placed.chunk)
                 buffers[item] = torch.empty(chunk[1], dtype=c.dtype)
                 temps[item] = name
-                needs[item] = (md[item], chunk)
+                needs[item] = (md[src_items[name]], chunk)
         except (AlignmentError, KeyError):
             return None
         return _LoadEntry(fqn, placed, adapter, source, "raw_copy", placed.chunk, buffers, temps, needs,
                           source_attrs, raw_owner=owner)
     return None
+
+
+def _with_storage(entry: _LoadEntry, fqn: str, src_items: dict[str, str]) -> _LoadEntry:
+    """Record which checkpoint item each destination item reads, where it is another key's."""
+    for name, stored in src_items.items():
+        item = qspec.component_fqn(fqn, name)
+        if item != stored:
+            entry.storage[item] = stored
+    return entry
 
 
 def _same_config(adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, fqn: str) -> bool:
@@ -640,6 +711,8 @@ def _finalize(entry: _LoadEntry) -> None:
                                       source.dtype, comps)
         read = src_adapter.dequantize(rebuilt)
     hp = _narrow(read, _relative(entry.placed.chunk, entry.read_chunk))
+    if tuple(hp.shape) != tuple(target.shape):  # one member of a group: [1, M, N] -> [M, N]
+        hp = hp.reshape(target.shape)
     if entry.adapter is None:
         with torch.no_grad():
             target.copy_(hp)
