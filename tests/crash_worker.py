@@ -1,6 +1,6 @@
 """Saves a checkpoint and SIGKILLs itself at a chosen point (run by tests/test_reliability.py).
 
-    python tests/crash_worker.py PATH VERSION KILL_AT [--overwrite]
+    python tests/crash_worker.py PATH VERSION KILL_AT [--overwrite] [--async]
 
 KILL_AT: ``none``; ``resolve:N`` (the N-th item handed to the writer); ``before_commit`` (all data
 written, no .metadata yet); ``replace`` (new .metadata written to .metadata.tmp, not yet renamed);
@@ -81,8 +81,16 @@ def main() -> None:
     path, version, kill_at = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     overwrite = "--overwrite" in sys.argv
     at = int(kill_at.split(":")[1]) if kill_at.startswith("resolve:") else 0
-    dcp.save(state(version), storage_writer=KillingWriter(path, kill_at, overwrite),
-             planner=KillingPlanner(at), no_dist=True)
+    writer, planner = KillingWriter(path, kill_at, overwrite), KillingPlanner(at)
+    if "--async" not in sys.argv:
+        dcp.save(state(version), storage_writer=writer, planner=planner, no_dist=True)
+        return
+    # async: the upload (and so the kill) happens in DCP's background thread while training goes on
+    live = state(version)
+    fut = dcp.async_save(live, storage_writer=writer, planner=planner,
+                         async_stager=qdcp.QuantizedStager(), no_dist=True)
+    live["int8"].qdata.zero_()
+    fut.result()
 
 
 if __name__ == "__main__":

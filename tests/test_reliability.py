@@ -47,8 +47,9 @@ def assert_is_version(loaded, version):
     assert torch.equal(loaded["bias"], expected["bias"]) and loaded["step"] == version
 
 
-def crash(path, version, kill_at, overwrite=False):
+def crash(path, version, kill_at, overwrite=False, mode="sync"):
     args = [sys.executable, WORKER, str(path), str(version), kill_at] + (["--overwrite"] if overwrite else [])
+    args += ["--async"] if mode == "async" else []
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
 
@@ -61,11 +62,12 @@ def verify(path):
 KILL_POINTS = ["resolve:1", "resolve:4", "resolve:9", "before_commit", "replace", "cleanup"]
 
 
-@pytest.mark.parametrize("kill_at", KILL_POINTS)
-def test_killed_overwrite_leaves_a_loadable_checkpoint(tmp_path, kill_at):
+@pytest.mark.parametrize("mode, kill_at", [("sync", k) for k in KILL_POINTS] +
+                         [("async", k) for k in ("resolve:2", "before_commit", "cleanup")])
+def test_killed_overwrite_leaves_a_loadable_checkpoint(tmp_path, mode, kill_at):
     path = tmp_path / "ckpt"
     save(path, 1)
-    crash(path, 2, kill_at, overwrite=True)
+    crash(path, 2, kill_at, overwrite=True, mode=mode)
     # killed before the commit: the old checkpoint, untouched; after it: the new one
     assert_is_version(load(path), 2 if kill_at == "cleanup" else 1)
     assert verify(path).returncode == 0
@@ -76,10 +78,12 @@ def test_killed_overwrite_leaves_a_loadable_checkpoint(tmp_path, kill_at):
     assert {n for n in os.listdir(path) if n.endswith(".distcp")} == referenced
 
 
-@pytest.mark.parametrize("kill_at", ["resolve:1", "resolve:9", "before_commit", "replace"])
-def test_killed_first_save_is_detected_as_partial(tmp_path, kill_at):
+@pytest.mark.parametrize("mode, kill_at", [("sync", "resolve:1"), ("sync", "resolve:9"),
+                                           ("sync", "before_commit"), ("sync", "replace"),
+                                           ("async", "resolve:3")])
+def test_killed_first_save_is_detected_as_partial(tmp_path, mode, kill_at):
     path = tmp_path / "fresh"
-    crash(path, 2, kill_at)
+    crash(path, 2, kill_at, mode=mode)
     assert path.is_dir() and not (path / ".metadata").exists()
     # DCP re-raises a reader's metadata error as an AssertionError that carries qdcp's message
     with pytest.raises((CheckpointFormatError, AssertionError), match="did not finish"):

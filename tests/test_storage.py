@@ -108,3 +108,18 @@ def test_s3_round_trip(s3_endpoint):
              planner=QuantizedLoadPlanner())
     _check(loaded, saved)
     assert qdcp.read_metadata(url, **opts).state_dict_metadata["bias"].size == torch.Size([3])
+
+
+def test_async_save_to_memory_url():
+    url = f"memory://qdcp-{uuid.uuid4().hex}"
+    saved = _state(0)
+    live = _state(0)
+    stager = qdcp.QuantizedStager()
+    fut = dcp.async_save(live, storage_writer=qdcp.storage_writer(url), planner=QuantizedSavePlanner(),
+                         async_stager=stager)
+    live["int8_group32"].qdata.zero_()  # training goes on; the checkpoint keeps the staged values
+    fut.result()
+    stager.close()
+    loaded = _state(1)
+    dcp.load(loaded, storage_reader=qdcp.storage_reader(url), planner=QuantizedLoadPlanner())
+    _check(loaded, saved)
