@@ -103,12 +103,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from qdcp.adapters.base import find_adapter
     from qdcp.planner import read_specs
-    from qdcp.reader import check_chunks, read_entry, read_metadata
+    from qdcp.reader import check_chunks, check_storage, read_entry, read_metadata
 
     md = read_metadata(args.path)
-    problems = check_chunks(md)
+    problems = check_chunks(md) + check_storage(md, args.path)
     specs = read_specs(md)
     owned = {qspec.component_fqn(e.fqn, c.name) for e in specs.values() for c in e.components}
+    problems += [f"{k}: a qdcp component item that no spec entry lists (damaged or missing spec)"
+                 for k in sorted(md.state_dict_metadata)
+                 if qspec.COMPONENT_SEPARATOR in k and k not in owned
+                 and k.rsplit(qspec.COMPONENT_SEPARATOR, 1)[0] not in specs]
     keys = sorted(set(specs) | {k for k in md.state_dict_metadata if k not in owned})
     for i, key in enumerate(keys):
         _progress(i, len(keys), key)
@@ -120,6 +124,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 expected = specs[key].shape if key in specs else tuple(md.state_dict_metadata[key].size)
                 if tuple(plain.shape) != tuple(expected):
                     problems.append(f"{key}: rebuilt shape {tuple(plain.shape)} != {tuple(expected)}")
+                if key in specs and specs[key].storage == qspec.RAW and plain.dtype != specs[key].dtype:
+                    problems.append(f"{key}: rebuilt dtype {plain.dtype} != {specs[key].dtype}")
         except BaseException as e:  # CheckpointException is a BaseException
             if isinstance(e, KeyboardInterrupt):
                 raise

@@ -406,6 +406,11 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self._specs = read_specs(metadata)
         self._entries, self._dest, self._handled = {}, {}, set()
+        self._stored_components: dict[str, set[str]] = {}  # entry key -> component items stored
+        for item_fqn in metadata.state_dict_metadata:
+            if qspec.COMPONENT_SEPARATOR in item_fqn:
+                owner, name = item_fqn.rsplit(qspec.COMPONENT_SEPARATOR, 1)
+                self._stored_components.setdefault(owner, set()).add(name)
         with _no_torch_function():
             self._plan_entries(metadata)
 
@@ -519,6 +524,11 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 raise CheckpointFormatError(
                     f"key {fqn!r}: component {c.name!r} is stored as {tuple(item_md.size)} "
                     f"{item_md.properties.dtype} but its spec says {c.shape} {c.dtype}")
+        unlisted = self._stored_components.get(src_fqn, set()) - {c.name for c in source.components}
+        if unlisted:
+            raise CheckpointFormatError(
+                f"key {fqn!r}: the checkpoint stores components {sorted(unlisted)} that its spec does "
+                f"not list; the spec is damaged")
         check_component_bytes(source)
         if _is_empty(placed.chunk):
             return None

@@ -73,7 +73,8 @@ def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = No
     import torch.distributed.checkpoint as dcp
 
     from qdcp.adapters.base import adapter_for_type
-    from qdcp.planner import check_component_bytes, read_specs
+    from qdcp.errors import CheckpointFormatError
+    from qdcp.planner import _layouts_from_spec, check_component_bytes, read_specs
 
     md = metadata if metadata is not None else read_metadata(path)
     entry = read_specs(md).get(key)
@@ -81,9 +82,23 @@ def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = No
         adapter = adapter_for_type(entry.type, key)
         attrs = {k: qspec.decode_value(v, adapter.attribute_classes(), f"key {key!r}: ")
                  for k, v in entry.attrs.items()}
+        _layouts_from_spec(entry)
         check_component_bytes(entry)
         for c in entry.components:
+            item_md = md.state_dict_metadata.get(qspec.component_fqn(key, c.name))
+            if not isinstance(item_md, TensorStorageMetadata):
+                raise CheckpointFormatError(f"key {key!r}: component {c.name!r} is missing from the checkpoint")
+            if tuple(item_md.size) != tuple(c.shape) or item_md.properties.dtype != c.dtype:
+                raise CheckpointFormatError(
+                    f"key {key!r}: component {c.name!r} is stored as {tuple(item_md.size)} "
+                    f"{item_md.properties.dtype} but its spec says {c.shape} {c.dtype}")
             _check_claimed_bytes(md, qspec.component_fqn(key, c.name))
+        listed = {qspec.component_fqn(key, c.name) for c in entry.components}
+        orphans = sorted(f for f in md.state_dict_metadata
+                         if f.startswith(key + qspec.COMPONENT_SEPARATOR) and f not in listed)
+        if orphans:
+            raise CheckpointFormatError(f"key {key!r}: the checkpoint stores {orphans}, which its spec does "
+                                        f"not list; the spec is damaged")
         comps = {c.name: torch.empty(c.shape, dtype=c.dtype) for c in entry.components}
         state = {qspec.component_fqn(key, n): t for n, t in comps.items()}
         _load_quietly(state, path)
@@ -175,6 +190,41 @@ def check_chunks(metadata: Metadata) -> list[str]:
                     problems.append(f"{fqn}: chunks at {oa} and {ob} overlap")
         if covered != total and not any("overlap" in p and p.startswith(fqn) for p in problems):
             problems.append(f"{fqn}: chunks cover {covered} of {total} elements")
+    return problems
+
+
+def check_storage(metadata: Metadata, path: str | os.PathLike | None = None) -> list[str]:
+    """Problems with the storage records: a chunk or object without one, one that belongs to no
+    item, records of one file that overlap, or (for a local ``path``) that lie outside their file."""
+    problems = []
+    records = metadata.storage_data or {}
+    if not isinstance(records, dict):
+        return ["the checkpoint's storage records are not a mapping"]
+    have = {(getattr(i, "fqn", None), tuple(getattr(i, "offset", None) or ())) for i in records}
+    wanted = set()
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            wanted |= {(fqn, tuple(c.offsets)) for c in item.chunks}
+        else:
+            wanted.add((fqn, ()))
+    problems += [f"{fqn}: its chunk at {o} has no storage record" for fqn, o in sorted(wanted - have)]
+    problems += [f"{fqn}: a storage record at {o} belongs to no item" for fqn, o in sorted(have - wanted)]
+    per_file: dict = {}
+    for index, info in records.items():
+        per_file.setdefault(getattr(info, "relative_path", None), []).append(
+            (int(getattr(info, "offset", 0) or 0), int(getattr(info, "length", 0) or 0), index.fqn))
+    for rel, spans in per_file.items():
+        spans.sort()
+        for (a, la, fa), (b, lb, fb) in zip(spans, spans[1:]):
+            if a + la > b:
+                problems.append(f"{fb}: its stored bytes overlap those of {fa} in {rel!r}")
+        if path is not None and "://" not in os.fspath(path) and isinstance(rel, str):
+            file = os.path.join(os.fspath(path), rel)
+            size = os.path.getsize(file) if os.path.isfile(file) else None
+            for off, length, fqn in spans:
+                if size is None or off < 0 or length < 0 or off + length > size:
+                    problems.append(f"{fqn}: its stored bytes [{off}, {off + length}) lie outside {rel!r} "
+                                    f"({'missing' if size is None else f'{size} bytes'})")
     return problems
 
 

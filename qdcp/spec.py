@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from qdcp.errors import CheckpointFormatError
+from qdcp.layouts import layout_from_json
 
 FORMAT_NAME = "qdcp"
 FORMAT_VERSION = 1
@@ -245,8 +246,12 @@ def entry_from_json(fqn: str, data: Any) -> EntrySpec:
         layout = c.get("layout")
         if not isinstance(layout, dict):
             raise CheckpointFormatError(f"{where}component {name!r} has no layout")
-        comps.append(ComponentSpec(name, _shape(c.get("shape"), f"{where}component {name!r}: "),
-                                   str_to_dtype(c.get("dtype"), where), layout))
+        comp_shape = _shape(c.get("shape"), f"{where}component {name!r}: ")
+        try:
+            layout_from_json(layout, comp_shape)
+        except CheckpointFormatError as e:
+            raise CheckpointFormatError(f"{where}component {name!r}: {e}") from None
+        comps.append(ComponentSpec(name, comp_shape, str_to_dtype(c.get("dtype"), where), layout))
     return EntrySpec(fqn, storage, type_name, shape, dtype, attrs, tuple(comps))
 
 

@@ -22,13 +22,17 @@ import pickle
 import struct
 import threading
 import uuid
+import zipfile
 import zlib
 from typing import IO, Any
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.futures import Future
 
 try:  # fsspec is optional
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -79,11 +83,62 @@ def safe_load_metadata(stream: IO[bytes]) -> Metadata:
         md = _MetadataUnpickler(io.BytesIO(data)).load()
     except CheckpointFormatError:
         raise
+    except MemoryError:  # a length field far beyond the file (CPython's unpickler reserves it first)
+        raise CheckpointFormatError("the checkpoint's .metadata claims an object larger than memory; "
+                                    "it is corrupt or hostile") from None
     except Exception as e:  # truncated or garbage pickles raise many types
         raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {e!r}") from None
     if not isinstance(md, Metadata):
         raise CheckpointFormatError(f".metadata holds a {type(md).__name__}, not DCP Metadata")
     return md
+
+
+def check_chunk_geometry(md: Metadata) -> None:
+    """Every tensor item's chunks must tile it exactly: right rank, inside its bounds, pairwise
+    disjoint, covering every element. DCP's planners trust these numbers (an overlap can hide a
+    hole, and a hole leaves target elements unread), so a reader refuses metadata that breaks them."""
+    for fqn, item in (md.state_dict_metadata or {}).items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        where = _describe_item(fqn)
+        size = tuple(item.size)
+        if any(not isinstance(s, int) or s < 0 for s in size):
+            raise CheckpointFormatError(f"{where}: bad size {size} in the checkpoint's metadata")
+        total = 1
+        for s in size:
+            total *= s
+        boxes, covered = [], 0
+        for ch in item.chunks:
+            o, n = tuple(ch.offsets), tuple(ch.sizes)
+            if len(o) != len(size) or len(n) != len(size) or any(
+                    not isinstance(a, int) or not isinstance(b, int) or a < 0 or b < 0 or a + b > d
+                    for a, b, d in zip(o, n, size)):
+                raise CheckpointFormatError(
+                    f"{where}: a chunk at {o} of size {n} does not fit in its tensor of size {size}")
+            vol = 1
+            for b in n:
+                vol *= b
+            if vol:
+                covered += vol
+                boxes.append((o, n))
+        if covered != total:
+            raise CheckpointFormatError(
+                f"{where}: its chunks cover {covered} of its {total} elements (holes or overlaps); "
+                f"the checkpoint's metadata is corrupt")
+        # equal volumes: any overlap implies a hole. Sweep along dim 0 (cheap for real shardings).
+        boxes.sort()
+        active: list = []
+        budget = 10_000_000
+        for o, n in boxes:
+            active = [(ao, an) for ao, an in active if not size or ao[0] + an[0] > o[0]]
+            for ao, an in active:
+                budget -= 1
+                if all(a < c + e and c < a + b for a, b, c, e in zip(o, n, ao, an)):
+                    raise CheckpointFormatError(
+                        f"{where}: its chunks at {ao} and {o} overlap; the checkpoint's metadata is corrupt")
+            if budget < 0:
+                raise CheckpointFormatError(f"{where}: too many overlapping chunks to check")
+            active.append((o, n))
 
 
 # ----------------------------------------------------------------------------- checksums
@@ -114,7 +169,11 @@ class _CrcWriter(io.RawIOBase):
 
 
 def _verified_payload(raw: IO[bytes], where: str) -> io.BytesIO:
-    data = raw.read(-1)
+    return io.BytesIO(_verified_view(raw.read(-1), where))
+
+
+def _verified_view(data: bytes, where: str) -> memoryview:
+    """The payload of a checksummed item (without a copy), after checking its CRC-32."""
     if len(data) < 4:
         raise ChecksumError(f"{where}: the stored item is truncated ({len(data)} bytes)")
     payload = memoryview(data)[:-4]
@@ -123,7 +182,7 @@ def _verified_payload(raw: IO[bytes], where: str) -> io.BytesIO:
     if actual != expected:
         raise ChecksumError(f"{where}: checksum mismatch (stored {expected:08x}, computed {actual:08x}); "
                             f"the data file is corrupt")
-    return io.BytesIO(payload)
+    return payload
 
 
 class ChecksumExtension(StreamTransformExtension):
@@ -147,6 +206,62 @@ class ChecksumExtension(StreamTransformExtension):
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
         return _verified_payload(input, "stored item")
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable read-only file over a memoryview (zipfile reads headers through it, no copy)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek value {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, b) -> int:
+        chunk = self._view[self._pos: self._pos + len(b)]
+        b[: len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+
+def _check_zip_crcs(payload: memoryview, where: str) -> None:
+    """Verify the CRC-32 that ``torch.save`` writes for every record of its zip archive (the only
+    integrity check of an item stored without qdcp checksums; ``torch.load`` does not check them)."""
+    try:
+        with zipfile.ZipFile(io.BufferedReader(_ViewReader(payload))) as z:
+            for info in z.infolist():
+                if info.CRC == 0 and info.file_size:
+                    continue  # saved with torch.serialization.config.save.compute_crc32 = False
+                if info.compress_type != zipfile.ZIP_STORED:
+                    with z.open(info) as f:  # zipfile checks the CRC at the end
+                        while f.read(1 << 24):
+                            pass
+                    continue
+                head = bytes(payload[info.header_offset: info.header_offset + 30])
+                if len(head) < 30 or head[:4] != b"PK\x03\x04":
+                    raise zipfile.BadZipFile(f"bad local header of {info.filename!r}")
+                name_len, extra_len = struct.unpack("<HH", head[26:30])
+                start = info.header_offset + 30 + name_len + extra_len
+                record = payload[start: start + info.compress_size]
+                if len(record) != info.compress_size or zlib.crc32(record) != info.CRC:
+                    raise zipfile.BadZipFile(f"Bad CRC-32 for file {info.filename!r}")
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, NotImplementedError,
+            KeyError, struct.error) as e:
+        raise ChecksumError(f"{where}: the stored item is corrupt ({e})") from None
 
 
 class _VerifyingTransforms:
@@ -188,12 +303,118 @@ class _SafeReading:
             raise CheckpointFormatError(
                 f"{os.fspath(self.path)!r} has no .metadata: it is not a DCP checkpoint, or its save "
                 f"did not finish (a partial checkpoint)")
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = safe_load_metadata(f)
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = safe_load_metadata(f)
+        except OSError as e:
+            raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {e}") from None
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        check_chunk_geometry(metadata)  # here, not in read_metadata: `qdcp verify` lists such problems
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._qdcp_chunks = {  # (item fqn, chunk offsets) -> (chunk sizes, dtype)
+            (fqn, tuple(c.offsets)): (tuple(c.sizes), item.properties.dtype)
+            for fqn, item in metadata.state_dict_metadata.items()
+            if isinstance(item, TensorStorageMetadata) for c in item.chunks}
+
+    def read_data(self, plan, planner) -> Future:
+        """DCP's ``FileSystemReader.read_data``, checking every number the metadata gives before it is
+        used: files stay inside the checkpoint, byte ranges inside their file, the stored tensor has
+        the dtype and chunk shape the metadata records, zip CRCs hold for items stored without qdcp
+        checksums; any failure is a :class:`CheckpointFormatError` naming the state-dict key."""
+        per_file: dict[str, list] = {}
+        for req in plan.items:
+            info = self.storage_data.get(req.storage_index)
+            where = _describe_item(req.storage_index.fqn)
+            if info is None:
+                raise CheckpointFormatError(
+                    f"{where}: the checkpoint has no storage record for its chunk at "
+                    f"{tuple(req.storage_index.offset or ())}")
+            rel = info.relative_path
+            if not isinstance(rel, str) or not rel or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+                raise CheckpointFormatError(f"{where}: its data file {rel!r} is outside the checkpoint directory")
+            per_file.setdefault(rel, []).append(req)
+        for rel, reqs in per_file.items():
+            try:
+                stream_cm = self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb")
+                stream = stream_cm.__enter__()
+            except OSError as e:
+                raise CheckpointFormatError(
+                    f"{_describe_item(reqs[0].storage_index.fqn)}: its data file {rel!r} cannot be opened "
+                    f"({e}); the checkpoint is incomplete") from None
+            try:
+                size = stream.seek(0, io.SEEK_END)
+                for req in reqs:
+                    self._read_item(stream, size, rel, req, planner)
+            finally:
+                stream_cm.__exit__(None, None, None)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_item(self, stream, size: int, rel: str, req, planner) -> None:
+        where = _describe_item(req.storage_index.fqn)
+        info = self.storage_data[req.storage_index]
+        offset, length = info.offset, info.length
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
+                and 0 <= length <= size - offset):
+            raise CheckpointFormatError(
+                f"{where}: its stored bytes [{offset}, {offset}+{length}) lie outside {rel!r} ({size} "
+                f"bytes); the file is truncated or the metadata is corrupt")
+        stream.seek(offset)
+        data = stream.read(length)
+        if len(data) != length:
+            raise CheckpointFormatError(f"{where}: {rel!r} ended after {len(data)} of {length} bytes")
+        descriptors = list(info.transform_descriptors or ())
+        checksum = ChecksumExtension().get_descriptor()
+        checked = checksum in descriptors
+        try:
+            if descriptors == [checksum]:  # the common case, without copies
+                payload = _verified_view(data, where)
+            else:
+                payload = memoryview(
+                    self.transforms.transform_load_stream(req, descriptors, io.BytesIO(data)).read(-1))
+            if req.type == LoadItemType.BYTE_IO:
+                if not checked and payload[:4] == b"PK\x03\x04":  # a torch.save archive
+                    _check_zip_crcs(payload, where)
+                planner.load_bytes(req, io.BytesIO(payload))
+                return
+            if not checked:
+                _check_zip_crcs(payload, where)
+            tensor = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        except QdcpError:
+            raise
+        except Exception as e:
+            raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
+        expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        if not isinstance(tensor, torch.Tensor) or expected is None \
+                or (tuple(tensor.shape), tensor.dtype) != expected:
+            got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            want = f"{expected[0]} {expected[1]}" if expected is not None else "no such chunk"
+            raise CheckpointFormatError(
+                f"{where}: the stored chunk at {tuple(req.storage_index.offset or ())} is {got} but the "
+                f"metadata records {want}; the data does not belong to this entry")
+        if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, tensor.shape)):
+            raise CheckpointFormatError(f"{where}: a read of {tuple(req.lengths)} at {tuple(req.storage_offsets)} "
+                                        f"falls outside its stored chunk {tuple(tensor.shape)}")
+        for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+            tensor = tensor.narrow(dim, o, n)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CheckpointFormatError(f"{where}: a read of {tuple(tensor.shape)} goes to a buffer of "
+                                        f"{tuple(target.shape)}")
+        target.copy_(tensor)
+        try:
+            planner.commit_tensor(req, target)
+        except QdcpError:
+            raise
+        except Exception as e:
+            raise CheckpointFormatError(
+                f"{where}: the entry cannot be rebuilt from its stored data ({type(e).__name__}: {e})") from e
 
 
 class CheckpointReader(_SafeReading, FileSystemReader):
