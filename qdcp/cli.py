@@ -88,7 +88,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         bf16 = math.prod(e["shape"]) * 2
         total += e["bytes"]
         total_bf16 += bf16
-        rows.append((key, e["stored_as"], e.get("type", ""), _short_attrs(e.get("attrs", {})),
+        rows.append((key, e["stored_as"], e.get("type", ""), _short_attrs({**e.get("attrs", {}), **e.get("info", {})}),
                      "x".join(map(str, e["shape"])), e["dtype"], str(e["bytes"]),
                      f"{e['bytes'] / bf16:.3f}" if bf16 else ""))
     rows.append(("total", "", "", "", "", "", str(total), f"{total / total_bf16:.3f}" if total_bf16 else ""))

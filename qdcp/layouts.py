@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 from qdcp.errors import AlignmentError, CheckpointFormatError
 
@@ -170,8 +170,32 @@ def _linear_range(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[
     return start, math.prod(sizes)
 
 
+_parsed: dict[tuple, Layout] = {}
+
+
 def layout_from_json(data: dict, component_shape: Sequence[int]) -> Layout:
     """Rebuild a layout recorded in a spec (``component_shape`` fills in a replicated one)."""
+    key = _cache_key(data, component_shape)  # the layouts of a checkpoint are few: parse each once
+    layout = _parsed.get(key) if key is not None else None
+    if layout is None:
+        layout = _layout_from_json(data, component_shape)
+        if key is not None and len(_parsed) < 4096:
+            _parsed[key] = layout
+    return layout
+
+
+def _cache_key(data: Any, component_shape: Sequence[int]) -> tuple | None:
+    if type(data) is not dict or type(data.get("kind")) is not str:
+        return None
+    block, group = data.get("block", ()), data.get("group")
+    if type(block) not in (list, tuple) or any(type(b) is not int for b in block) \
+            or (group is not None and type(group) is not int):
+        return None
+    return (data["kind"], tuple(block), group, tuple(sorted(data)),
+            tuple(component_shape) if data["kind"] == "replicated" else None)
+
+
+def _layout_from_json(data: dict, component_shape: Sequence[int]) -> Layout:
     kind = data.get("kind") if isinstance(data, dict) else None
     if kind == "blocked":
         block = data.get("block")

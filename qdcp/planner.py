@@ -16,7 +16,9 @@ the adapter registry, bare or as the local tensor of a DTensor) are planned here
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import hashlib
 import io
 import math
@@ -42,6 +44,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
     LoadPlan,
     ReadItem,
     SavePlan,
@@ -94,10 +97,19 @@ def _place(value: Any) -> _Placed | None:
     return None
 
 
-def _no_torch_function():
+@contextlib.contextmanager
+def _planning():
     """Plan without routing every ``.shape``/``.dtype`` of a tensor subclass through its
-    ``__torch_function__`` (planning reads metadata only; this makes it several times cheaper)."""
-    return torch._C.DisableTorchFunctionSubclass()
+    ``__torch_function__`` (planning reads metadata only), and without cyclic GC passes over the
+    model's live objects every few hundred small allocations; both made planning 2-4x slower."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            yield
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def _is_empty(chunk: Chunk) -> bool:
@@ -183,12 +195,13 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         self.dequantize_dtype = dequantize_dtype
         self._entries: dict[str, _SaveEntry] = {}
         self._sources: dict[str, tuple[_SaveEntry, str | None]] = {}
+        self._templates: dict[tuple, tuple] = {}
 
     # DCP calls this first, on every rank.
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
         super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
-        self._entries, self._sources = {}, {}
-        with _no_torch_function():
+        self._entries, self._sources, self._templates = {}, {}, {}
+        with _planning():
             self._plan_entries()
 
     def _plan_entries(self) -> None:
@@ -208,12 +221,32 @@ class QuantizedSavePlanner(DefaultSavePlanner):
 
     def _plan_raw(self, fqn: str, placed: _Placed, adapter: Adapter) -> _SaveEntry:
         t = placed.local
-        attrs, layouts = _describe_tensor(t, adapter, fqn)
         comps = adapter.components(t)
+        raw_attrs, raw_info = adapter.attributes(t), adapter.info(t)
+        key = (type(t), placed.global_shape, placed.chunk, placed.is_dtensor, repr(raw_attrs), repr(raw_info),
+               tuple((n, tuple(v.shape), v.dtype) for n, v in comps.items()))
+        template = self._templates.get(key)
+        if template is None:  # entries of one structure (all layers of a model) share the work
+            template = self._templates[key] = self._raw_template(fqn, placed, adapter, comps)
+        type_name, attrs, info, specs, writes = template
+        items = [WriteItem(index=MetadataIndex(qspec.component_fqn(fqn, name), data.chunk.offsets),
+                           type=item_type, tensor_data=data) for name, item_type, data in writes]
+        entry_spec = qspec.EntrySpec(fqn, qspec.RAW, type_name, placed.global_shape, t.dtype, attrs,
+                                     specs, None, info)
+        entry = _SaveEntry(fqn, entry_spec, placed, adapter, items)
+        for item, (name, _, _) in zip(items, writes):
+            self._sources[item.index.fqn] = (entry, name)
+        return entry
+
+    def _raw_template(self, fqn: str, placed: _Placed, adapter: Adapter, comps: dict) -> tuple:
+        """What a raw entry of this structure stores: type, JSON attrs and info, component specs,
+        and the (component, item type, TensorWriteData) of each item this rank writes."""
+        t = placed.local
+        attrs, layouts = _describe_tensor(t, adapter, fqn)
         if set(comps) != set(layouts):
             raise UnsupportedTensorError(f"key {fqn!r}: adapter gave components {sorted(comps)} "
                                          f"but layouts for {sorted(layouts)}")
-        specs, items = [], []
+        specs, writes = [], []
         for name, value in comps.items():
             layout = layouts[name]
             try:
@@ -231,21 +264,16 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                     f"not own whole blocks. Save this entry dequantized.")
             specs.append(qspec.ComponentSpec(name, tuple(global_shape), value.dtype, layout.to_json()))
             if chunk is not None:
-                items.append(_write_item(qspec.component_fqn(fqn, name), chunk, global_shape,
-                                         value.dtype, placed.is_dtensor))
-        entry_spec = qspec.EntrySpec(fqn, qspec.RAW, adapter.type_name(t), placed.global_shape,
-                                     t.dtype, attrs, tuple(specs))
-        entry = _SaveEntry(fqn, entry_spec, placed, adapter, items)
-        for item in items:
-            self._sources[item.index.fqn] = (entry, item.index.fqn.rsplit(qspec.COMPONENT_SEPARATOR, 1)[1])
-        return entry
+                item = _write_item(name, chunk, global_shape, value.dtype, placed.is_dtensor)
+                writes.append((name, item.type, item.tensor_data))
+        return adapter.type_name(t), attrs, _info(adapter, t), tuple(specs), tuple(writes)
 
     def _plan_dequantized(self, fqn: str, placed: _Placed, adapter: Adapter) -> _SaveEntry:
         t = placed.local
         attrs, _ = _describe_tensor(t, adapter, fqn)
         dtype = self.dequantize_dtype or t.dtype
         entry_spec = qspec.EntrySpec(fqn, qspec.DEQUANTIZED, adapter.type_name(t), placed.global_shape,
-                                     t.dtype, attrs, (), dtype)
+                                     t.dtype, attrs, (), dtype, _info(adapter, t))
         items = [] if _is_empty(placed.chunk) else [
             _write_item(fqn, placed.chunk, placed.global_shape, dtype, placed.is_dtensor)]
         entry = _SaveEntry(fqn, entry_spec, placed, adapter, items)
@@ -338,6 +366,14 @@ def _merge_specs(texts: list[str]) -> str:
     return qspec.dumps(merged)
 
 
+def _info(adapter: Adapter, t: torch.Tensor) -> dict:
+    """The adapter's descriptive facts, JSON-encoded (dropped, not fatal, if they cannot be)."""
+    try:
+        return {k: qspec.encode_value(v) for k, v in adapter.info(t).items()}
+    except TypeError:
+        return {}
+
+
 def _write_item(fqn: str, chunk: Chunk, global_shape, dtype: torch.dtype, sharded: bool) -> WriteItem:
     offsets, sizes = chunk
     return WriteItem(
@@ -406,12 +442,14 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self._specs = read_specs(metadata)
         self._entries, self._dest, self._handled = {}, {}, set()
+        self._structures: dict[tuple, tuple] = {}  # structure -> (decoded attrs, layouts)
+        self._configs: dict[tuple, bool] = {}  # (structure, target structure) -> same config?
         self._stored_components: dict[str, set[str]] = {}  # entry key -> component items stored
         for item_fqn in metadata.state_dict_metadata:
             if qspec.COMPONENT_SEPARATOR in item_fqn:
                 owner, name = item_fqn.rsplit(qspec.COMPONENT_SEPARATOR, 1)
                 self._stored_components.setdefault(owner, set()).add(name)
-        with _no_torch_function():
+        with _planning():
             self._plan_entries(metadata)
 
     def _plan_entries(self, metadata: Metadata) -> None:
@@ -512,9 +550,15 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 f"key {fqn!r}: checkpoint shape {source.shape} != target shape {placed.global_shape}")
         src_items = {c.name: qspec.component_fqn(src_fqn, c.name) for c in source.components}
         source_adapter = adapter_for_type(source.type, fqn)
-        source_attrs = {k: qspec.decode_value(v, source_adapter.attribute_classes(), f"key {fqn!r}: ")
-                        for k, v in source.attrs.items()}
-        layouts = _layouts_from_spec(source)
+        structure = _structure_key(source)
+        known = self._structures.get(structure)
+        if known is None:  # decode and check once per structure
+            attrs = {k: qspec.decode_value(v, source_adapter.attribute_classes(), f"key {fqn!r}: ")
+                     for k, v in source.attrs.items()}
+            layouts = _layouts_from_spec(source)
+            check_component_bytes(source)
+            known = self._structures[structure] = (attrs, layouts)
+        source_attrs, layouts = known
         for c in source.components:
             item_md = md.get(src_items[c.name])
             if not isinstance(item_md, TensorStorageMetadata):
@@ -529,11 +573,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             raise CheckpointFormatError(
                 f"key {fqn!r}: the checkpoint stores components {sorted(unlisted)} that its spec does "
                 f"not list; the spec is damaged")
-        check_component_bytes(source)
         if _is_empty(placed.chunk):
             return None
 
-        if adapter is not None and _same_config(adapter, placed.local, source, fqn):
+        if adapter is not None and self._same_config(adapter, placed.local, source, structure, fqn):
             return _with_storage(self._plan_direct(fqn, placed, adapter, source, layouts, md, src_items),
                                  fqn, src_items)
         if adapter is not None:
@@ -551,6 +594,14 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             needs[item] = (md[src_items[c.name]], chunk)
         return _with_storage(_LoadEntry(fqn, placed, adapter, source, "convert", read_chunk, buffers, temps,
                                         needs, source_attrs), fqn, src_items)
+
+    def _same_config(self, adapter, t, source, structure, fqn) -> bool:
+        key = (structure, type(t), repr(adapter.attributes(t)),
+               tuple((n, tuple(v.shape), v.dtype) for n, v in adapter.components(t).items()))
+        same = self._configs.get(key)
+        if same is None:
+            same = self._configs[key] = _same_config(adapter, t, source, fqn)
+        return same
 
     def _plan_direct(self, fqn, placed, adapter, source, layouts, md, src_items) -> _LoadEntry:
         native = adapter.native_components(placed.local)
@@ -572,6 +623,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         return _LoadEntry(fqn, placed, adapter, source, "direct", placed.chunk, buffers, temps, needs)
 
     def create_local_plan(self) -> LoadPlan:
+        with _planning():
+            return self._create_local_plan()
+
+    def _create_local_plan(self) -> LoadPlan:
         if self.flatten_state_dict:
             self._detect_pre_2_4_keys()
         plan = create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
@@ -579,8 +634,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         for entry in self._entries.values():
             for item_fqn, (item_md, chunk) in entry.needs.items():
                 stored = entry.storage.get(item_fqn, item_fqn)
-                reads = create_read_items_for_chunk_list(
-                    stored, item_md, [ChunkStorageMetadata(torch.Size(chunk[0]), torch.Size(chunk[1]))])
+                reads = _read_items(stored, item_md, chunk)
                 if stored != item_fqn:  # another key's item: this entry's own destination name
                     reads = [dataclasses.replace(r, dest_index=MetadataIndex(item_fqn, r.dest_index.offset,
                                                                              r.dest_index.index))
@@ -675,6 +729,27 @@ def _with_storage(entry: _LoadEntry, fqn: str, src_items: dict[str, str]) -> _Lo
         if item != stored:
             entry.storage[item] = stored
     return entry
+
+
+def _structure_key(entry: qspec.EntrySpec) -> tuple:
+    """A hashable summary of everything in an entry's spec but its key (entries of one model's
+    layers share it, and so the planning work done for it)."""
+    return (entry.storage, entry.type, entry.shape, entry.dtype, repr(entry.attrs),
+            tuple((c.name, c.shape, c.dtype, repr(c.layout)) for c in entry.components))
+
+
+def _read_items(fqn: str, item_md: TensorStorageMetadata, chunk: Chunk) -> list[ReadItem]:
+    """DCP's reads of ``chunk`` of item ``fqn``; the common case -- one saved chunk that is exactly
+    the one needed -- without DCP's general overlap sweep."""
+    saved = item_md.chunks
+    if len(saved) == 1 and tuple(saved[0].offsets) == chunk[0] and tuple(saved[0].sizes) == chunk[1]:
+        offsets = torch.Size(chunk[0])
+        zeros = torch.Size([0] * len(chunk[0]))
+        return [ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets, 0),
+                         dest_offsets=zeros, storage_index=MetadataIndex(fqn, offsets, 0),
+                         storage_offsets=zeros, lengths=torch.Size(chunk[1]))]
+    return create_read_items_for_chunk_list(
+        fqn, item_md, [ChunkStorageMetadata(torch.Size(chunk[0]), torch.Size(chunk[1]))])
 
 
 def _same_config(adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, fqn: str) -> bool:

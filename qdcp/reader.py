@@ -38,6 +38,8 @@ def describe(path: str | os.PathLike) -> dict[str, dict]:
         info: dict[str, Any] = {"stored_as": entry.storage, "type": entry.type,
                                 "shape": list(entry.shape), "dtype": qspec.dtype_to_str(entry.dtype),
                                 "attrs": entry.attrs}
+        if entry.info:
+            info["info"] = entry.info
         if entry.storage == qspec.RAW:
             comps = {}
             for c in entry.components:

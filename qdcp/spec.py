@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import gc
 import json
 import math
 from typing import Any, Mapping
@@ -172,7 +173,8 @@ class EntrySpec:
     ``storage`` is ``"raw"`` (components stored as separate items named by :func:`component_fqn`) or
     ``"dequantized"`` (one plain tensor under the entry's own key, of ``shape`` and ``stored_dtype``).
     ``type`` is the registry name of the adapter that wrote it (e.g. ``"torchao.Int8Tensor"``);
-    ``attrs`` is its JSON-encoded configuration.
+    ``attrs`` is its JSON-encoded configuration; ``info`` holds descriptive facts (recipe, native
+    scale layout...) that ``qdcp inspect`` shows and loads never compare.
     """
 
     fqn: str
@@ -183,6 +185,7 @@ class EntrySpec:
     attrs: dict
     components: tuple[ComponentSpec, ...] = ()
     stored_dtype: torch.dtype | None = None
+    info: dict = dataclasses.field(default_factory=dict)
 
     def component(self, name: str) -> ComponentSpec:
         for c in self.components:
@@ -197,6 +200,8 @@ class EntrySpec:
             out["components"] = [c.to_json() for c in self.components]
         else:
             out["stored_dtype"] = dtype_to_str(self.stored_dtype or self.dtype)
+        if self.info:
+            out["info"] = self.info
         return out
 
 
@@ -229,12 +234,28 @@ def entry_from_json(fqn: str, data: Any) -> EntrySpec:
     attrs = data.get("attrs", {})
     if not isinstance(attrs, dict):
         raise CheckpointFormatError(f"{where}attrs must be an object")
+    info = data.get("info", {})
+    if not isinstance(info, dict):
+        raise CheckpointFormatError(f"{where}info must be an object")
     if storage == DEQUANTIZED:
         stored = str_to_dtype(data.get("stored_dtype", data.get("dtype")), where)
-        return EntrySpec(fqn, storage, type_name, shape, dtype, attrs, (), stored)
+        return EntrySpec(fqn, storage, type_name, shape, dtype, attrs, (), stored, info)
     comps_json = data.get("components")
     if not isinstance(comps_json, list) or not comps_json:
         raise CheckpointFormatError(f"{where}a raw entry needs a non-empty components list")
+    cache_key = repr(comps_json)  # a model's layers share their component lists: parse each once
+    comps = _parsed_components.get(cache_key)
+    if comps is None:
+        comps = _components_from_json(comps_json, where)
+        if len(_parsed_components) < 4096:
+            _parsed_components[cache_key] = comps
+    return EntrySpec(fqn, storage, type_name, shape, dtype, attrs, comps, None, info)
+
+
+_parsed_components: dict[str, tuple[ComponentSpec, ...]] = {}
+
+
+def _components_from_json(comps_json: list, where: str) -> tuple[ComponentSpec, ...]:
     comps, seen = [], set()
     for c in comps_json:
         if not isinstance(c, dict):
@@ -252,7 +273,7 @@ def entry_from_json(fqn: str, data: Any) -> EntrySpec:
         except CheckpointFormatError as e:
             raise CheckpointFormatError(f"{where}component {name!r}: {e}") from None
         comps.append(ComponentSpec(name, comp_shape, str_to_dtype(c.get("dtype"), where), layout))
-    return EntrySpec(fqn, storage, type_name, shape, dtype, attrs, tuple(comps))
+    return tuple(comps)
 
 
 def dumps(entries: Mapping[str, EntrySpec]) -> str:
@@ -268,10 +289,15 @@ def loads(text: Any) -> dict[str, EntrySpec]:
         raise CheckpointFormatError(f"the qdcp spec must be a JSON string, got {type(text).__name__}")
     if len(text) > MAX_SPEC_BYTES:
         raise CheckpointFormatError(f"the qdcp spec is {len(text)} bytes, over the {MAX_SPEC_BYTES} limit")
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # parsing makes many small dicts: a GC pass over a model's live objects per 700 is slow
     try:
         doc = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise CheckpointFormatError(f"the qdcp spec is not valid JSON: {e}") from None
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CheckpointFormatError("the qdcp spec does not start with format 'qdcp'")
     version = doc.get("version")

@@ -617,3 +617,24 @@ def test_reference_dequantize_equals_te_cuda_dequantize_on_gpu():
     out = torch.zeros_like(hp)
     out.copy_(find_adapter(t).dequantize(t))
     assert torch.equal(bits(out.cpu()), bits(t.dequantize().cpu()))
+
+
+def test_inspect_shows_recipe_scale_layout_and_usage(tmp_path):
+    """qdcp inspect (describe) shows each TE entry's recipe, native scale layout and usages; these
+    are descriptive: a same-type load across recipes or swizzling still copies raw."""
+    state = {"mx": make_mxfp8(0, swizzled=True, columnwise=True), "f8": make_float8(1, recipe="delayed"),
+             "nv": make_nvfp4(2)}
+    path = _save(tmp_path, state)
+    info = qdcp.describe(path)
+    assert info["mx"]["info"] == {"recipe": "mxfp8", "scales": "gemm_swizzled", "usage": "rowwise+columnwise"}
+    assert info["f8"]["info"]["recipe"] == "delayed scaling"
+    assert info["nv"]["info"]["scales"] == "compact" and info["nv"]["info"]["usage"] == "rowwise"
+    from qdcp.cli import main
+    import contextlib, io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["inspect", str(path)]) == 0
+    assert "recipe=mxfp8" in out.getvalue() and "scales=gemm_swizzled" in out.getvalue()
+    target = {"mx": make_mxfp8(5, swizzled=False, columnwise=True)}
+    _load(path, target)
+    _assert_same_canonical(target["mx"], state["mx"])

@@ -44,6 +44,11 @@ class Adapter:
         """Configuration of ``t`` as Python values that :func:`qdcp.spec.encode_value` accepts."""
         raise NotImplementedError
 
+    def info(self, t: torch.Tensor) -> dict[str, Any]:
+        """Descriptive facts about ``t`` for ``qdcp inspect`` (JSON), e.g. its recipe or native scale
+        layout. Not part of its configuration: loads never compare them. Default: none."""
+        return {}
+
     def attribute_classes(self) -> Mapping[str, type]:
         """Enums and records (by class name) that may appear in :meth:`attributes`."""
         return {}

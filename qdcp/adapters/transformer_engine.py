@@ -180,6 +180,24 @@ class TEAdapter(Adapter):
     def type_name(self, t):
         return self.type_names[0]
 
+    _RECIPES = {"Float8Quantizer": "delayed scaling", "Float8CurrentScalingQuantizer": "current scaling",
+                "MXFP8Quantizer": "mxfp8", "Float8BlockQuantizer": "blockwise", "NVFP4Quantizer": "nvfp4"}
+    _USAGE_BUFFERS = (("rowwise", "_data"), ("rowwise", "_rowwise_data"),
+                      ("columnwise", "_transpose"), ("columnwise", "_columnwise_data"))
+
+    def info(self, t):
+        """Recipe (from the quantizer), native scale layout and which usages hold buffers."""
+        out = {}
+        quantizer = getattr(t, "_quantizer", None)
+        if quantizer is not None:
+            out["recipe"] = self._RECIPES.get(type(quantizer).__name__, type(quantizer).__name__)
+        if hasattr(t, "_with_gemm_swizzled_scales"):
+            out["scales"] = "gemm_swizzled" if t._with_gemm_swizzled_scales else "compact"
+        usage = [u for u, attr in self._USAGE_BUFFERS if getattr(t, attr, None) is not None]
+        if usage:
+            out["usage"] = "+".join(dict.fromkeys(usage))
+        return out
+
     # --- stager: TE's own buffers, rewrapped through TE's flatten protocol
     def inner_buffers(self, t):
         names, _ = t.__tensor_flatten__()
