@@ -356,6 +356,12 @@ class _SafeReading:
         fut.set_result(None)
         return fut
 
+    def _read_buffer(self, length: int) -> memoryview:
+        buf = getattr(self, "_qdcp_buffer", None)
+        if buf is None or len(buf) < length:
+            buf = self._qdcp_buffer = bytearray(max(length, 1 << 20))
+        return memoryview(buf)[:length]
+
     def _read_item(self, stream, size: int, rel: str, req, planner) -> None:
         where = _describe_item(req.storage_index.fqn)
         info = self.storage_data[req.storage_index]
@@ -366,9 +372,10 @@ class _SafeReading:
                 f"{where}: its stored bytes [{offset}, {offset}+{length}) lie outside {rel!r} ({size} "
                 f"bytes); the file is truncated or the metadata is corrupt")
         stream.seek(offset)
-        data = stream.read(length)
-        if len(data) != length:
-            raise CheckpointFormatError(f"{where}: {rel!r} ended after {len(data)} of {length} bytes")
+        data = self._read_buffer(length)  # reused: items are copied out before the next read
+        got = stream.readinto(data)
+        if got != length:
+            raise CheckpointFormatError(f"{where}: {rel!r} ended after {got} of {length} bytes")
         descriptors = list(info.transform_descriptors or ())
         checksum = ChecksumExtension().get_descriptor()
         checked = checksum in descriptors
@@ -385,7 +392,7 @@ class _SafeReading:
                 return
             if not checked:
                 _check_zip_crcs(payload, where)
-            tensor = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+            tensor = torch.load(_ViewReader(payload), map_location="cpu", weights_only=True)
         except QdcpError:
             raise
         except Exception as e:
