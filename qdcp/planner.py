@@ -588,7 +588,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         buffers, temps, needs = {}, {}, {}
         for c in source.components:
             item = qspec.component_fqn(fqn, c.name)
-            chunk = layouts[c.name].map_chunk(source.shape, read_chunk)
+            try:
+                chunk = layouts[c.name].map_chunk(source.shape, read_chunk)
+            except AlignmentError as e:
+                raise AlignmentError(f"key {fqn!r}: component {c.name!r}: {e}") from None
             buffers[item] = torch.empty(chunk[1], dtype=c.dtype)
             temps[item] = c.name
             needs[item] = (md[src_items[c.name]], chunk)
