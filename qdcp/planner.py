@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from qdcp import spec as qspec
-from qdcp.adapters.base import Adapter, adapter_for_type, find_adapter, require_adapter
+from qdcp.adapters.base import Adapter, adapter_for_type, find_adapter
 from qdcp.errors import (
     AlignmentError,
     CheckpointFormatError,

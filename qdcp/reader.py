@@ -72,8 +72,6 @@ def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = No
     must be installed), plain and dequantized entries as plain tensors, objects as loaded with
     ``torch.load(weights_only=True)``. Memory: this entry only.
     """
-    import torch.distributed.checkpoint as dcp
-
     from qdcp.adapters.base import adapter_for_type
     from qdcp.errors import CheckpointFormatError
     from qdcp.planner import _layouts_from_spec, check_component_bytes, read_specs

@@ -3,12 +3,8 @@
 # its test extra under constraints.txt (CPU torch), runs pytest with xdist. Extra args go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3.11}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -c constraints.txt -e '.[test]'
-# TransformerEngine's pure-Python wheel (tests load its real classes on CPU; see tests/te_cpu.py)
+bash scripts/setup_venv.sh test
+# TransformerEngine's pure-Python wheel (tests load its real classes on CPU; see tests/te_cpu.py);
+# --no-deps: its declared dependencies pull CUDA packages
 .venv/bin/python -m pip install -q --no-deps transformer-engine==2.20.2
 exec .venv/bin/python -m pytest -n 2 "$@"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 import qdcp
 from qdcp import QuantizedSavePlanner
-from quantized_cases import CASE_BY_NAME, assert_bitwise_equal, bits, inner
+from quantized_cases import CASE_BY_NAME, assert_bitwise_equal, bits
 
 CASES = [CASE_BY_NAME[n] for n in ("int8_group32", "mx_fp8_e5m2_swizzled", "nvfp4_per_tensor", "nf4",
                                    "optim4bit")]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
-from quantized_cases import CASES, assert_bitwise_equal, assert_same_buffers, bits, inner
+from quantized_cases import CASES, assert_bitwise_equal, assert_same_buffers, inner
 
 IDS = [c.name for c in CASES]
 # "Other config" partner of each case: the next case in the list (another type or config). The

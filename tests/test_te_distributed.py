@@ -19,18 +19,12 @@ Jobs run once per session under a file lock (shared by pytest-xdist workers): on
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+import torchrun_jobs
 
 import te_cpu
 
@@ -40,7 +34,6 @@ if not te_cpu.te_installed():
 pytestmark = pytest.mark.multiproc
 
 WORKER = Path(__file__).with_name("te_dist_worker.py")
-REPO = WORKER.parent.parent
 JOB_TIMEOUT_S = 300
 WORLDS = (1, 2, 3, 4)
 ALIGNED = (1, 2, 4)
@@ -50,88 +43,17 @@ STRADDLING = ("block1d", "block2d")
 
 # ----------------------------------------------------------------------------- running jobs
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _job(shared: Path, command: str, nproc: int) -> dict:
+    """Run (once per session) ``command`` at ``nproc`` ranks; its record."""
+    return torchrun_jobs.job(shared, WORKER, command, nproc, JOB_TIMEOUT_S)
 
 
-def _torchrun(command: str, nproc: int, root: Path) -> tuple[int, str, float]:
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
-                "QDCP_WORKER_TIMEOUT": str(JOB_TIMEOUT_S - 30)})
-    for attempt in range(3):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(WORKER), command, str(root)]
-        start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            out += f"\n[test_te_distributed] torchrun killed after {JOB_TIMEOUT_S} s"
-        elapsed = time.monotonic() - start
-        if proc.returncode != 0 and "address already in use" in out.lower() and attempt < 2:
-            continue  # another job took the port between _free_port and torchrun's bind
-        return proc.returncode, out, elapsed
-    raise AssertionError("unreachable")
+_sections = torchrun_jobs.check_sections
 
 
 @pytest.fixture(scope="session")
 def shared_dir(tmp_path_factory) -> Path:
-    """A directory every xdist worker of this session sees (the session's base temp)."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent
-    path = base / "qdcp_te_distributed"
-    path.mkdir(exist_ok=True)
-    return path
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _job(shared: Path, command: str, nproc: int) -> dict:
-    """Run (once per session) ``command`` at ``nproc`` ranks; its record."""
-    key = f"{command}-{nproc}"
-    record_path = shared / f"record-{key}.json"
-    with _locked(shared / f"lock-{key}"):
-        if not record_path.exists():
-            rc, out, elapsed = _torchrun(command, nproc, shared)
-            results_path = shared / f"results-{key}.json"
-            results = json.loads(results_path.read_text()) if results_path.exists() else None
-            record = {"rc": rc, "tail": out[-6000:], "seconds": round(elapsed, 1), "results": results}
-            record_path.write_text(json.dumps(record))
-        return json.loads(record_path.read_text())
-
-
-def _explain(record: dict, what: str) -> str:
-    return f"{what}: torchrun exit {record['rc']} after {record['seconds']} s; output tail:\n{record['tail']}"
-
-
-def _sections(record: dict, what: str, names) -> None:
-    """Assert that the job ran to the end and every section in ``names`` ran without a failure."""
-    results = record["results"]
-    assert results is not None, _explain(record, f"{what}: the job wrote no results")
-    assert not results.get("crash"), _explain(record, f"{what}: the job crashed: {results['crash'][:3]}")
-    failed = {}
-    for name in names:
-        assert name in results, f"{what}: section {name!r} never ran (sections: {sorted(results)})"
-        if results[name]:
-            failed[name] = results[name]
-    if failed:
-        lines = [f"{name}: {len(msgs)} failure(s)\n    " + "\n    ".join(msgs[:15]) for name, msgs in failed.items()]
-        pytest.fail(f"{what}:\n" + "\n".join(lines), pytrace=False)
-
+    return torchrun_jobs.shared_dir(tmp_path_factory, "qdcp_te_distributed")
 
 def _saved(shared: Path, first: int = 1) -> None:
     """Every save job (each once per session), starting from ``first`` (xdist workers spread out)."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
