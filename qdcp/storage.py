@@ -76,9 +76,16 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def safe_load_metadata(stream: IO[bytes]) -> Metadata:
     """Unpickle DCP ``Metadata`` admitting only DCP's metadata classes and builtins."""
-    data = stream.read(MAX_METADATA_BYTES + 1)
-    if len(data) > MAX_METADATA_BYTES:
-        raise CheckpointFormatError(f".metadata is larger than {MAX_METADATA_BYTES} bytes")
+    chunks, total = [], 0
+    while True:  # in pieces: read(1 GiB) would reserve 1 GiB up front
+        chunk = stream.read(1 << 20)
+        if not chunk:
+            break
+        total += len(chunk)
+        if total > MAX_METADATA_BYTES:
+            raise CheckpointFormatError(f".metadata is larger than {MAX_METADATA_BYTES} bytes")
+        chunks.append(chunk)
+    data = b"".join(chunks)
     try:
         md = _MetadataUnpickler(io.BytesIO(data)).load()
     except CheckpointFormatError:
