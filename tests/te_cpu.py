@@ -105,7 +105,16 @@ def simulate_gpu(capability: tuple[int, int] = HOPPER):
     saved = (torch.cuda.get_device_capability, torch.cuda.current_device)
     torch.cuda.get_device_capability = lambda device=None: capability
     torch.cuda.current_device = lambda: "cpu"
+    _clear_arch_cache()
     try:
         yield
     finally:
         torch.cuda.get_device_capability, torch.cuda.current_device = saved
+        _clear_arch_cache()
+
+
+def _clear_arch_cache() -> None:
+    """TE caches whether the GPU has non-TN FP8 GEMMs (it decides which Float8 buffers exist)."""
+    utils = sys.modules.get("transformer_engine.pytorch.utils")
+    if utils is not None:
+        utils.is_non_tn_fp8_gemm_supported.cache_clear()

@@ -28,7 +28,6 @@ from qdcp.adapters import find_adapter  # noqa: E402
 from qdcp.adapters import te_grouped  # noqa: E402
 from quantized_cases import bits  # noqa: E402
 
-from transformer_engine.pytorch import utils as te_utils  # noqa: E402
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 from transformer_engine.pytorch.tensor.grouped_tensor import GroupedTensor  # noqa: E402
 from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage  # noqa: E402
@@ -40,22 +39,9 @@ VARY_LAST = [(128, 128), (128, 256), (128, 64)]
 VARY_BOTH = [(64, 128), (128, 256), (32, 64)]
 
 
-class _gpu:
-    def __init__(self, cap):
-        self.ctx = te_cpu.simulate_gpu(cap)
-
-    def __enter__(self):
-        self.ctx.__enter__()
-        te_utils.is_non_tn_fp8_gemm_supported.cache_clear()
-
-    def __exit__(self, *exc):
-        self.ctx.__exit__(*exc)
-        te_utils.is_non_tn_fp8_gemm_supported.cache_clear()
-
-
 @pytest.fixture(autouse=True)
 def _arch():
-    with _gpu(te_cpu.HOPPER):
+    with te_cpu.simulate_gpu(te_cpu.HOPPER):
         yield
 
 
@@ -122,7 +108,7 @@ class Case:
     te_dq: bool = False   # members' TE dequantize runs on CPU (Float8, blockwise)
 
     def build(self, seed, shapes=UNIFORM, clean=False, internal=False):
-        with _gpu(self.cap):
+        with te_cpu.simulate_gpu(self.cap):
             q = _quantizer(self.recipe, **dict(self.kw))
             if q is not None and internal:
                 q.internal = True

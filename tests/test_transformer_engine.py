@@ -34,7 +34,6 @@ from qdcp.adapters import transformer_engine as qte  # noqa: E402
 from quantized_cases import bits  # noqa: E402
 
 from transformer_engine.pytorch.constants import DType  # noqa: E402
-from transformer_engine.pytorch import utils as te_utils  # noqa: E402
 
 M, N = 128, 256  # multiples of 128: padding only where the format rounds up small dims
 E4M3, E5M2 = DType.kFloat8E4M3, DType.kFloat8E5M2
@@ -44,21 +43,8 @@ GARBAGE = 0xAB
 @pytest.fixture(autouse=True)
 def _arch():
     """Default: Hopper. Tests that build for Blackwell enter te_cpu.simulate_gpu themselves."""
-    with _gpu(te_cpu.HOPPER):
+    with te_cpu.simulate_gpu(te_cpu.HOPPER):
         yield
-
-
-class _gpu:
-    def __init__(self, cap):
-        self.ctx = te_cpu.simulate_gpu(cap)
-
-    def __enter__(self):
-        self.ctx.__enter__()
-        te_utils.is_non_tn_fp8_gemm_supported.cache_clear()
-
-    def __exit__(self, *exc):
-        self.ctx.__exit__(*exc)
-        te_utils.is_non_tn_fp8_gemm_supported.cache_clear()
 
 
 # ----------------------------------------------------------------------------- buffer makers
@@ -215,7 +201,7 @@ class Case:
     te_dequantize_on_cpu: bool = False  # TE's own dequantize() runs on CPU (Float8, blockwise)
 
     def build(self, seed, **kw):
-        with _gpu(self.cap):
+        with te_cpu.simulate_gpu(self.cap):
             return self.make(seed, **kw)
 
 
