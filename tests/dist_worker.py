@@ -29,7 +29,6 @@ import faulthandler
 import json
 import os
 import sys
-import traceback
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -37,7 +36,6 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
@@ -45,8 +43,10 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # no
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import qdcp  # noqa: E402
-from qdcp import QdcpError, QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
+from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
 from quantized_cases import CASES, SHAPE, bits, inner  # noqa: E402
+from worker_results import check, finish, qdcp_error_in, section_error  # noqa: E402
+from worker_results import short as _short  # noqa: E402
 
 # ----------------------------------------------------------------------------- setup
 
@@ -63,28 +63,7 @@ ROW_LOCAL = tuple(c.name for c in CASES if c.name not in PER_TENSOR + NF4)
 CASE = {c.name: c for c in CASES}
 SEED = {c.name: 100 + i for i, c in enumerate(CASES)}
 
-_failures: dict[str, list[str]] = {}
 ROOT = ""  # the job's directory (argv[2])
-
-
-def check(section: str, ok: bool, msg: str) -> None:
-    _failures.setdefault(section, [])
-    if not ok:
-        _failures[section].append(f"[rank {RANK}/{WORLD}] {msg}")
-
-
-def section_error(section: str, what: str, e: BaseException) -> None:
-    check(section, False, f"{what}: {type(e).__name__}: {_short(e)}")
-
-
-def _short(e: BaseException, n: int = 600) -> str:
-    if isinstance(e, CheckpointException):  # name the first rank's own exception, not DCP's wrapper
-        for rank, err in sorted(e.failures.items()):
-            exc = err[0] if isinstance(err, tuple) else err
-            if isinstance(exc, BaseException):
-                return f"(rank {rank}) {type(exc).__name__}: {_short(exc, n)}"
-    s = str(e).replace("\n", " | ")
-    return s if len(s) <= n else s[:n] + "..."
 
 
 def init() -> torch.distributed.DeviceMesh:
@@ -92,27 +71,6 @@ def init() -> torch.distributed.DeviceMesh:
         torch.cuda.set_device(DEVICE)
     dist.init_process_group("nccl" if USE_CUDA else "gloo")
     return init_device_mesh(DEVICE.type, (WORLD,))
-
-
-def finish(results_path: str, crashed: BaseException | None = None) -> int:
-    if crashed is not None:
-        section_error("crash", "the job raised", crashed)
-        traceback.print_exception(crashed)
-    gathered: list = [None] * WORLD
-    dist.all_gather_object(gathered, _failures)
-    merged: dict[str, list[str]] = {}
-    for part in gathered:
-        for k, v in part.items():
-            merged.setdefault(k, []).extend(v)
-    bad = {k: v for k, v in merged.items() if v}
-    if RANK == 0:
-        with open(results_path, "w") as f:
-            json.dump(merged, f, indent=1)
-        for k, v in bad.items():
-            print(f"FAILED section {k}:", *v[:20], sep="\n  ", file=sys.stderr)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 2 if "crash" in bad else (1 if bad else 0)
 
 
 # ----------------------------------------------------------------------------- DTensors
@@ -195,20 +153,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> str | None:
             return f"component {n} differs" + (f" (max abs diff {diff.max().item():.3g})" if diff is not None
                                                 and diff.numel() and torch.isfinite(diff).all() else "")
     return None
-
-
-def qdcp_error_in(e: BaseException) -> QdcpError | None:
-    """The QdcpError behind ``e`` (DCP wraps per-rank errors in CheckpointException)."""
-    if isinstance(e, QdcpError):
-        return e
-    if isinstance(e, CheckpointException):
-        for err in e.failures.values():
-            exc = err[0] if isinstance(err, tuple) else err
-            found = qdcp_error_in(exc) if isinstance(exc, BaseException) else None
-            if found is not None:
-                return found
-    cause = e.__cause__ or e.__context__
-    return qdcp_error_in(cause) if cause is not None else None
 
 
 # ----------------------------------------------------------------------------- reshard: save

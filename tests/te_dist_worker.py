@@ -29,7 +29,6 @@ import faulthandler
 import json
 import os
 import sys
-import traceback
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -42,15 +41,16 @@ te = te_cpu.install()  # before anything imports transformer_engine
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
 from transformer_engine.pytorch import utils as te_utils  # noqa: E402
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 
-from qdcp import AlignmentError, QdcpError, QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
+from qdcp import AlignmentError, QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
+from worker_results import check, finish, qdcp_error_in  # noqa: E402
+from worker_results import short as _short  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -64,61 +64,6 @@ STRADDLING = ("block1d", "block2d")  # 128-row blocks (1x128 columnwise, 128x128
 SEED = {f: 10 * i + 1 for i, f in enumerate(FORMATS)}
 TARGET_SEED = 1000  # added to SEED for the garbage buffers of same-type targets
 
-_failures: dict[str, list[str]] = {}
-
-
-# ----------------------------------------------------------------------------- results
-
-def check(section: str, ok: bool, msg: str) -> None:
-    _failures.setdefault(section, [])
-    if not ok:
-        _failures[section].append(f"[rank {RANK}/{WORLD}] {msg}")
-
-
-def _short(e: BaseException, n: int = 600) -> str:
-    if isinstance(e, CheckpointException):
-        for rank, err in sorted(e.failures.items()):
-            exc = err[0] if isinstance(err, tuple) else err
-            if isinstance(exc, BaseException):
-                return f"(rank {rank}) {type(exc).__name__}: {_short(exc, n)}"
-    s = str(e).replace("\n", " | ")
-    return s if len(s) <= n else s[:n] + "..."
-
-
-def qdcp_error_in(e: BaseException) -> QdcpError | None:
-    """The QdcpError behind ``e`` (DCP wraps per-rank errors in CheckpointException)."""
-    if isinstance(e, QdcpError):
-        return e
-    if isinstance(e, CheckpointException):
-        for err in e.failures.values():
-            exc = err[0] if isinstance(err, tuple) else err
-            found = qdcp_error_in(exc) if isinstance(exc, BaseException) else None
-            if found is not None:
-                return found
-    cause = e.__cause__ or e.__context__
-    return qdcp_error_in(cause) if cause is not None else None
-
-
-def finish(results_path: str, crashed: BaseException | None = None) -> int:
-    if crashed is not None:
-        check("crash", False, f"the job raised {type(crashed).__name__}: {_short(crashed)}")
-        traceback.print_exception(crashed)
-    gathered: list = [None] * WORLD
-    dist.all_gather_object(gathered, _failures)
-    merged: dict[str, list[str]] = {}
-    for part in gathered:
-        for k, v in part.items():
-            merged.setdefault(k, []).extend(v)
-    if RANK == 0:
-        with open(results_path, "w") as f:
-            json.dump(merged, f, indent=1)
-        for k, v in merged.items():
-            if v:
-                print(f"FAILED section {k}:", *v[:20], sep="\n  ", file=sys.stderr)
-    dist.barrier()
-    dist.destroy_process_group()
-    bad = {k for k, v in merged.items() if v}
-    return 2 if "crash" in bad else (1 if bad else 0)
 
 
 # ----------------------------------------------------------------------------- global buffers

@@ -1,0 +1,77 @@
+"""Results of a torchrun test worker: named sections of failures, gathered to rank 0 and written as
+JSON for pytest (see tests/torchrun_jobs.py). Shared by dist_worker.py and te_dist_worker.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from qdcp import QdcpError
+
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+
+_failures: dict[str, list[str]] = {}
+
+
+def check(section: str, ok: bool, msg: str) -> None:
+    """Record ``msg`` under ``section`` unless ``ok`` (a section that only passes still appears)."""
+    _failures.setdefault(section, [])
+    if not ok:
+        _failures[section].append(f"[rank {RANK}/{WORLD}] {msg}")
+
+
+def section_error(section: str, what: str, e: BaseException) -> None:
+    check(section, False, f"{what}: {type(e).__name__}: {short(e)}")
+
+
+def short(e: BaseException, n: int = 600) -> str:
+    """One line about ``e``; for DCP's CheckpointException, the first rank's own exception."""
+    if isinstance(e, CheckpointException):
+        for rank, err in sorted(e.failures.items()):
+            exc = err[0] if isinstance(err, tuple) else err
+            if isinstance(exc, BaseException):
+                return f"(rank {rank}) {type(exc).__name__}: {short(exc, n)}"
+    s = str(e).replace("\n", " | ")
+    return s if len(s) <= n else s[:n] + "..."
+
+
+def qdcp_error_in(e: BaseException) -> QdcpError | None:
+    """The QdcpError behind ``e`` (DCP wraps per-rank errors in CheckpointException)."""
+    if isinstance(e, QdcpError):
+        return e
+    if isinstance(e, CheckpointException):
+        for err in e.failures.values():
+            exc = err[0] if isinstance(err, tuple) else err
+            found = qdcp_error_in(exc) if isinstance(exc, BaseException) else None
+            if found is not None:
+                return found
+    cause = e.__cause__ or e.__context__
+    return qdcp_error_in(cause) if cause is not None else None
+
+
+def finish(results_path: str, crashed: BaseException | None = None) -> int:
+    """Gather every rank's sections, write them (rank 0), tear down; the process exit status."""
+    if crashed is not None:
+        section_error("crash", "the job raised", crashed)
+        traceback.print_exception(crashed)
+    gathered: list = [None] * WORLD
+    dist.all_gather_object(gathered, _failures)
+    merged: dict[str, list[str]] = {}
+    for part in gathered:
+        for k, v in part.items():
+            merged.setdefault(k, []).extend(v)
+    bad = {k: v for k, v in merged.items() if v}
+    if RANK == 0:
+        with open(results_path, "w") as f:
+            json.dump(merged, f, indent=1)
+        for k, v in bad.items():
+            print(f"FAILED section {k}:", *v[:20], sep="\n  ", file=sys.stderr)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 2 if "crash" in bad else (1 if bad else 0)
