@@ -25,7 +25,6 @@ without view ops (``DTensor.from_local`` calls ``view_as``, which ``Int8Tensor``
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import sys
@@ -45,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qdcp  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
 from quantized_cases import CASES, SHAPE, bits, inner  # noqa: E402
-from worker_results import check, finish, qdcp_error_in, section_error  # noqa: E402
+from worker_results import check, qdcp_error_in, run, section_error  # noqa: E402
 from worker_results import short as _short  # noqa: E402
 
 # ----------------------------------------------------------------------------- setup
@@ -617,18 +616,9 @@ COMMANDS = {"reshard-save": reshard_save, "reshard-load": reshard_load,
 
 
 def main() -> int:
-    # a hung collective must not hang pytest: dump every thread's stack and exit
-    faulthandler.dump_traceback_later(int(os.environ.get("QDCP_WORKER_TIMEOUT", "240")), exit=True)
     global ROOT
-    command, root = sys.argv[1], sys.argv[2]
-    ROOT = root
-    mesh = init()
-    crashed = None
-    try:
-        COMMANDS[command](root, mesh)
-    except BaseException as e:  # noqa: BLE001
-        crashed = e
-    return finish(os.path.join(root, f"results-{command}-{WORLD}.json"), crashed)
+    ROOT = sys.argv[2]
+    return run(COMMANDS, init)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Sections of failures go to ``DIR/results-<command>-<world>.json``, as in ``dist_
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import sys
@@ -49,7 +48,7 @@ from transformer_engine.pytorch.constants import DType  # noqa: E402
 
 from qdcp import AlignmentError, QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
-from worker_results import check, finish, qdcp_error_in  # noqa: E402
+from worker_results import check, qdcp_error_in, run  # noqa: E402
 from worker_results import short as _short  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -400,15 +399,7 @@ COMMANDS = {"save": save, "load": load}
 
 
 def main() -> int:
-    faulthandler.dump_traceback_later(int(os.environ.get("QDCP_WORKER_TIMEOUT", "240")), exit=True)
-    command, root = sys.argv[1], sys.argv[2]
-    mesh = init()
-    crashed = None
-    try:
-        COMMANDS[command](root, mesh)
-    except BaseException as e:  # noqa: BLE001
-        crashed = e
-    return finish(os.path.join(root, f"results-{command}-{WORLD}.json"), crashed)
+    return run(COMMANDS, init)
 
 
 if __name__ == "__main__":

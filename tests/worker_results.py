@@ -3,6 +3,7 @@ JSON for pytest (see tests/torchrun_jobs.py). Shared by dist_worker.py and te_di
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -75,3 +76,17 @@ def finish(results_path: str, crashed: BaseException | None = None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 2 if "crash" in bad else (1 if bad else 0)
+
+
+def run(commands: dict, init) -> int:
+    """A worker's ``main``: ``argv = [command, job_dir]``; runs ``commands[command](job_dir, mesh)``
+    on the mesh ``init()`` makes, then :func:`finish`. A hung collective dumps stacks and exits."""
+    faulthandler.dump_traceback_later(int(os.environ.get("QDCP_WORKER_TIMEOUT", "240")), exit=True)
+    command, root = sys.argv[1], sys.argv[2]
+    mesh = init()
+    crashed = None
+    try:
+        commands[command](root, mesh)
+    except BaseException as e:  # noqa: BLE001
+        crashed = e
+    return finish(os.path.join(root, f"results-{command}-{WORLD}.json"), crashed)

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from qdcp.errors import CheckpointFormatError, UnsupportedTensorError
+from qdcp.errors import CheckpointFormatError
 from qdcp.layouts import Layout
 
 
@@ -178,19 +178,4 @@ def adapter_for_type(type_name: str, fqn: str = "") -> Adapter:
             f"key {fqn!r}: the checkpoint stores type {type_name!r}, which no registered qdcp adapter "
             f"handles (known: {', '.join(registered_type_names()) or 'none'}). Install the library "
             f"that provides it or register an adapter with qdcp.register_adapter.")
-    return adapter
-
-
-def is_wrapper_subclass(t: Any) -> bool:
-    """True for a tensor subclass instance that is not a DTensor/Parameter over plain storage."""
-    return isinstance(t, torch.Tensor) and find_adapter(t) is not None
-
-
-def require_adapter(t: torch.Tensor, fqn: str) -> Adapter:
-    """The adapter for ``t``, or a clear error for a tensor subclass qdcp does not know."""
-    adapter = find_adapter(t)
-    if adapter is None:
-        raise UnsupportedTensorError(
-            f"key {fqn!r}: no qdcp adapter handles {type(t).__module__}.{type(t).__qualname__}. "
-            f"Register one with qdcp.register_adapter, or convert the tensor to a plain tensor first.")
     return adapter
