@@ -6,7 +6,10 @@ DCP and DTensor speak in -- to the chunk of one component that holds exactly tha
 - :class:`Blocked`: the component has the logical tensor's rank and one item per block of
   ``block[d]`` logical elements along each dim ``d`` (``ceil(L/b)`` items). Element data is
   ``Blocked((1, ..., 1))``; two fp4 values packed per byte along the last dim is
-  ``Blocked((1, ..., 2))``; a per-row scale of a ``[M, N]`` tensor is ``Blocked((1, N))``.
+  ``Blocked((1, ..., 2))``; a per-row scale of a ``[M, N]`` tensor is ``Blocked((1, N))``. A block
+  of ``0`` makes the component *constant along that dim*: one item shared by every element of the
+  dim (a per-expert scale of a stacked ``[n, M, N]`` group is ``Blocked((1, 0, 0))``), to which any
+  extent of the dim maps; shards that cut such a dim hold copies that must agree.
 - :class:`Flat`: the component is 1-D over the row-major flattened logical tensor, one item per
   ``group`` elements (torchao optimizer states, NF4).
 - :class:`Replicated`: every chunk needs the whole component (lookup tables, per-tensor scales).
@@ -50,13 +53,19 @@ class Layout:
         """Smallest aligned logical chunk that contains ``chunk``."""
         raise NotImplementedError
 
+    def shared(self, logical_shape: Sequence[int], chunk: Chunk) -> bool:
+        """Whether the component items ``chunk`` maps to also belong to other chunks (values every
+        shard holds a copy of, which shards saved on their own must agree on). Default: no."""
+        return False
+
     def to_json(self) -> dict:
         raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)
 class Blocked(Layout):
-    """One component item per ``block`` of logical elements, same rank as the logical tensor."""
+    """One component item per ``block`` of logical elements, same rank as the logical tensor
+    (``block[d] == 0``: one item for the whole of dim ``d``, constant along it)."""
 
     block: tuple[int, ...]
 
@@ -67,7 +76,7 @@ class Blocked(Layout):
 
     def component_shape(self, logical_shape):
         self._check_rank(logical_shape)
-        return tuple(_ceil_div(int(n), b) for n, b in zip(logical_shape, self.block))
+        return tuple(_ceil_div(int(n), b) if b else min(int(n), 1) for n, b in zip(logical_shape, self.block))
 
     def map_chunk(self, logical_shape, chunk):
         self._check_rank(logical_shape)
@@ -75,6 +84,10 @@ class Blocked(Layout):
         out_o, out_s = [], []
         for d, (o, s, b, n) in enumerate(zip(offsets, sizes, self.block, logical_shape)):
             end = o + s
+            if b == 0:  # constant along this dim: every extent needs its one item
+                out_o.append(0)
+                out_s.append(1 if s > 0 else 0)
+                continue
             if o % b or (end % b and end != n):
                 raise AlignmentError(
                     f"logical rows/cols [{o}, {end}) of dim {d} do not fall on blocks of {b}")
@@ -87,11 +100,18 @@ class Blocked(Layout):
         offsets, sizes = chunk
         out_o, out_s = [], []
         for o, s, b, n in zip(offsets, sizes, self.block, logical_shape):
+            if b == 0:  # constant along this dim: no alignment needed
+                out_o.append(o)
+                out_s.append(s)
+                continue
             lo = (o // b) * b
             hi = min(n, _ceil_div(o + s, b) * b)
             out_o.append(lo)
             out_s.append(hi - lo)
         return tuple(out_o), tuple(out_s)
+
+    def shared(self, logical_shape, chunk):
+        return any(b == 0 and s < n for s, b, n in zip(chunk[1], self.block, logical_shape))
 
     def to_json(self):
         return {"kind": "blocked", "block": list(self.block)}
@@ -145,6 +165,9 @@ class Replicated(Layout):
 
     def expand(self, logical_shape, chunk):
         return chunk
+
+    def shared(self, logical_shape, chunk):
+        return True
 
     def to_json(self):
         return {"kind": "replicated"}
@@ -200,7 +223,7 @@ def _layout_from_json(data: dict, component_shape: Sequence[int]) -> Layout:
     if kind == "blocked":
         block = data.get("block")
         if (not isinstance(block, list) or len(block) > 16
-                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block)):
             raise CheckpointFormatError(f"bad block {block!r}")
         return Blocked(tuple(block))
     if kind == "flat":

@@ -82,6 +82,10 @@ class _Placed:
     chunk: Chunk
     global_shape: tuple[int, ...]
     is_dtensor: bool
+    whole: Chunk | None = None  # the target's whole logical tensor, where it is one member of a group
+
+    def whole_chunk(self) -> Chunk:
+        return self.whole if self.whole is not None else full_chunk(self.global_shape)
 
 
 def _place(value: Any) -> _Placed | None:
@@ -302,18 +306,19 @@ class QuantizedSavePlanner(DefaultSavePlanner):
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         texts, stripped = [], []
-        digests: dict[str, tuple[int, str]] = {}
+        digests: dict[tuple, tuple[int, str]] = {}
         for rank, plan in enumerate(all_plans):
             data = dict(plan.planner_data or {})
-            for item_fqn, digest in (data.pop(_REPLICATED_KEY, None) or {}).items():
-                first = digests.setdefault(item_fqn, (rank, digest))
+            for (item_fqn, offsets), digest in (data.pop(_REPLICATED_KEY, None) or {}).items():
+                first = digests.setdefault((item_fqn, offsets), (rank, digest))
                 if first[1] != digest:
                     fqn, name = item_fqn.rsplit(qspec.COMPONENT_SEPARATOR, 1)
                     raise AlignmentError(
-                        f"key {fqn!r}: component {name!r} holds one value for the whole tensor, but "
-                        f"ranks {first[0]} and {rank} hold different values: the shards were quantized "
-                        f"each on its own (e.g. with its own per-tensor scale). Quantize the shards with "
-                        f"one scale for the whole tensor, or save this entry dequantized.")
+                        f"key {fqn!r}: component {name!r} holds values shared by the shards of ranks "
+                        f"{first[0]} and {rank} (one for the whole tensor, or for a block both shards "
+                        f"cut), but they differ: the shards were quantized each on its own (e.g. with "
+                        f"its own per-tensor scale). Quantize the shards with one scale for the whole "
+                        f"tensor, or save this entry dequantized.")
             texts.append(data.pop(qspec.PLANNER_DATA_KEY, None) or qspec.dumps({}))
             stripped.append(dataclasses.replace(plan, planner_data=data))
         plans, metadata = super()._create_global_plan(stripped)
@@ -335,21 +340,24 @@ class QuantizedSavePlanner(DefaultSavePlanner):
 _REPLICATED_KEY = "__qdcp_replicated__"  # per-rank digests of replicated components; not saved
 
 
-def _replicated_digests(entries) -> dict[str, str]:
-    """sha256 of each replicated component of the raw DTensor entries, to compare across ranks:
-    DCP keeps one rank's copy of a replicated item, so ranks that disagree must fail the save."""
+def _replicated_digests(entries) -> dict[tuple[str, tuple[int, ...]], str]:
+    """sha256 of each shared component item of the raw DTensor entries (replicated components, and
+    items of a component constant along a dim the shard splits), keyed by (item fqn, offsets), to
+    compare across ranks: DCP keeps one rank's copy of an item, so ranks that disagree must fail."""
     out = {}
     for entry in entries:
-        if not entry.placed.is_dtensor or entry.spec.storage != qspec.RAW:
+        if not entry.placed.is_dtensor or entry.spec.storage != qspec.RAW or _is_empty(entry.placed.chunk):
             continue
         comps = None
         for c in entry.spec.components:
-            if c.layout.get("kind") != "replicated":
+            layout = layout_from_json(c.layout, c.shape)
+            if not layout.shared(entry.spec.shape, entry.placed.chunk):
                 continue
             comps = comps if comps is not None else entry.adapter.components(entry.placed.local)
             t = comps[c.name].detach().cpu().contiguous().reshape(-1)
             data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            out[qspec.component_fqn(entry.fqn, c.name)] = hashlib.sha256(data).hexdigest()
+            offsets = layout.map_chunk(entry.spec.shape, entry.placed.chunk)[0]
+            out[(qspec.component_fqn(entry.fqn, c.name), offsets)] = hashlib.sha256(data).hexdigest()
     return out
 
 
@@ -417,6 +425,16 @@ class _LoadEntry:
     pending: int = 0
     raw_owner: Adapter | None = None    # mode "raw_copy": the adapter whose raw_load fills the target
     storage: dict[str, str] = dataclasses.field(default_factory=dict)  # item fqn -> checkpoint item, if other
+    group: _MembersLoad | None = None   # a member of a group target loaded by member
+
+
+@dataclasses.dataclass
+class _MembersLoad:
+    """A group target filled member by member: ``adapter.members_loaded(target)`` once all are in."""
+
+    adapter: Adapter
+    target: torch.Tensor
+    pending: int = 0
 
 
 class QuantizedLoadPlanner(DefaultLoadPlanner):
@@ -480,34 +498,58 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     def _plan_group_members(self, fqn, placed, adapter, specs, metadata) -> bool:
         """Keys the checkpoint lacks, mapped through a group's members (TE GroupedLinear's
-        ``weight`` <-> ``weight0..weight{n-1}``): a target ``<key><i>`` is member ``i`` of a stored
-        group ``<key>`` (the logical chunk its adapter names); a grouped target ``<key>`` whose
-        members are stored as ``<key><i>`` is loaded member by member, in place. True if planned."""
-        md = metadata.state_dict_metadata
+        ``weight`` <-> ``weight0..weight{n-1}``, MoE experts by index). True if planned."""
+        return self._plan_member_of_group(fqn, placed, adapter, specs, metadata) \
+            or self._plan_group_by_member(fqn, placed, adapter, specs, metadata)
+
+    def _plan_member_of_group(self, fqn, placed, adapter, specs, metadata) -> bool:
+        """A target ``<key><i>`` (plain, quantized, or a DTensor of either) is member ``i`` of a
+        group stored raw under ``<key>``: the logical chunk the group's adapter names for it."""
         m = re.fullmatch(r"(.*\D)(\d+)", fqn)
-        group = specs.get(m.group(1)) if m and not placed.is_dtensor else None
-        if group is not None and group.storage == qspec.RAW:
-            g_adapter = adapter_for_type(group.type, m.group(1))
-            member_chunk = getattr(g_adapter, "member_chunk", None)
-            attrs = {k: qspec.decode_value(v, g_adapter.attribute_classes(), f"key {fqn!r}: ")
-                     for k, v in group.attrs.items()}
-            chunk = member_chunk(attrs, group.shape, int(m.group(2))) if member_chunk else None
-            if chunk is not None:
-                if math.prod(chunk[1]) != math.prod(placed.local.shape):
-                    raise LoadMismatchError(f"key {fqn!r}: member {m.group(2)} of {m.group(1)!r} has "
-                                            f"shape {chunk[1]}, the target {tuple(placed.local.shape)}")
-                del self.state_dict[fqn]
-                self._handled.add(fqn)
-                member = _Placed(placed.local, chunk, group.shape, False)
-                self._add(self._plan_entry(fqn, member, adapter, group, metadata, src_fqn=m.group(1)))
-                return True
-        members = getattr(adapter, "members", None) if adapter is not None else None
-        if members is None or placed.is_dtensor or (f"{fqn}0" not in md and f"{fqn}0" not in specs):
+        group = specs.get(m.group(1)) if m else None
+        if group is None or group.storage != qspec.RAW:
             return False
+        g_adapter = adapter_for_type(group.type, m.group(1))
+        attrs = {k: qspec.decode_value(v, g_adapter.attribute_classes(), f"key {fqn!r}: ")
+                 for k, v in group.attrs.items()}
+        chunk = g_adapter.member_chunk(attrs, group.shape, int(m.group(2)))
+        if chunk is None:
+            return False
+        if chunk[1][0] != 1 or tuple(chunk[1][1:]) != placed.global_shape:
+            raise LoadMismatchError(f"key {fqn!r}: member {m.group(2)} of {m.group(1)!r} has shape "
+                                    f"{tuple(chunk[1][1:])}, the target {placed.global_shape}")
+        within = (chunk[0][0], *(c + o for c, o in zip(chunk[0][1:], placed.chunk[0])))
+        member = _Placed(placed.local, (within, (1, *placed.chunk[1])), group.shape, placed.is_dtensor,
+                         whole=chunk)
         del self.state_dict[fqn]
         self._handled.add(fqn)
-        for i, member in enumerate(members(placed.local)):
-            key = f"{fqn}{i}"
+        self._add(self._plan_entry(fqn, member, adapter, group, metadata, src_fqn=m.group(1)))
+        return True
+
+    def _plan_group_by_member(self, fqn, placed, adapter, specs, metadata) -> bool:
+        """A group target ``<key>`` (a group type, or a plain ``[n, ...]`` stack; a DTensor of either
+        sharded on dim 0 only: expert parallelism) whose members are stored as ``<key><i>``: local
+        member ``j`` is global member ``i = offset + j``, loaded into the target in place."""
+        md = metadata.state_dict_metadata
+        if fqn[-1:].isdigit():
+            return False  # "<key>1" + "0" would read as "<key>10"
+        members = adapter.members(placed.local) if adapter is not None else None
+        if adapter is None and placed.local.ndim >= 2:
+            members = list(placed.local.unbind(0))
+        first = placed.chunk[0][0] if placed.chunk[0] else 0
+        if members is None or (f"{fqn}{first}" not in md and f"{fqn}{first}" not in specs):
+            return False
+        if placed.is_dtensor and (any(placed.chunk[0][1:]) or placed.chunk[1][1:] != placed.global_shape[1:]
+                                  or len(members) != placed.chunk[1][0]):
+            raise LoadMismatchError(
+                f"key {fqn!r}: the checkpoint stores this group by member ({fqn}0, {fqn}1, ...); a "
+                f"sharded target must split whole members (Shard(0) of a stacked [n, ...] tensor), "
+                f"but this rank holds the chunk {placed.chunk} of {placed.global_shape}")
+        del self.state_dict[fqn]
+        self._handled.add(fqn)
+        group = _MembersLoad(adapter, placed.local) if adapter is not None else None
+        for j, member in enumerate(members):
+            key = f"{fqn}{first + j}"
             source = specs.get(key)
             if source is not None and source.storage == qspec.DEQUANTIZED:
                 source = None
@@ -516,7 +558,11 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 self.state_dict[key] = member  # plain member view <- plain entry: DCP's own path
                 continue
             self._handled.add(key)
-            self._add(self._plan_entry(key, _place(member), m_adapter, source, metadata))
+            entry = self._plan_entry(key, _place(member), m_adapter, source, metadata)
+            if entry is not None and group is not None:
+                entry.group = group
+                group.pending += 1
+            self._add(entry)
         return True
 
     def _add(self, entry: _LoadEntry | None) -> None:
@@ -540,6 +586,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 raise LoadMismatchError(
                     f"key {fqn!r}: checkpoint shape {tuple(plain_md.size)} != target shape "
                     f"{placed.global_shape}")
+            _check_can_quantize(fqn, adapter, placed.local, "a plain tensor")
             read_chunk = _amax_chunk(adapter, placed) or placed.chunk
             temp = torch.empty(read_chunk[1], dtype=plain_md.properties.dtype)
             return _LoadEntry(fqn, placed, adapter, None, "quantize", read_chunk, {fqn: temp}, {},
@@ -584,6 +631,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                                    src_items)
             if entry is not None:
                 return _with_storage(entry, fqn, src_items)
+        _check_can_quantize(fqn, adapter, placed.local, f"a {source.type} entry")
         read_chunk = _amax_chunk(adapter, placed) or _expand(layouts, source.shape, placed.chunk)
         buffers, temps, needs = {}, {}, {}
         for c in source.components:
@@ -691,6 +739,13 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             done = entry.pending == 0
         if done:
             _finalize(entry)
+            group = entry.group
+            if group is not None:
+                with self._lock:
+                    group.pending -= 1
+                    last = group.pending == 0
+                if last:
+                    group.adapter.members_loaded(group.target)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=self.weights_only)
@@ -769,12 +824,22 @@ def _same_config(adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, fqn
     return True
 
 
+def _check_can_quantize(fqn: str, adapter: Adapter | None, target: torch.Tensor, stored: str) -> None:
+    """Refuse, at planning, a load that must quantize into a target whose adapter cannot here."""
+    why = adapter.quantize_unsupported(target) if adapter is not None else None
+    if why:
+        raise UnsupportedTensorError(
+            f"key {fqn!r}: the checkpoint holds {stored} whose bits this {adapter.type_name(target)} "
+            f"target cannot take as they are (another format or config, or a shard that cuts its "
+            f"blocks), so it would have to be quantized: {why}")
+
+
 def _amax_chunk(adapter: Adapter | None, placed: _Placed) -> Chunk | None:
     """The whole tensor, for a shard of a target whose per-tensor scale needs the global amax:
     every rank reads it all and computes the same amax, with no collective."""
     if adapter is None or not adapter.needs_global_amax(placed.local):
         return None
-    whole = full_chunk(placed.global_shape)
+    whole = placed.whole_chunk()
     return whole if placed.chunk != whole else None
 
 

@@ -27,6 +27,25 @@ def test_blocked_maps_rows_and_packed_columns():
     assert Blocked((32, 1)).expand((100, 4), ((40, 1), (10, 2))) == ((32, 1), (32, 2))
 
 
+def test_a_zero_block_is_constant_along_its_dim():
+    """Blocked((1, 0, 0)): one item per expert of a stacked [n, M, N] group, shared by its rows."""
+    per_member = Blocked((1, 0, 0))
+    assert per_member.component_shape((8, 128, 256)) == (8, 1, 1)
+    assert per_member.map_chunk((8, 128, 256), ((4, 0, 0), (4, 128, 256))) == ((4, 0, 0), (4, 1, 1))
+    assert per_member.map_chunk((8, 128, 256), ((5, 32, 0), (1, 32, 256))) == ((5, 0, 0), (1, 1, 1))
+    assert per_member.expand((8, 128, 256), ((5, 32, 0), (1, 32, 256))) == ((5, 32, 0), (1, 32, 256))
+    assert not per_member.shared((8, 128, 256), ((4, 0, 0), (4, 128, 256)))  # whole experts: own items
+    assert per_member.shared((8, 128, 256), ((5, 32, 0), (1, 32, 256)))  # rows of one: a copy
+    assert per_member.map_chunk((8, 128, 256), ((0, 0, 0), (0, 128, 256)))[1] == (0, 1, 1)
+    assert layout_from_json({"kind": "blocked", "block": [1, 0, 0]}, (8, 1, 1)) == per_member
+    with pytest.raises(CheckpointFormatError):
+        layout_from_json({"kind": "blocked", "block": [1, -1, 0]}, (8, 1, 1))
+    # other layouts: only replicated items are shared
+    assert Replicated((1,)).shared((8, 8), ((0, 0), (4, 8)))
+    assert not Blocked((1, 32)).shared((8, 64), ((0, 0), (4, 64)))
+    assert not Flat(4).shared((8, 8), ((0, 0), (4, 8)))
+
+
 def test_flat_maps_row_shards_only():
     f = Flat(64)
     assert f.component_shape((512, 256)) == (2048,)

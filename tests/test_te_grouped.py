@@ -1,14 +1,12 @@
 """TE GroupedTensor / GroupedTensorStorage (MoE experts), on TE's real classes on CPU.
 
-Groups are allocated by TE's own ``make_grouped_tensor_with_shapes`` (te_cpu stands in for the
-kernels); the flat buffers are filled here, padding regions included (with garbage), as TE leaves
-them uninitialised. ``clean`` groups have their padding zeroed (canonical components copied back in),
-as TE's kernels write it, so that whole buffers can be compared bit for bit.
+Groups come from ``te_groups`` (TE's own ``make_grouped_tensor_with_shapes``, buffers filled with
+deterministic values, padding with garbage unless ``clean``). Multi-process expert parallelism is in
+``test_te_grouped_distributed.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import pytest
@@ -20,138 +18,23 @@ import te_cpu
 if not te_cpu.te_installed():
     pytest.skip("transformer_engine is not installed", allow_module_level=True)
 warnings.filterwarnings("ignore", message=".*Transformer Engine PyTorch extension.*")
-te = te_cpu.install()
 
 import qdcp  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, UnsupportedTensorError  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
 from qdcp.adapters import te_grouped  # noqa: E402
 from quantized_cases import bits  # noqa: E402
+from te_groups import (BY, CASES, SHAPES, VARY_FIRST, Case, assert_same_flat,  # noqa: E402
+                       flat, reference)
 
-from transformer_engine.pytorch.constants import DType  # noqa: E402
 from transformer_engine.pytorch.tensor.grouped_tensor import GroupedTensor  # noqa: E402
 from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage  # noqa: E402
-
-E4M3, E5M2 = DType.kFloat8E4M3, DType.kFloat8E5M2
-UNIFORM = [(128, 256)] * 4
-VARY_FIRST = [(128, 256), (64, 256), (256, 256)]
-VARY_LAST = [(128, 128), (128, 256), (128, 64)]
-VARY_BOTH = [(64, 128), (128, 256), (32, 64)]
 
 
 @pytest.fixture(autouse=True)
 def _arch():
     with te_cpu.simulate_gpu(te_cpu.HOPPER):
         yield
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-def _rand_u8(n, lo, hi, seed):
-    return torch.randint(lo, hi, (n,), generator=_gen(seed), dtype=torch.int32).to(torch.uint8)
-
-
-def _fp8(n, seed):
-    b = _rand_u8(n, 0, 256, seed)
-    return torch.where((b & 0x7F) == 0x7F, b & 0xF0, b)  # no e4m3 NaN codes
-
-
-def _quantizer(recipe, rowwise=True, columnwise=True, swizzled=False, fp8=E4M3, row_scaled=False):
-    if recipe == "none":
-        return None
-    if recipe == "mxfp8":
-        q = te.MXFP8Quantizer(fp8, rowwise=rowwise, columnwise=columnwise)
-    elif recipe == "current":
-        q = te.Float8CurrentScalingQuantizer(fp8, device="cpu", rowwise=rowwise, columnwise=columnwise)
-    elif recipe == "delayed":
-        q = te.Float8Quantizer(scale=torch.ones(1), amax=torch.zeros(1), fp8_dtype=fp8,
-                               rowwise=rowwise, columnwise=columnwise)
-    elif recipe.startswith("block"):
-        q = te.Float8BlockQuantizer(fp8, rowwise=rowwise, columnwise=columnwise,
-                                    block_scaling_dim=int(recipe[-1]))
-    elif recipe == "nvfp4":
-        q = te.NVFP4Quantizer(rowwise=rowwise, columnwise=columnwise, row_scaled_nvfp4=row_scaled)
-    q.optimize_for_gemm = swizzled
-    return q
-
-
-def fill(g, seed):
-    """Random valid values in every flat buffer, padding regions included."""
-    fp4 = g.quantizer is not None and g.quantizer._get_compatible_recipe().nvfp4()
-    for i, name in enumerate(("rowwise_data", "columnwise_data")):
-        b = getattr(g, name)
-        if b is None:
-            continue
-        if b.dtype == torch.bfloat16:
-            b.copy_(torch.randn(b.shape, generator=_gen(seed + i)).to(torch.bfloat16))
-        else:
-            b.copy_(_rand_u8(b.numel(), 0, 256, seed + i) if fp4 else _fp8(b.numel(), seed + i))
-    for i, name in enumerate(("scale_inv", "columnwise_scale_inv", "amax", "columnwise_amax", "scale")):
-        b = getattr(g, name)
-        if b is None:
-            continue
-        if b.dtype == torch.uint8:  # e8m0 (MXFP8) or e4m3 (NVFP4) scales
-            b.copy_(_rand_u8(b.numel(), 0x08, 0x7F, seed + 10 + i) if fp4 else _rand_u8(b.numel(), 118, 136, seed + 10 + i))
-        else:
-            b.copy_(torch.rand(b.shape, generator=_gen(seed + 10 + i)) * 0.01 + 1e-3)
-    return g
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    recipe: str
-    kw: tuple = ()
-    cap: tuple = te_cpu.HOPPER
-    te_dq: bool = False   # members' TE dequantize runs on CPU (Float8, blockwise)
-
-    def build(self, seed, shapes=UNIFORM, clean=False, internal=False):
-        with te_cpu.simulate_gpu(self.cap):
-            q = _quantizer(self.recipe, **dict(self.kw))
-            if q is not None and internal:
-                q.internal = True
-            g = GroupedTensorStorage.make_grouped_tensor_with_shapes(
-                len(shapes), list(shapes), quantizer=q, device="cpu", dtype=torch.bfloat16)
-            fill(g, seed)
-            if clean:  # zero padding, as TE's kernels leave it
-                a = find_adapter(g)
-                comps = {k: v.clone() for k, v in a.components(g).items()}
-                for name in ("scale_inv", "columnwise_scale_inv"):
-                    b = getattr(g, name)
-                    if b is not None and b.numel() > g.num_tensors:
-                        b.zero_()
-                a.copy_into(g, comps)
-            return g
-
-
-CASES = [
-    Case("mxfp8_both", "mxfp8"),
-    Case("mxfp8_rowwise_swizzled", "mxfp8", (("columnwise", False), ("swizzled", True))),
-    Case("current_both_hopper", "current", te_dq=True),
-    Case("current_blackwell", "current", cap=te_cpu.BLACKWELL, te_dq=True),
-    Case("delayed_both_e5m2", "delayed", (("fp8", E5M2),), te_dq=True),
-    Case("block2_both", "block2", te_dq=True),
-    Case("block1_both", "block1", te_dq=True),
-    Case("nvfp4_both", "nvfp4"),
-    Case("nvfp4_row_scaled", "nvfp4", (("columnwise", False), ("row_scaled", True))),
-    Case("bf16", "none"),
-]
-IDS = [c.name for c in CASES]
-BY = {c.name: c for c in CASES}
-SHAPES = {"uniform": UNIFORM, "vary_first": VARY_FIRST, "vary_last": VARY_LAST, "vary_both": VARY_BOTH}
-
-
-def _flat(g):
-    return te_grouped._buffers(g)
-
-
-def _assert_same_flat(a, b):
-    fa, fb = _flat(a), _flat(b)
-    assert sorted(fa) == sorted(fb)
-    for n in fa:
-        assert torch.equal(bits(fa[n]), bits(fb[n])), f"buffer {n} differs"
 
 
 def _save(path, state, no_dist=False, **kw):
@@ -162,20 +45,6 @@ def _save(path, state, no_dist=False, **kw):
 def _load(path, state, **kw):
     dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner(**kw))
     return state
-
-
-def _reference(g):
-    """Members' own single-tensor dequantize (qdcp's reference), stacked or laid out as TE's logical shape."""
-    a = find_adapter(g)
-    outs = [m if not isinstance(m, torch.Tensor) or find_adapter(m) is None else find_adapter(m).dequantize(m)
-            for m in a.members(g)]
-    outs = [o.to(torch.bfloat16) for o in outs]
-    shape = a._logical_shape(g)
-    if g.first_dims is None and g.last_dims is None:
-        return torch.stack(outs).reshape(shape)
-    if g.first_dims is not None and g.last_dims is not None:
-        return torch.cat([o.reshape(-1) for o in outs]).reshape(shape)
-    return torch.cat(outs, dim=1 if g.last_dims is not None else 0)
 
 
 def _case_shape_params():
@@ -214,7 +83,7 @@ def test_spec_records_the_group():
     f8 = BY["current_both_hopper"].build(0)
     assert {k: tuple(v.shape) for k, v in a.components(f8).items()} == {
         "data": (4, 128, 256), "scale_inv": (4, 1, 1), "amax": (4, 1, 1), "scale": (4, 1, 1)}
-    assert a.layouts(f8)["scale_inv"].to_json() == {"kind": "blocked", "block": [1, 128, 256]}
+    assert a.layouts(f8)["scale_inv"].to_json() == {"kind": "blocked", "block": [1, 0, 0]}
 
 
 # ----------------------------------------------------------------------------- save / load
@@ -227,11 +96,11 @@ def test_raw_into_same_layout_is_bit_identical_in_place(tmp_path, case, shape):
     info = qdcp.describe(path)["w"]
     assert info["bytes"] == sum(t.numel() * t.element_size() for t in canon.values())  # no padding stored
     dst = case.build(1, SHAPES[shape])  # garbage padding
-    ptrs = {n: b.data_ptr() for n, b in _flat(dst).items()}
+    ptrs = {n: b.data_ptr() for n, b in flat(dst).items()}
     state = _load(path, {"w": dst, "step": 0})
     assert state["w"] is dst and state["step"] == 1
-    assert {n: b.data_ptr() for n, b in _flat(dst).items()} == ptrs
-    _assert_same_flat(dst, src)  # offsets and per-member padding rebuilt
+    assert {n: b.data_ptr() for n, b in flat(dst).items()} == ptrs
+    assert_same_flat(dst, src)  # offsets and per-member padding rebuilt
 
 
 @pytest.mark.parametrize("case,shape", _case_shape_params())
@@ -239,7 +108,7 @@ def test_into_plain_of_the_logical_shape_equals_members_dequantize(tmp_path, cas
     src = case.build(0, SHAPES[shape])
     a = find_adapter(src)
     path = _save(tmp_path / "c", {"raw": src, "deq": src}, dequantize=lambda fqn, t: fqn == "deq")
-    ref = _reference(src)
+    ref = reference(src)
     assert torch.equal(bits(a.dequantize(src)), bits(ref))
     if case.te_dq:  # qdcp's reference == TE's own member dequantize on CPU
         te_ref = [m.dequantize() for m in a.members(src)]
@@ -295,7 +164,7 @@ def test_grouped_tensor_storage_through_a_grouped_tensor_view(tmp_path):
     path = _save(tmp_path / "c", {"w": te_grouped.grouped_tensor_view(src)})
     dst = case.build(1, internal=True)
     _load(path, {"w": te_grouped.grouped_tensor_view(dst)})
-    _assert_same_flat(dst, src)
+    assert_same_flat(dst, src)
 
 
 # ----------------------------------------------------------------------------- expert parallelism
@@ -329,7 +198,7 @@ def test_eight_experts_from_one_rank_load_as_rank1_of_2x4(tmp_path, fake_rank1_o
     case = BY[name]
     src = case.build(0, [(128, 256)] * 8, clean=True)
     path = _save(tmp_path / "c", {"w": src}, no_dist=True)
-    ref = _reference(src)
+    ref = reference(src)
     # plain DTensor [8, M, N] sharded on dim 0: this rank's 4 experts
     local = torch.zeros(4, 128, 256, dtype=torch.bfloat16)
     dcp.load({"w": _shard0(local, fake_rank1_of_2, (8, 128, 256))}, checkpoint_id=path,
@@ -369,10 +238,6 @@ def test_one_member_of_a_group_raw_into_a_single_te_tensor():
         assert all(torch.equal(bits(cm[n]), bits(cr[n])) for n in cr), name
 
 
-_PLANNER_HAS_MEMBERS = hasattr(QuantizedLoadPlanner, "_plan_group_members")
-
-
-@pytest.mark.skipif(not _PLANNER_HAS_MEMBERS, reason="the load planner does not map per-member keys yet")
 @pytest.mark.parametrize("name", ["mxfp8_both", "current_both_hopper", "nvfp4_both", "bf16"])
 def test_per_member_keys_and_grouped_weight_both_ways(tmp_path, name):
     case = BY[name]
@@ -388,12 +253,12 @@ def test_per_member_keys_and_grouped_weight_both_ways(tmp_path, name):
                                                         find_adapter(ref).components(ref).values()))
     plains = [torch.zeros(128, 256, dtype=torch.bfloat16) for _ in range(4)]
     _load(path, {f"layer.weight{i}": t for i, t in enumerate(plains)})
-    assert torch.equal(bits(torch.stack(plains)), bits(_reference(src)))
+    assert torch.equal(bits(torch.stack(plains)), bits(reference(src)))
     # per-member checkpoint -> grouped weight, in place into the flat buffers
     path2 = _save(tmp_path / "m", {f"layer.weight{i}": m for i, m in enumerate(a.members(src))})
     dst = case.build(2)
     _load(path2, {"layer.weight": dst})
-    _assert_same_flat(dst, src) if name != "current_both_hopper" else None
+    assert_same_flat(dst, src) if name != "current_both_hopper" else None
     for x, y in zip(a.components(dst).items(), a.components(src).items()):
         if x[0] not in ("amax", "scale"):  # group-only buffers: not in per-member entries
             assert torch.equal(bits(x[1]), bits(y[1])), x[0]
@@ -420,7 +285,7 @@ def test_stager_copies_the_flat_buffers_once(tmp_path):
         path = _save(tmp_path / "a", {"w": w})
         dst = BY["mxfp8_both"].build(1)
         _load(path, {"w": dst})
-        _assert_same_flat(dst, w)
+        assert_same_flat(dst, w)
         del staged, w
         # current scaling shares one scale_inv between directions: staged once, still shared
         cs = BY["current_both_hopper"].build(0)
@@ -443,7 +308,7 @@ def test_async_save_with_the_stager_equals_sync_save(tmp_path):
         stager.close()
     dst = BY["nvfp4_both"].build(1, shapes=VARY_FIRST)
     _load(tmp_path / "a", {"w": dst})
-    _assert_same_flat(dst, src)
+    assert_same_flat(dst, src)
 
 
 def test_to_device_moves_every_buffer_and_keeps_the_parameter():
@@ -460,4 +325,4 @@ def test_to_device_moves_every_buffer_and_keeps_the_parameter():
     st = BY["mxfp8_both"].build(0, internal=True)
     moved = qdcp.offload.tensor_to_device(st, "cpu")
     assert type(moved) is GroupedTensorStorage
-    _assert_same_flat(moved, st)
+    assert_same_flat(moved, st)

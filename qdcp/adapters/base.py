@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from qdcp.errors import CheckpointFormatError
-from qdcp.layouts import Layout
+from qdcp.layouts import Chunk, Layout
 
 
 class Adapter:
@@ -95,6 +95,11 @@ class Adapter:
         """
         raise NotImplementedError
 
+    def quantize_unsupported(self, target: torch.Tensor) -> str | None:
+        """Why :meth:`quantize_like` cannot fill ``target`` on this machine (e.g. it needs a GPU
+        kernel), or None (default) when it can. Asked at load planning, before anything is read."""
+        return None
+
     def needs_global_amax(self, target: torch.Tensor) -> bool:
         """Whether :meth:`quantize_like` into ``target`` depends on the whole tensor's abs-max."""
         return False
@@ -117,6 +122,22 @@ class Adapter:
         """Fill ``target`` in place from the canonical ``components`` named by :meth:`raw_load_sources`
         (for the chunk ``target`` holds)."""
         raise NotImplementedError
+
+    # Groups: one tensor that packs several members (MoE experts), checkpointed by member. Optional.
+
+    def members(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """For a group: its members, as tensors that share ``t``'s buffers (loading into them fills
+        ``t`` in place), in order; None (default) for types that are not groups."""
+        return None
+
+    def member_chunk(self, attrs: Mapping[str, Any], shape: tuple[int, ...], index: int) -> Chunk | None:
+        """For a stored group (decoded ``attrs``, logical ``shape``): the logical chunk that is member
+        ``index`` (leading dim 1), or None (default) when members are not chunks of the group."""
+        return None
+
+    def members_loaded(self, t: torch.Tensor) -> None:
+        """Called once after every member of ``t`` was loaded from its own checkpoint key: bring
+        group-only state (buffers no member references) in line. Default: nothing."""
 
 
 # ----------------------------------------------------------------------------- registry

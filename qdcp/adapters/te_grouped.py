@@ -11,8 +11,10 @@ Two stored layouts, chosen by the group's shapes:
   shape ``[n, M, N]``): each canonical member component ``C`` of shape ``s`` is stored once as
   ``[n, *s]`` with layout ``Blocked((1, *b))`` where ``b`` is the single-tensor block; per-member
   scalars (Float8 ``scale_inv``, NVFP4 per-tensor amax, the group's Float8 ``amax`` / ``scale``) are
-  ``[n, 1, 1]`` with ``Blocked((1, M, N))``. Member ``i`` is the logical chunk ``[i:i+1]``, so any
-  expert-parallel split of dim 0 (``n`` experts on ``k`` ranks) maps to whole component chunks.
+  ``[n, 1, 1]`` with ``Blocked((1, 0, 0))`` (constant along each member's rows and columns). Member
+  ``i`` is the logical chunk ``[i:i+1]``, so any expert-parallel split of dim 0 (``n`` experts on
+  ``k`` ranks) maps to whole component chunks, and a member's rows shard to its rows' data and the
+  member's scalar.
 - **members** (varying first and/or last dims; logical shape is TE's 2-D ``logical_shape``): member
   ``i``'s components are stored as ``m{i}.C`` (replicated layouts; the group loads whole).
 
@@ -221,11 +223,10 @@ class TEGroupedTensorAdapter(Adapter):
         extras = [n for n in _GROUP_EXTRAS.get(recipe, ()) if getattr(t, n) is not None]
         out: dict[str, Layout] = {}
         if self._stacked(t, shapes):
-            m, n = shapes[0]
             for name, lay in self._member_layouts(recipe, members[0]).items():
-                out[name] = Blocked((1, *lay.block)) if isinstance(lay, Blocked) else Blocked((1, m, n))
+                out[name] = Blocked((1, *lay.block)) if isinstance(lay, Blocked) else Blocked((1, 0, 0))
             for name in extras:
-                out[name] = Blocked((1, m, n))
+                out[name] = Blocked((1, 0, 0))
             return out
         if recipe == "none" and all(len(s) == 1 and s == shapes[0] for s in shapes):
             return {"data": Blocked((1, 1))}  # 1-D members: [n, L]
@@ -315,16 +316,14 @@ class TEGroupedTensorAdapter(Adapter):
                     member.copy_(comps["data"].reshape(member.shape))
             else:
                 _SINGLE[recipe].copy_into(member, comps)
-        self._sync_delayed_scale(target, components)
-
-    @staticmethod
-    def _sync_delayed_scale(target, components) -> None:
-        """Delayed scaling keeps a second (n,) columnwise ``scale_inv`` equal to the rowwise one,
-        which members do not reference when rowwise data exists."""
-        csi, si = target.columnwise_scale_inv, target.scale_inv
-        if csi is None or si is None or csi is si or _recipe(target) != "delayed":
-            return
         if any(n == "scale_inv" or n.endswith(".scale_inv") for n in components):
+            self.members_loaded(target)
+
+    def members_loaded(self, t) -> None:
+        """Delayed scaling keeps a second (n,) columnwise ``scale_inv`` equal to the rowwise one,
+        which members do not reference when rowwise data exists: copy it over."""
+        csi, si = t.columnwise_scale_inv, t.scale_inv
+        if csi is not None and si is not None and csi is not si and _recipe(t) == "delayed":
             csi.copy_(si)
 
     # ------------------------------------------------------------------ stager / offload
@@ -382,11 +381,13 @@ class TEGroupedTensorAdapter(Adapter):
         return qte.CanonicalTETensor(type_name, dict(attrs), tuple(int(s) for s in shape), dtype,
                                      dict(components))
 
+    def quantize_unsupported(self, target):
+        return ("quantizing into a TransformerEngine GroupedTensor needs TE's CUDA kernels (a GPU); only "
+                "loads of the same recipe and member format (raw) are possible without one. Load into a "
+                "plain tensor, or load on a machine with a GPU.")
+
     def quantize_like(self, target, hp, global_amax=None):
-        raise UnsupportedTensorError(
-            "quantizing into a TransformerEngine GroupedTensor needs TE's CUDA kernels (a GPU); only "
-            "loads of the same recipe and member format (raw) are possible without one. Load into a "
-            "plain tensor, or load on a machine with a GPU.")
+        raise UnsupportedTensorError(self.quantize_unsupported(target))
 
     # ------------------------------------------------------------------ members <-> group
     def member_chunk(self, attrs: Mapping[str, Any], shape, index: int) -> Chunk | None:
@@ -413,7 +414,7 @@ class TEGroupedTensorAdapter(Adapter):
             return None
         if recipe not in _RECIPES_OF_TYPE.get(single.type_names[0], ()):
             return None
-        if tuple(target.shape) != tuple(source_attrs["member_shape"]):
+        if target.ndim != len(source_attrs["member_shape"]):  # the planner matched the shapes
             return None
         if single.attributes(target) != source_attrs.get("member"):
             return None

@@ -230,11 +230,13 @@ class TEAdapter(Adapter):
     def _rebuild_te(self, attrs, shape, dtype, comps) -> torch.Tensor:
         raise NotImplementedError
 
+    def quantize_unsupported(self, target):
+        return (f"quantizing into a TransformerEngine {self.format_name} tensor needs TE's CUDA kernels "
+                f"(a GPU); only loads of the same format ({self.type_names[0]}, same config) are "
+                f"possible without one. Load into a plain tensor, or load on a machine with a GPU.")
+
     def quantize_like(self, target, hp, global_amax=None):
-        raise UnsupportedTensorError(
-            f"quantizing into a TransformerEngine {self.format_name} tensor needs TE's CUDA kernels "
-            f"(a GPU); only loads of the same format ({self.type_names[0]}, same config) are "
-            f"possible without one. Load into a plain tensor, or load on a machine with a GPU.")
+        raise UnsupportedTensorError(self.quantize_unsupported(target))
 
     def copy_into(self, target, components):
         unknown = set(components) - set(self.component_names(target))
