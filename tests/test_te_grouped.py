@@ -146,14 +146,23 @@ def test_swizzle_and_float8_recipe_are_layout_details(tmp_path):
     assert torch.equal(d2.scale_inv, c.scale_inv) and torch.equal(d2.columnwise_scale_inv, c.scale_inv)
 
 
-def test_other_format_is_a_clear_error(tmp_path):
-    path = _save(tmp_path / "c", {"w": BY["mxfp8_both"].build(0)})
-    with pytest.raises(BaseException) as info:
-        _load(path, {"w": BY["block2_both"].build(1)})
+def _error(info) -> BaseException:
     err = info.value
     if getattr(err, "failures", None):
         err = next(iter(err.failures.values()))[0]
+    return err
+
+
+def test_other_format_is_a_clear_error_at_planning(tmp_path):
+    path = _save(tmp_path / "c", {"w": BY["mxfp8_both"].build(0)})
+    target = BY["block2_both"].build(1)
+    before = {n: b.clone() for n, b in flat(target).items()}
+    with pytest.raises(BaseException) as info:
+        _load(path, {"w": target})
+    err = _error(info)
     assert isinstance(err, UnsupportedTensorError) and "needs TE's CUDA kernels (a GPU)" in str(err)
+    assert "key 'w'" in str(err) and "transformer_engine.GroupedTensor entry" in str(err)
+    assert all(torch.equal(b, flat(target)[n]) for n, b in before.items())  # refused before reading
 
 
 def test_grouped_tensor_storage_through_a_grouped_tensor_view(tmp_path):
@@ -217,6 +226,25 @@ def test_eight_experts_from_one_rank_load_as_rank1_of_2x4(tmp_path, fake_rank1_o
             assert torch.equal(bits(getattr(m4, n)), bits(getattr(m8, n))), n
     # saving rank 1's experts back as its shard of [8, M, N] needs rank 0 too (a checkpoint with
     # half the chunks is refused): a real 2-process run, see the report of issue 10
+
+
+def test_member_keys_into_a_group_sharded_within_experts_are_refused(tmp_path, fake_rank1_of_2):
+    """Per-member entries fill whole local members; a group target split inside experts cannot."""
+    case = BY["bf16"]
+    src = case.build(0, [(128, 256)] * 2)
+    path = _save(tmp_path / "m", {f"w{i}": m for i, m in enumerate(find_adapter(src).members(src))},
+                 no_dist=True)
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    local = torch.zeros(2, 64, 256, dtype=torch.bfloat16)
+    spec = DTensorSpec(fake_rank1_of_2, (Shard(1),), TensorMeta(torch.Size((2, 128, 256)),
+                                                                (128 * 256, 256, 1), torch.bfloat16))
+    with pytest.raises(BaseException) as info:
+        dcp.load({"w": DTensor(local, spec, requires_grad=False)}, checkpoint_id=path,
+                 planner=QuantizedLoadPlanner(), no_dist=True)
+    err = _error(info)
+    assert isinstance(err, qdcp.LoadMismatchError) and "key 'w'" in str(err) and "whole members" in str(err)
 
 
 # ----------------------------------------------------------------------------- per-member keys
