@@ -504,10 +504,11 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     def _plan_member_of_group(self, fqn, placed, adapter, specs, metadata) -> bool:
         """A target ``<key><i>`` (plain, quantized, or a DTensor of either) is member ``i`` of a
-        group stored raw under ``<key>``: the logical chunk the group's adapter names for it."""
+        group stored under ``<key>`` (raw, or dequantized: a plain tensor of the group's logical
+        shape): the logical chunk the group's adapter names for it."""
         m = re.fullmatch(r"(.*\D)(\d+)", fqn)
         group = specs.get(m.group(1)) if m else None
-        if group is None or group.storage != qspec.RAW:
+        if group is None:
             return False
         g_adapter = adapter_for_type(group.type, m.group(1))
         attrs = {k: qspec.decode_value(v, g_adapter.attribute_classes(), f"key {fqn!r}: ")
@@ -523,7 +524,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                          whole=chunk)
         del self.state_dict[fqn]
         self._handled.add(fqn)
-        self._add(self._plan_entry(fqn, member, adapter, group, metadata, src_fqn=m.group(1)))
+        source = group if group.storage == qspec.RAW else None
+        self._add(self._plan_entry(fqn, member, adapter, source, metadata, src_fqn=m.group(1)))
         return True
 
     def _plan_group_by_member(self, fqn, placed, adapter, specs, metadata) -> bool:
@@ -574,8 +576,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     def _plan_entry(self, fqn, placed, adapter, source, metadata, src_fqn=None) -> _LoadEntry | None:
         md = metadata.state_dict_metadata
         src_fqn = src_fqn or fqn
-        if source is None:  # plain checkpoint entry -> quantized target
-            plain_md = md.get(fqn)
+        if source is None:  # plain checkpoint entry -> quantized target (or a member of a group)
+            plain_md = md.get(src_fqn)
             if plain_md is None:
                 if self.allow_partial_load:
                     return None
@@ -589,8 +591,11 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             _check_can_quantize(fqn, adapter, placed.local, "a plain tensor")
             read_chunk = _amax_chunk(adapter, placed) or placed.chunk
             temp = torch.empty(read_chunk[1], dtype=plain_md.properties.dtype)
-            return _LoadEntry(fqn, placed, adapter, None, "quantize", read_chunk, {fqn: temp}, {},
-                              {fqn: (plain_md, read_chunk)})
+            entry = _LoadEntry(fqn, placed, adapter, None, "quantize", read_chunk, {fqn: temp}, {},
+                               {fqn: (plain_md, read_chunk)})
+            if src_fqn != fqn:
+                entry.storage[fqn] = src_fqn
+            return entry
 
         if source.shape != placed.global_shape:
             raise LoadMismatchError(

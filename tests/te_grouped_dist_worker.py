@@ -218,10 +218,13 @@ def load_one(path: str, what: str, kind: str, globs: dict, refs: dict, mesh) -> 
             check(sec, (d := diff(deq[name], want)) is None, f"{what} (dequantized entry): {d}")
     # (3) per-member keys of this rank's experts: lone TE tensors and plain tensors
     lone = {(name, i): lone_member(name, ROWS, GARBAGE_SEED + 300 + i) for name in names for i in ids}
-    flat_plain = {(name, i): torch.zeros(ROWS, COLS, dtype=torch.bfloat16) for name in names for i in ids}
+    flat_plain = {(name, i): torch.zeros(ROWS, COLS, dtype=torch.bfloat16)
+                  for name in (names + tuple(f"deq.{n}" for n in names) if kind == "grouped" else names)
+                  for i in ids}  # deq.*: members of a group saved dequantized
     for label, targets in (("member_keys", lone), ("member_plain", flat_plain)):
         err = _load({f"{name}.weight{i}": t for (name, i), t in targets.items()}, path)
         for (name, i), t in targets.items():
+            name = name.removeprefix("deq.")
             sec = f"{label}[{name}]"
             if err is not None:
                 check(sec, False, f"{what}: load failed: {_short(err)}")

@@ -282,6 +282,11 @@ def test_per_member_keys_and_grouped_weight_both_ways(tmp_path, name):
     plains = [torch.zeros(128, 256, dtype=torch.bfloat16) for _ in range(4)]
     _load(path, {f"layer.weight{i}": t for i, t in enumerate(plains)})
     assert torch.equal(bits(torch.stack(plains)), bits(reference(src)))
+    # a group saved dequantized (one plain [n, M, N] tensor) -> plain weight0..3
+    path_dq = _save(tmp_path / "dq", {"layer.weight": src}, dequantize=True)
+    plains = [torch.zeros(128, 256, dtype=torch.bfloat16) for _ in range(4)]
+    _load(path_dq, {f"layer.weight{i}": t for i, t in enumerate(plains)})
+    assert torch.equal(bits(torch.stack(plains)), bits(reference(src)))
     # per-member checkpoint -> grouped weight, in place into the flat buffers
     path2 = _save(tmp_path / "m", {f"layer.weight{i}": m for i, m in enumerate(a.members(src))})
     dst = case.build(2)
