@@ -110,6 +110,34 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).to(torch.uint8)
 
 
+def bits_diff(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None if two plain tensors have one shape and dtype and the same bytes, else what differs."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"{tuple(a.shape)} {a.dtype} != {tuple(b.shape)} {b.dtype}"
+    if torch.equal(bits(a), bits(b)):
+        return None
+    return f"values differ ({int((bits(a) != bits(b)).sum())} bytes)"
+
+
+def components_diff(got: torch.Tensor, want: torch.Tensor, skip=()) -> str | None:
+    """None if two tensors' canonical qdcp components (but ``skip``) are bit-identical (plain
+    tensors: their bytes), else what differs."""
+    from qdcp.adapters import find_adapter
+
+    a, b = find_adapter(got), find_adapter(want)
+    if a is None or b is None:
+        return bits_diff(got, want)
+    ca = {n: v for n, v in a.components(got).items() if n not in skip}
+    cb = {n: v for n, v in b.components(want).items() if n not in skip}
+    if sorted(ca) != sorted(cb):
+        return f"components {sorted(ca)} != {sorted(cb)}"
+    for name in ca:
+        diff = bits_diff(ca[name], cb[name])
+        if diff is not None:
+            return f"component {name}: {diff}"
+    return None
+
+
 def assert_same_buffers(a: torch.Tensor, b: torch.Tensor) -> None:
     """Same subclass, same logical shape, and bit-identical inner buffers."""
     assert type(a) is type(b), (type(a), type(b))

@@ -46,9 +46,12 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # no
 from transformer_engine.pytorch import utils as te_utils  # noqa: E402
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 
-from qdcp import AlignmentError, QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
+from qdcp import AlignmentError, QuantizedSavePlanner  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
-from worker_results import check, qdcp_error_in, run  # noqa: E402
+from quantized_cases import bits  # noqa: E402
+from quantized_cases import bits_diff as same_bits  # noqa: E402
+from quantized_cases import components_diff as canonical_diff  # noqa: E402
+from worker_results import check, qdcp_error_in, run, try_load  # noqa: E402
 from worker_results import short as _short  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -195,31 +198,6 @@ def make_dtensor(local: torch.Tensor, mesh) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).to(torch.uint8)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> str | None:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return f"{tuple(a.shape)} {a.dtype} != {tuple(b.shape)} {b.dtype}"
-    if torch.equal(bits(a), bits(b)):
-        return None
-    return f"values differ ({int((bits(a) != bits(b)).sum())} bytes)"
-
-
-def canonical_diff(got: torch.Tensor, want: torch.Tensor) -> str | None:
-    """None if the two TE tensors' canonical components are bit-identical."""
-    ca, cb = find_adapter(got).components(got), find_adapter(want).components(want)
-    if sorted(ca) != sorted(cb):
-        return f"components {sorted(ca)} != {sorted(cb)}"
-    for name in ca:
-        diff = same_bits(ca[name], cb[name])
-        if diff is not None:
-            return f"component {name}: {diff}"
-    return None
-
-
 def derived_diff(fmt: str, t: torch.Tensor) -> str | None:
     """The copies qdcp rebuilds rather than stores: the Float8 transpose, the 128x128 columnwise copy."""
     if fmt == "float8":
@@ -324,14 +302,6 @@ def load(root: str, mesh) -> None:
     check("loaded_all", sorted(loaded) == [1, 2, 3, 4], f"loaded the checkpoints saved at N={loaded} only")
 
 
-def _load(state: dict, path: str) -> BaseException | None:
-    try:
-        dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner())
-        return None
-    except BaseException as e:  # noqa: BLE001
-        return e
-
-
 def load_one(path: str, n: int, refs: dict, mesh) -> None:
     tag = f"N={n}->M={WORLD}"
     formats = FORMATS if aligned(n) else tuple(f for f in FORMATS if f not in STRADDLING)
@@ -343,7 +313,7 @@ def load_one(path: str, n: int, refs: dict, mesh) -> None:
         for fmt in formats:
             state[f"te.{fmt}"] = (make_dtensor(torch.zeros((s, COLS), dtype=DTYPE), mesh) if sharded
                                   else torch.zeros(SHAPE, dtype=DTYPE))
-        err = _load(state, path)
+        err = try_load(state, path)
         for fmt in formats:
             if err is not None:
                 check(f"{section}[{fmt}]", False, f"{tag}: load into plain targets: {_short(err)}")
@@ -363,7 +333,7 @@ def load_one(path: str, n: int, refs: dict, mesh) -> None:
         local = build(fmt, global_buffers(fmt, SEED[fmt] + TARGET_SEED), o, s)
         state[f"te.{fmt}"] = make_dtensor(local, mesh)
         locals_[fmt] = (local, inner_ptrs(local))
-    err = _load(state, path) if state else None
+    err = try_load(state, path) if state else None
     for fmt, (local, ptrs) in locals_.items():
         section = f"same_type[{fmt}]"
         if err is not None:
@@ -383,7 +353,7 @@ def load_one(path: str, n: int, refs: dict, mesh) -> None:
         key = f"te.{fmt}"
         local = build(fmt, global_buffers(fmt, SEED[fmt] + TARGET_SEED), o, s)
         before = {k: bits(v).clone() for k, v in find_adapter(local).inner_buffers(local).items()}
-        err = _load({key: make_dtensor(local, mesh)}, path)
+        err = try_load({key: make_dtensor(local, mesh)}, path)
         q = qdcp_error_in(err) if err is not None else None
         check(f"unaligned_target_error[{fmt}]", isinstance(q, AlignmentError) and repr(key) in str(q),
               f"{tag}: {key} into TE targets of rows {row_chunks(ROWS, WORLD)}: expected an AlignmentError "

@@ -42,9 +42,11 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
 
-from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
+from qdcp import QuantizedSavePlanner  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
-from worker_results import check, qdcp_error_in, run, section_error  # noqa: E402
+from quantized_cases import bits_diff as diff  # noqa: E402
+from quantized_cases import components_diff  # noqa: E402
+from worker_results import check, qdcp_error_in, run, section_error, try_load  # noqa: E402
 from worker_results import short as _short  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -97,33 +99,6 @@ def shard0(local: torch.Tensor, mesh, global_shape) -> DTensor:
 
 # ----------------------------------------------------------------------------- comparing
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return te_groups.bits(t)
-
-
-def diff(a: torch.Tensor, b: torch.Tensor) -> str | None:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return f"{tuple(a.shape)} {a.dtype} != {tuple(b.shape)} {b.dtype}"
-    if torch.equal(bits(a), bits(b)):
-        return None
-    return f"values differ ({int((bits(a) != bits(b)).sum())} bytes)"
-
-
-def components_diff(got, want, skip=()) -> str | None:
-    """None if the two tensors' canonical components (all but ``skip``) are bit-identical."""
-    a, b = find_adapter(got), find_adapter(want)
-    if a is None:
-        return diff(got, want)
-    ca, cb = a.components(got), b.components(want)
-    for n in cb:
-        if n in skip:
-            continue
-        d = diff(ca[n], cb[n]) if n in ca else "missing"
-        if d is not None:
-            return f"component {n}: {d}"
-    return None
-
-
 def ptrs(g) -> dict[str, int]:
     return {n: b.data_ptr() for n, b in te_groups.flat(g).items()}
 
@@ -157,14 +132,6 @@ def save(root: str, mesh) -> None:
 
 # ----------------------------------------------------------------------------- load
 
-def _load(state: dict, path: str) -> BaseException | None:
-    try:
-        dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner())
-        return None
-    except BaseException as e:  # noqa: BLE001
-        return e
-
-
 def load(root: str, mesh) -> None:
     globs = {name: global_group(name) for name in RECIPES}
     refs = {name: te_groups.reference(g) for name, g in globs.items()}
@@ -186,7 +153,7 @@ def load_one(path: str, what: str, kind: str, globs: dict, refs: dict, mesh) -> 
     groups = {name: te_groups.BY[name].build(GARBAGE_SEED + 100 + RANK, [(ROWS, COLS)] * len(ids))
               for name in names}  # every buffer garbage
     before = {name: ptrs(g) for name, g in groups.items()}
-    err = _load({f"{name}.weight": shard0(g, mesh, STACKED) for name, g in groups.items()}, path)
+    err = try_load({f"{name}.weight": shard0(g, mesh, STACKED) for name, g in groups.items()}, path)
     for name, g in groups.items():
         sec = f"grouped_target[{name}]"
         if err is not None:
@@ -206,7 +173,7 @@ def load_one(path: str, what: str, kind: str, globs: dict, refs: dict, mesh) -> 
     if kind == "grouped":
         deq = {name: torch.zeros(len(ids), ROWS, COLS, dtype=torch.bfloat16) for name in names}
         state.update({f"deq.{name}.weight": shard0(t, mesh, STACKED) for name, t in deq.items()})
-    err = _load(state, path)
+    err = try_load(state, path)
     for name in names:
         sec = f"plain_stack[{name}]"
         if err is not None:
@@ -222,7 +189,7 @@ def load_one(path: str, what: str, kind: str, globs: dict, refs: dict, mesh) -> 
                   for name in (names + tuple(f"deq.{n}" for n in names) if kind == "grouped" else names)
                   for i in ids}  # deq.*: members of a group saved dequantized
     for label, targets in (("member_keys", lone), ("member_plain", flat_plain)):
-        err = _load({f"{name}.weight{i}": t for (name, i), t in targets.items()}, path)
+        err = try_load({f"{name}.weight{i}": t for (name, i), t in targets.items()}, path)
         for (name, i), t in targets.items():
             name = name.removeprefix("deq.")
             sec = f"{label}[{name}]"
@@ -241,7 +208,7 @@ def load_one(path: str, what: str, kind: str, globs: dict, refs: dict, mesh) -> 
               for name in names if name != "bf16" and len(rows) % ROW_BLOCK.get(name, 1) == 0
               for i in range(EXPERTS)}
     for label, targets in (("member_rows_plain", row_plain), ("member_rows_te", row_te)):
-        err = _load({f"{name}.weight{i}": shard0(t, mesh, (ROWS, COLS)) for (name, i), t in targets.items()},
+        err = try_load({f"{name}.weight{i}": shard0(t, mesh, (ROWS, COLS)) for (name, i), t in targets.items()},
                     path)
         for (name, i), t in targets.items():
             sec = f"{label}[{name}]"
@@ -260,7 +227,7 @@ def load_one(path: str, what: str, kind: str, globs: dict, refs: dict, mesh) -> 
         key = f"{name}.weight3"
         t = lone_member(name, len(rows), GARBAGE_SEED + 500)
         before = {n: v.clone() for n, v in find_adapter(t).components(t).items()}
-        err = _load({key: shard0(t, mesh, (ROWS, COLS))}, path)
+        err = try_load({key: shard0(t, mesh, (ROWS, COLS))}, path)
         q = qdcp_error_in(err) if err is not None else None
         check(f"member_rows_te_unaligned[{name}]", q is not None and repr(key) in str(q),
               f"{what}: expected a qdcp error naming {key!r}, got {_short(err) if err else 'success'}")

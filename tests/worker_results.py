@@ -56,6 +56,19 @@ def qdcp_error_in(e: BaseException) -> QdcpError | None:
     return qdcp_error_in(cause) if cause is not None else None
 
 
+def try_load(state: dict, path: str) -> BaseException | None:
+    """``dcp.load`` with qdcp's load planner; the exception it raised, or None."""
+    import torch.distributed.checkpoint as dcp
+
+    from qdcp import QuantizedLoadPlanner
+
+    try:
+        dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner())
+        return None
+    except BaseException as e:  # noqa: BLE001
+        return e
+
+
 def finish(results_path: str, crashed: BaseException | None = None) -> int:
     """Gather every rank's sections, write them (rank 0), tear down; the process exit status."""
     if crashed is not None:
