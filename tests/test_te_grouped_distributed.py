@@ -6,6 +6,8 @@ bf16) and checks every target:
 
 - save at N in {1, 2}: each rank's experts as a local GroupedTensor inside a ``Shard(0)`` DTensor of
   the stacked ``[8, 128, 256]`` tensor (raw and dequantized), and as per-member keys ``weight<i>``;
+  ``dcp.async_save`` with ``QuantizedStager`` of the grouped state (live groups zeroed right after it
+  returns) writes data files byte-for-byte the sync save's;
 - load at M in {1, 2, 4} from each of those checkpoints into: local GroupedTensors of M's experts
   (bit-identical canonical components, in place), plain stacked ``Shard(0)`` DTensors (== the
   members' reference dequantize), per-member keys as lone TE tensors and plain tensors, and every
@@ -55,7 +57,7 @@ def _saved(shared: Path) -> None:
 @pytest.mark.parametrize("n", SAVE_WORLDS)
 def test_experts_save_as_shards_of_the_stack_and_as_member_keys(shared_dir, n):
     """Each rank saves its 8/N experts: grouped (Shard(0) of [8, M, N], raw and dequantized) and by member."""
-    torchrun_jobs.check_sections(_job(shared_dir, "save", n), f"save at {n} ranks", ["save"])
+    torchrun_jobs.check_sections(_job(shared_dir, "save", n), f"save at {n} ranks", ["save", "async_save"])
     for kind in ("grouped", "members"):
         assert (shared_dir / f"n{n}" / kind / ".metadata").exists()
 
