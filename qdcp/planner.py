@@ -797,6 +797,8 @@ def _with_storage(entry: _LoadEntry, fqn: str, src_items: dict[str, str]) -> _Lo
 def _structure_key(entry: qspec.EntrySpec) -> tuple:
     """A hashable summary of everything in an entry's spec but its key (entries of one model's
     layers share it, and so the planning work done for it)."""
+    if entry.structure:  # parsed from JSON: its text already is that summary
+        return (entry.structure,)
     return (entry.storage, entry.type, entry.shape, entry.dtype, repr(entry.attrs),
             tuple((c.name, c.shape, c.dtype, repr(c.layout)) for c in entry.components))
 

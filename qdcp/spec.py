@@ -186,6 +186,8 @@ class EntrySpec:
     components: tuple[ComponentSpec, ...] = ()
     stored_dtype: torch.dtype | None = None
     info: dict = dataclasses.field(default_factory=dict)
+    #: everything but the key, as parsed (entries of one model's layers share it); "" when built in code
+    structure: str = dataclasses.field(default="", compare=False, repr=False)
 
     def component(self, name: str) -> ComponentSpec:
         for c in self.components:
@@ -222,6 +224,19 @@ def _str(value: Any, where: str, what: str) -> str:
 
 def entry_from_json(fqn: str, data: Any) -> EntrySpec:
     """Parse and check one entry; every malformed field raises :class:`CheckpointFormatError`."""
+    structure = repr(data)  # a model's layers share everything but their keys: parse each kind once
+    template = _parsed_entries.get(structure)
+    if template is None:
+        template = _entry_from_json(fqn, data)
+        if len(_parsed_entries) < 4096:
+            _parsed_entries[structure] = template
+    return dataclasses.replace(template, fqn=fqn, structure=structure)
+
+
+_parsed_entries: dict[str, EntrySpec] = {}
+
+
+def _entry_from_json(fqn: str, data: Any) -> EntrySpec:
     where = f"key {fqn!r}: "
     if not isinstance(data, dict):
         raise CheckpointFormatError(f"{where}entry spec must be an object")
@@ -243,16 +258,8 @@ def entry_from_json(fqn: str, data: Any) -> EntrySpec:
     comps_json = data.get("components")
     if not isinstance(comps_json, list) or not comps_json:
         raise CheckpointFormatError(f"{where}a raw entry needs a non-empty components list")
-    cache_key = repr(comps_json)  # a model's layers share their component lists: parse each once
-    comps = _parsed_components.get(cache_key)
-    if comps is None:
-        comps = _components_from_json(comps_json, where)
-        if len(_parsed_components) < 4096:
-            _parsed_components[cache_key] = comps
+    comps = _components_from_json(comps_json, where)
     return EntrySpec(fqn, storage, type_name, shape, dtype, attrs, comps, None, info)
-
-
-_parsed_components: dict[str, tuple[ComponentSpec, ...]] = {}
 
 
 def _components_from_json(comps_json: list, where: str) -> tuple[ComponentSpec, ...]:
