@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -22,10 +23,13 @@ def timed(fn: Callable[[], object], repeat: int = 3, setup: Callable[[], object]
 
 
 def compare(cases: dict[str, tuple[Callable[[], object], Callable[[], object] | None]],
-            repeat: int = 5, sync: bool = True) -> dict[str, float]:
+            repeat: int = 5, sync: bool = True, collect: bool = False) -> dict[str, float]:
     """Median wall time of each ``(fn, setup)``, runs interleaved so drift hits all cases alike.
 
     Before each timed run: its setup, then ``os.sync()`` so earlier writes are not flushed inside it.
+    ``collect``: start each run with no garbage (``gc.collect()``, untimed) and end it with a timed
+    ``gc.collect()``, so each case pays for collecting what it allocated, whether the collector ran
+    during it or (with GC paused, as qdcp's planners do) after.
     """
     times: dict[str, list[float]] = {k: [] for k in cases}
     for r in range(repeat):
@@ -36,8 +40,12 @@ def compare(cases: dict[str, tuple[Callable[[], object], Callable[[], object] | 
                 setup()
             if sync:
                 os.sync()
+            if collect:
+                gc.collect()
             t0 = time.perf_counter()
             fn()
+            if collect:
+                gc.collect()
             times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 

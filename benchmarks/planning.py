@@ -3,7 +3,9 @@
 Plans (no I/O) a state dict of N small Int8Tensor entries (3 components each) with qdcp, and with
 DCP's default planners the same state as plain tensors: the components as separate plain entries
 (the same item count). Save: set_up_planner + create_local_plan + create_global_plan + finish_plan;
-load: set_up_planner + create_local_plan + create_global_plan + finish_plan.
+load: set_up_planner + create_local_plan + create_global_plan + finish_plan. Each run starts with no
+garbage and ends with a timed ``gc.collect()`` (qdcp pauses the collector while planning; the pass
+it skips is charged here).
 
     python benchmarks/planning.py [--entries 10000] [--repeat 5]
 """
@@ -54,7 +56,7 @@ def main() -> None:
         "dcp_save": (lambda: plan_save(DefaultSavePlanner(), twin), None),
         "qdcp_load": (lambda: plan_load(QuantizedLoadPlanner(), target, q_md), None),
         "dcp_load": (lambda: plan_load(DefaultLoadPlanner(), twin_target, v_md), None),
-    }, args.repeat, sync=False)
+    }, args.repeat, sync=False, collect=True)
     print(f"entries={args.entries} items={len(twin)}")
     print(f"save planning: qdcp {t['qdcp_save']:.3f}s  dcp {t['dcp_save']:.3f}s  ratio {t['qdcp_save'] / t['dcp_save']:.2f}")
     print(f"load planning: qdcp {t['qdcp_load']:.3f}s  dcp {t['dcp_load']:.3f}s  ratio {t['qdcp_load'] / t['dcp_load']:.2f}")

@@ -297,14 +297,19 @@ def loads(text: Any) -> dict[str, EntrySpec]:
     if len(text) > MAX_SPEC_BYTES:
         raise CheckpointFormatError(f"the qdcp spec is {len(text)} bytes, over the {MAX_SPEC_BYTES} limit")
     gc_was_enabled = gc.isenabled()
-    gc.disable()  # parsing makes many small dicts: a GC pass over a model's live objects per 700 is slow
+    gc.disable()  # parsing makes many small objects: a GC pass over a model's live objects per 700 is slow
+    try:
+        return _loads(text)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _loads(text: str) -> dict[str, EntrySpec]:
     try:
         doc = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise CheckpointFormatError(f"the qdcp spec is not valid JSON: {e}") from None
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CheckpointFormatError("the qdcp spec does not start with format 'qdcp'")
     version = doc.get("version")
