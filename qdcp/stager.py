@@ -180,13 +180,15 @@ class QuantizedStager:
     def _stage(self, state_dict: dict[str, Any], ready: torch.Event | None) -> dict[str, Any]:
         seen: set[tuple] = set()
         memo: dict[int, Any] = {}
-        if self._stream is not None:
-            self._stream.wait_event(ready)
-            with self._stream:
+        # staging reads metadata and copies buffers: no subclass __torch_function__ on the way
+        with torch._C.DisableTorchFunctionSubclass():
+            if self._stream is not None:
+                self._stream.wait_event(ready)
+                with self._stream:
+                    staged = self._walk(state_dict, (), seen, memo)
+                self._stream.synchronize()
+            else:
                 staged = self._walk(state_dict, (), seen, memo)
-            self._stream.synchronize()
-        else:
-            staged = self._walk(state_dict, (), seen, memo)
         if self.reuse_buffers:
             for key in [k for k in self._buffers if k not in seen]:
                 del self._buffers[key]  # entries gone from the state dict
@@ -256,6 +258,8 @@ class QuantizedStager:
 
 def _cpu_stride(src: torch.Tensor) -> tuple[int, ...]:
     """Strides of a dense CPU copy of ``src``: its own where dense, else contiguous."""
+    if src.is_contiguous():
+        return src.stride()
     return torch.empty_like(src, device="meta").stride()
 
 
