@@ -178,6 +178,7 @@ class _SaveEntry:
     placed: _Placed
     adapter: Adapter
     items: list[WriteItem]
+    shared: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (component, chunk offsets) other shards also hold
 
 
 class QuantizedSavePlanner(DefaultSavePlanner):
@@ -232,12 +233,12 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         template = self._templates.get(key)
         if template is None:  # entries of one structure (all layers of a model) share the work
             template = self._templates[key] = self._raw_template(fqn, placed, adapter, comps)
-        type_name, attrs, info, specs, writes = template
+        type_name, attrs, info, specs, writes, shared = template
         items = [WriteItem(index=MetadataIndex(qspec.component_fqn(fqn, name), data.chunk.offsets),
                            type=item_type, tensor_data=data) for name, item_type, data in writes]
         entry_spec = qspec.EntrySpec(fqn, qspec.RAW, type_name, placed.global_shape, t.dtype, attrs,
                                      specs, None, info)
-        entry = _SaveEntry(fqn, entry_spec, placed, adapter, items)
+        entry = _SaveEntry(fqn, entry_spec, placed, adapter, items, shared if placed.is_dtensor else ())
         for item, (name, _, _) in zip(items, writes):
             self._sources[item.index.fqn] = (entry, name)
         return entry
@@ -250,7 +251,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         if set(comps) != set(layouts):
             raise UnsupportedTensorError(f"key {fqn!r}: adapter gave components {sorted(comps)} "
                                          f"but layouts for {sorted(layouts)}")
-        specs, writes = [], []
+        specs, writes, shared = [], [], []
         for name, value in comps.items():
             layout = layouts[name]
             try:
@@ -270,7 +271,10 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             if chunk is not None:
                 item = _write_item(name, chunk, global_shape, value.dtype, placed.is_dtensor)
                 writes.append((name, item.type, item.tensor_data))
-        return adapter.type_name(t), attrs, _info(adapter, t), tuple(specs), tuple(writes)
+                if layout.shared(placed.global_shape, placed.chunk):
+                    shared.append((name, chunk[0]))
+        return (adapter.type_name(t), attrs, _info(adapter, t), tuple(specs), tuple(writes),
+                tuple(shared))
 
     def _plan_dequantized(self, fqn: str, placed: _Placed, adapter: Adapter) -> _SaveEntry:
         t = placed.local
@@ -346,18 +350,13 @@ def _replicated_digests(entries) -> dict[tuple[str, tuple[int, ...]], str]:
     compare across ranks: DCP keeps one rank's copy of an item, so ranks that disagree must fail."""
     out = {}
     for entry in entries:
-        if not entry.placed.is_dtensor or entry.spec.storage != qspec.RAW or _is_empty(entry.placed.chunk):
+        if not entry.shared:
             continue
-        comps = None
-        for c in entry.spec.components:
-            layout = layout_from_json(c.layout, c.shape)
-            if not layout.shared(entry.spec.shape, entry.placed.chunk):
-                continue
-            comps = comps if comps is not None else entry.adapter.components(entry.placed.local)
-            t = comps[c.name].detach().cpu().contiguous().reshape(-1)
+        comps = entry.adapter.components(entry.placed.local)
+        for name, offsets in entry.shared:
+            t = comps[name].detach().cpu().contiguous().reshape(-1)
             data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            offsets = layout.map_chunk(entry.spec.shape, entry.placed.chunk)[0]
-            out[(qspec.component_fqn(entry.fqn, c.name), offsets)] = hashlib.sha256(data).hexdigest()
+            out[(qspec.component_fqn(entry.fqn, name), offsets)] = hashlib.sha256(data).hexdigest()
     return out
 
 
