@@ -247,6 +247,34 @@ def test_member_keys_into_a_group_sharded_within_experts_are_refused(tmp_path, f
     assert isinstance(err, qdcp.LoadMismatchError) and "key 'w'" in str(err) and "whole members" in str(err)
 
 
+def test_per_expert_scales_of_shards_inside_experts_must_agree(fake_rank1_of_2):
+    """Shards that cut experts' rows each hold the experts' per-tensor scales (``blocked [1, 0, 0]``):
+    DCP writes one copy, so two ranks holding different values fail the save naming the key."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    case = BY["current_both_hopper"]
+    spec = DTensorSpec(fake_rank1_of_2, (Shard(1),), TensorMeta(torch.Size((4, 128, 256)),
+                                                                (128 * 256, 256, 1), torch.bfloat16))
+
+    def local_plan(g):
+        planner = QuantizedSavePlanner()
+        planner.set_up_planner({"w": DTensor(g, spec, requires_grad=False)}, is_coordinator=True)
+        return planner, planner.create_local_plan()
+
+    a, b = case.build(0, [(64, 256)] * 4), case.build(1, [(64, 256)] * 4)
+    planner, plan_a = local_plan(a)
+    with pytest.raises(qdcp.AlignmentError, match=r"key 'w': component 'scale_inv' holds values shared"):
+        planner.create_global_plan([plan_a, local_plan(b)[1]])
+    b.scale_inv.copy_(a.scale_inv)  # the same scales (quantized with the whole experts' amax): fine
+    b.amax.copy_(a.amax)
+    b.scale.copy_(a.scale)
+    planner, plan_a = local_plan(a)
+    # the scales pass; DCP then sees both plans cover rank 1's rows only (this process is rank 1)
+    with pytest.raises(ValueError, match="invalid fill"):
+        planner.create_global_plan([plan_a, local_plan(b)[1]])
+
+
 # ----------------------------------------------------------------------------- per-member keys
 
 def test_one_member_of_a_group_raw_into_a_single_te_tensor():
