@@ -605,6 +605,30 @@ def test_reference_dequantize_equals_te_cuda_dequantize_on_gpu():
     assert torch.equal(bits(out.cpu()), bits(t.dequantize().cpu()))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _real_te_on_cuda(), reason="needs a CUDA device and TE's compiled extension")
+@pytest.mark.parametrize("quantizer", ["float8_current", "mxfp8"])
+def test_stock_async_save_of_te_tensors_is_exact_or_refused_on_gpu(tmp_path, quantizer):
+    """``dcp.async_save`` with DCP's own stager on real TE tensors: the checkpoint is the exact one
+    (loads bit-identical), or the save fails naming QuantizedStager with nothing written. Never the
+    uninitialised memory a stager that does not know TE tensors would copy."""
+    hp = torch.randn(M, N, dtype=torch.bfloat16, device="cuda")
+    q = (te.Float8CurrentScalingQuantizer(E4M3, device="cuda") if quantizer == "float8_current"
+         else te.MXFP8Quantizer(E4M3, rowwise=True, columnwise=False))
+    t = q(hp)
+    path = tmp_path / "a"
+    try:
+        fut = dcp.async_save({"w": t}, checkpoint_id=path, planner=QuantizedSavePlanner())
+        fut.result() if hasattr(fut, "result") else fut.upload_completion.result()
+    except BaseException as e:  # noqa: BLE001
+        assert "QuantizedStager" in repr(e) or "QuantizedStager" in str(getattr(e, "failures", "")), repr(e)
+        assert not (path / ".metadata").exists()
+        return
+    out = torch.zeros(M, N, dtype=torch.bfloat16)
+    dcp.load({"w": out}, checkpoint_id=path, planner=QuantizedLoadPlanner())
+    assert torch.equal(bits(out), bits(find_adapter(t).dequantize(t).cpu()))
+
+
 def test_inspect_shows_recipe_scale_layout_and_usage(tmp_path):
     """qdcp inspect (describe) shows each TE entry's recipe, native scale layout and usages; these
     are descriptive: a same-type load across recipes or swizzling still copies raw."""
