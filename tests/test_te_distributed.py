@@ -112,6 +112,6 @@ def test_te_reshard_load(shared_dir, m, fmt):
 @pytest.mark.parametrize("fmt", STRADDLING)
 def test_te_unaligned_target_is_refused_at_planning_naming_the_key(shared_dir, fmt):
     """TE blockwise targets of 171/171/170 rows cannot take whole blocks: AlignmentError naming the
-    key, and the targets are left untouched (quantizing into them would need TE's CUDA kernels)."""
+    key, and the targets are left untouched (qdcp does not quantize into TE tensors)."""
     record = _loaded(shared_dir, 3)
     _sections(record, "load at 3 ranks", [f"unaligned_target_error[{fmt}]"])

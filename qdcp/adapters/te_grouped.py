@@ -382,9 +382,9 @@ class TEGroupedTensorAdapter(Adapter):
                                      dict(components))
 
     def quantize_unsupported(self, target):
-        return ("quantizing into a TransformerEngine GroupedTensor needs TE's CUDA kernels (a GPU); only "
-                "loads of the same recipe and member format (raw) are possible without one. Load into a "
-                "plain tensor, or load on a machine with a GPU.")
+        return ("qdcp does not quantize into a TransformerEngine GroupedTensor (that needs TE's CUDA "
+                "quantize kernels, which qdcp does not drive); only raw loads of the same recipe and "
+                "member format fill one. Load into a plain tensor and quantize it with TE's quantizer.")
 
     def quantize_like(self, target, hp, global_amax=None):
         raise UnsupportedTensorError(self.quantize_unsupported(target))

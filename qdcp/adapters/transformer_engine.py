@@ -5,8 +5,9 @@ TE is optional and never imported here: classes are recognised by module prefix
 ``transformer_engine.pytorch.tensor`` is already imported. Everything numeric is plain torch on
 CPU: canonical components (unswizzled, unpadded scales; data in logical row order), dequantize,
 and the inverse transforms that rebuild TE's native buffers (padding zero-filled, scales
-re-swizzled, transposes recomputed). Quantizing needs TE's CUDA kernels, so loading into a TE
-tensor of another format or from plain values raises :class:`UnsupportedTensorError`.
+re-swizzled, transposes recomputed). Quantizing would need TE's CUDA kernels, which qdcp does not
+drive, so loading into a TE tensor of another format or from plain values raises
+:class:`UnsupportedTensorError` (at load planning).
 
 Canonical components per type (see docs/format.md):
 
@@ -231,9 +232,10 @@ class TEAdapter(Adapter):
         raise NotImplementedError
 
     def quantize_unsupported(self, target):
-        return (f"quantizing into a TransformerEngine {self.format_name} tensor needs TE's CUDA kernels "
-                f"(a GPU); only loads of the same format ({self.type_names[0]}, same config) are "
-                f"possible without one. Load into a plain tensor, or load on a machine with a GPU.")
+        return (f"qdcp does not quantize into a TransformerEngine {self.format_name} tensor (that needs "
+                f"TE's CUDA quantize kernels, which qdcp does not drive); only raw loads of the same "
+                f"format ({self.type_names[0]}, same config, on block boundaries) fill one. Load into a "
+                f"plain tensor and quantize it with TE's quantizer.")
 
     def quantize_like(self, target, hp, global_amax=None):
         raise UnsupportedTensorError(self.quantize_unsupported(target))
