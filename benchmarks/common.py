@@ -50,6 +50,11 @@ def compare(cases: dict[str, tuple[Callable[[], object], Callable[[], object] | 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def table_row(row: dict, cols) -> str:
+    """One ``" | "``-separated line of ``row``'s ``cols`` (floats to 3 decimals)."""
+    return " | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols)
+
+
 def dir_bytes(path: str) -> int:
     """Bytes of every file under ``path``."""
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)

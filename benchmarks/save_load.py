@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 
-from common import compare, component_bytes, dir_bytes, fresh_dir, plain_twin, quantized_state
+from common import compare, component_bytes, dir_bytes, fresh_dir, plain_twin, quantized_state, table_row
 from qdcp import CheckpointReader, CheckpointWriter, QuantizedLoadPlanner, QuantizedSavePlanner
 
 
@@ -68,7 +68,7 @@ def main() -> None:
     print(" | ".join(cols))
     for kind in args.kinds.split(","):
         r = bench(kind, args.gib, args.dir, args.repeat)
-        print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols), flush=True)
+        print(table_row(r, cols), flush=True)
 
 
 if __name__ == "__main__":

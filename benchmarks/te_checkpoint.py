@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import te_cpu  # noqa: E402
 
 te = te_cpu.install()
-from common import compare, dir_bytes, fresh_dir  # noqa: E402
+from common import compare, dir_bytes, fresh_dir, table_row  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, find_adapter  # noqa: E402
 from test_transformer_engine import make_mxfp8, make_nvfp4  # noqa: E402
 
@@ -92,7 +92,7 @@ def main() -> None:
     print(" | ".join(cols))
     for fmt in args.formats.split(","):
         r = bench(fmt, args.gib, args.dir, args.repeat)
-        print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols), flush=True)
+        print(table_row(r, cols), flush=True)
 
 
 if __name__ == "__main__":

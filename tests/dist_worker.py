@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qdcp  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
 from quantized_cases import CASES, SHAPE, bits, inner  # noqa: E402
-from worker_results import check, qdcp_error_in, run, section_error  # noqa: E402
+from worker_results import check, qdcp_error_in, run, section_error, try_load  # noqa: E402
 from worker_results import short as _short  # noqa: E402
 
 # ----------------------------------------------------------------------------- setup
@@ -250,12 +250,21 @@ def reshard_load(root: str, mesh) -> None:
 
 
 def _load(section: str, what: str, state: dict, path: str) -> bool:
-    try:
-        dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner())
+    err = try_load(state, path)
+    if err is not None:
+        section_error(section, what, err)
+    return err is None
+
+
+def _loaded_or_refused_naming_w(section: str, state: dict, path: str, what: str) -> bool:
+    """Load; True if it loaded. A refusal must be a QdcpError naming the key 'w'."""
+    err = try_load(state, path)
+    if err is None:
         return True
-    except BaseException as e:  # noqa: BLE001
-        section_error(section, what, e)
-        return False
+    q = qdcp_error_in(err)
+    check(section, q is not None and "'w'" in str(q),
+          f"{what} failed without a QdcpError naming the key: {_short(err)}")
+    return False
 
 
 def load_main(path: str, n: int, mesh) -> None:
@@ -357,12 +366,7 @@ def load_per_tensor(path: str, name: str, n: int, mesh) -> None:
     full = torch.zeros(SHAPE, dtype=case.dtype, device=DEVICE)
     for target, got, want in ((sharded, lambda: sharded._local_tensor, my_rows(ref)),
                               (full, lambda: full, ref)):
-        try:
-            dcp.load({"w": target}, checkpoint_id=path, planner=QuantizedLoadPlanner())
-        except BaseException as e:  # noqa: BLE001
-            q = qdcp_error_in(e)
-            check(f"per_tensor[{name}]", q is not None and "'w'" in str(q),
-                  f"{tag}: the load failed without a QdcpError naming the key: {_short(e)}")
+        if not _loaded_or_refused_naming_w(f"per_tensor[{name}]", {"w": target}, path, f"{tag}: the load"):
             continue
         diff = same_bits(got().cpu(), want)
         check(f"per_tensor[{name}]", diff is None,
@@ -372,12 +376,8 @@ def load_per_tensor(path: str, name: str, n: int, mesh) -> None:
     # quantize of the exact values like the target (any other layout)
     local = local_shard(name, case.hp(SEED[name] + 1000), WORLD, RANK)
     target = make_dtensor(local, mesh, Shard(0), SHAPE, case.dtype)
-    try:
-        dcp.load({"w": target}, checkpoint_id=path, planner=QuantizedLoadPlanner())
-    except BaseException as e:  # noqa: BLE001
-        q = qdcp_error_in(e)
-        check(f"per_tensor[{name}]", q is not None and "'w'" in str(q),
-              f"{tag}: load into same type failed without a QdcpError naming the key: {_short(e)}")
+    if not _loaded_or_refused_naming_w(f"per_tensor[{name}]", {"w": target}, path,
+                                       f"{tag}: load into same type"):
         return
     got = case.dequantize(local).cpu()
     requant = case.dequantize(case.from_hp(my_rows(ref).to(DEVICE))).cpu()

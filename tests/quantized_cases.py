@@ -104,6 +104,26 @@ def inner(t: torch.Tensor) -> dict[str, torch.Tensor]:
     return {n: getattr(t, n) for n in names}
 
 
+def qdcp_save(path, state: dict, no_dist: bool = False, **planner_kw):
+    """``dcp.save`` with qdcp's save planner (``planner_kw`` for it); returns ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    from qdcp import QuantizedSavePlanner
+
+    dcp.save(state, checkpoint_id=path, planner=QuantizedSavePlanner(**planner_kw), no_dist=no_dist)
+    return path
+
+
+def qdcp_load(path, state: dict, **planner_kw) -> dict:
+    """``dcp.load`` with qdcp's load planner (``planner_kw`` for it), in place; returns ``state``."""
+    import torch.distributed.checkpoint as dcp
+
+    from qdcp import QuantizedLoadPlanner
+
+    dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner(**planner_kw))
+    return state
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a tensor's bytes, for bit-exact comparison of any dtype."""
     t = t.detach().contiguous()

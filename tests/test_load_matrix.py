@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
-from quantized_cases import CASES, assert_bitwise_equal, assert_same_buffers, inner
+from quantized_cases import CASES, assert_bitwise_equal, assert_same_buffers, inner, qdcp_load, qdcp_save
 
 IDS = [c.name for c in CASES]
 # "Other config" partner of each case: the next case in the list (another type or config). The
@@ -33,14 +33,10 @@ OTHER = {c.name: _other(i) for i, c in enumerate(CASES)}
 
 
 def _save(tmp_path, state, **kw):
-    path = tmp_path / "ckpt"
-    dcp.save(state, checkpoint_id=path, planner=QuantizedSavePlanner(**kw))
-    return path
+    return qdcp_save(tmp_path / "ckpt", state, **kw)
 
 
-def _load(path, state):
-    dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner())
-    return state
+_load = qdcp_load
 
 
 def _expected_requant(case, source_case, source):

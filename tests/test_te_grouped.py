@@ -23,7 +23,7 @@ import qdcp  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, UnsupportedTensorError  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
 from qdcp.adapters import te_grouped  # noqa: E402
-from quantized_cases import bits  # noqa: E402
+from quantized_cases import bits, qdcp_load, qdcp_save  # noqa: E402
 from te_groups import (BY, CASES, SHAPES, VARY_FIRST, Case, assert_same_flat,  # noqa: E402
                        flat, reference)
 
@@ -37,14 +37,7 @@ def _arch():
         yield
 
 
-def _save(path, state, no_dist=False, **kw):
-    dcp.save(state, checkpoint_id=path, planner=QuantizedSavePlanner(**kw), no_dist=no_dist)
-    return path
-
-
-def _load(path, state, **kw):
-    dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner(**kw))
-    return state
+_save, _load = qdcp_save, qdcp_load
 
 
 def _case_shape_params():

@@ -31,7 +31,7 @@ import qdcp  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, UnsupportedTensorError  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
 from qdcp.adapters import transformer_engine as qte  # noqa: E402
-from quantized_cases import bits  # noqa: E402
+from quantized_cases import bits, qdcp_load, qdcp_save  # noqa: E402
 
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 
@@ -247,14 +247,10 @@ def _inner(t):
 
 
 def _save(tmp_path, state, **kw):
-    path = tmp_path / "ckpt"
-    dcp.save(state, checkpoint_id=path, planner=QuantizedSavePlanner(**kw))
-    return path
+    return qdcp_save(tmp_path / "ckpt", state, **kw)
 
 
-def _load(path, state):
-    dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner())
-    return state
+_load = qdcp_load
 
 
 def _canonical(t):
