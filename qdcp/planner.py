@@ -510,8 +510,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         if group is None:
             return False
         g_adapter = adapter_for_type(group.type, m.group(1))
-        attrs = {k: qspec.decode_value(v, g_adapter.attribute_classes(), f"key {fqn!r}: ")
-                 for k, v in group.attrs.items()}
+        attrs, _ = self._decoded(group, g_adapter, fqn)
         chunk = g_adapter.member_chunk(attrs, group.shape, int(m.group(2)))
         if chunk is None:
             return False
@@ -602,14 +601,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         src_items = {c.name: qspec.component_fqn(src_fqn, c.name) for c in source.components}
         source_adapter = adapter_for_type(source.type, fqn)
         structure = _structure_key(source)
-        known = self._structures.get(structure)
-        if known is None:  # decode and check once per structure
-            attrs = {k: qspec.decode_value(v, source_adapter.attribute_classes(), f"key {fqn!r}: ")
-                     for k, v in source.attrs.items()}
-            layouts = _layouts_from_spec(source)
-            check_component_bytes(source)
-            known = self._structures[structure] = (attrs, layouts)
-        source_attrs, layouts = known
+        source_attrs, layouts = self._decoded(source, source_adapter, fqn)
         for c in source.components:
             item_md = md.get(src_items[c.name])
             if not isinstance(item_md, TensorStorageMetadata):
@@ -649,6 +641,18 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             needs[item] = (md[src_items[c.name]], chunk)
         return _with_storage(_LoadEntry(fqn, placed, adapter, source, "convert", read_chunk, buffers, temps,
                                         needs, source_attrs), fqn, src_items)
+
+    def _decoded(self, source: qspec.EntrySpec, source_adapter: Adapter, fqn: str) -> tuple:
+        """A stored entry's decoded attributes and layouts, checked once per structure."""
+        structure = _structure_key(source)
+        known = self._structures.get(structure)
+        if known is None:
+            attrs = {k: qspec.decode_value(v, source_adapter.attribute_classes(), f"key {fqn!r}: ")
+                     for k, v in source.attrs.items()}
+            layouts = _layouts_from_spec(source)
+            check_component_bytes(source)
+            known = self._structures[structure] = (attrs, layouts)
+        return known
 
     def _same_config(self, adapter, t, source, structure, fqn) -> bool:
         key = (structure, type(t), repr(adapter.attributes(t)),
