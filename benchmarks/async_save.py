@@ -1,4 +1,4 @@
-"""How long ``dcp.async_save`` with :class:`qdcp.stager.QuantizedStager` blocks the caller, and what it costs.
+"""How long ``dcp.async_save`` blocks the caller (QuantizedStager, DCP's default stager), and what it costs.
 
 Builds a state dict of Int8Tensor weights (4096x4096, per-row scales) holding ``--gib`` GiB of
 components, then measures, in one run:
@@ -8,7 +8,9 @@ components, then measures, in one run:
 - done: time until the upload finished (written and fsynced), in seconds;
 - peak mem: peak resident-memory growth during the save / the components' bytes, sampled from
   /proc every 2 ms (staging buffers, which stay allocated for the next save, are counted);
-- the same for DCP's own ``async_save`` of plain tensors with the same byte count.
+- the same for the plain call, ``dcp.async_save(state, planner=QuantizedSavePlanner())`` without
+  ``async_stager`` (DCP's DefaultStager, through the ``new_empty`` qdcp fills for torchao), and for
+  DCP's own ``async_save`` of plain tensors with the same byte count.
 
 The first save of a stager allocates its buffers (cold); later saves reuse them (warm).
 Run: ``python benchmarks/async_save.py [--gib 0.25] [--dir /tmp] [--repeat 3]``.
@@ -202,6 +204,9 @@ def main() -> None:
         # the usual {"model": ..., "optim": ...} layout pays it once
         runs = run_saves({"model": state}, root, args.repeat, QuantizedStager, QuantizedSavePlanner)
         rows.append(('QuantizedStager, {"model": state}', runs, runs[0]["staged_nbytes"] / nbytes))
+        # the plain call: no async_stager, DCP's DefaultStager (new_empty + a deep copy of __dict__)
+        rows.append(("DCP DefaultStager, Int8Tensor", run_saves(state, root, args.repeat, None,
+                                                               QuantizedSavePlanner), None))
         del state
         plain = plain_state(nbytes)
         rows.append(("DCP DefaultStager, plain tensors", run_saves(plain, root, args.repeat), None))

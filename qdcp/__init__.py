@@ -19,6 +19,7 @@ from qdcp.errors import (
     StagingError,
     UnsupportedTensorError,
 )
+from qdcp.new_empty import enable_new_empty, register_new_empty, unregister_new_empty
 from qdcp.offload import to_device
 from qdcp.reader import describe, read_entry, read_metadata
 from qdcp.storage import (
@@ -35,13 +36,14 @@ for _adapter in _torchao.builtin_adapters():
 for _adapter in _transformer_engine.builtin_adapters() + _te_grouped.builtin_adapters():
     register_adapter(_adapter)
 del _adapter
+register_new_empty()  # for torchao classes already imported; QuantizedSavePlanner() adds later ones
 
 __version__ = "0.1.0"
 
 __all__ = [
     "QuantizedSavePlanner", "QuantizedLoadPlanner", "QuantizedStager", "describe", "read_metadata", "read_entry",
     "CheckpointReader", "CheckpointWriter", "storage_reader",
-    "storage_writer", "to_device",
+    "storage_writer", "to_device", "register_new_empty", "unregister_new_empty", "enable_new_empty",
     "Adapter", "register_adapter", "find_adapter", "registered_type_names",
     "QdcpError", "CheckpointFormatError", "UnsupportedTensorError", "AlignmentError",
     "LoadMismatchError", "StagingError",

@@ -66,6 +66,7 @@ from qdcp.errors import (
     UnsupportedTensorError,
 )
 from qdcp.layouts import Chunk, Layout, full_chunk, layout_from_json
+from qdcp.new_empty import register_new_empty
 
 DequantizeChoice = Union[bool, Callable[[str, torch.Tensor], bool]]
 
@@ -194,6 +195,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
     def __init__(self, dequantize: DequantizeChoice = False,
                  dequantize_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        register_new_empty()  # before dcp.async_save's default stager sees classes imported since
         if not (isinstance(dequantize, bool) or callable(dequantize)):
             raise TypeError("dequantize must be a bool or a callable (fqn, tensor) -> bool")
         self.dequantize = dequantize

@@ -538,10 +538,22 @@ def fsdp_save(root: str, mesh) -> None:
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "ckpt"),
              planner=QuantizedSavePlanner())
     snap1 = fsdp_snapshot(model, opts)
+    # The plain call, DCP's default stager: the next step updates the model in place before the
+    # upload finishes; the checkpoint must still be the synchronous one, byte for byte.
+    fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "ckpt_async"),
+                         planner=QuantizedSavePlanner())
     fsdp_grads(model, 2)
     for o in opts:
         o.step()
+    fut.result()
     snap2 = fsdp_snapshot(model, opts)
+    dist.barrier()
+    for name in sorted(os.listdir(os.path.join(out, "ckpt"))):
+        if name.endswith(".distcp") and RANK == 0:
+            with open(os.path.join(out, "ckpt", name), "rb") as a, \
+                    open(os.path.join(out, "ckpt_async", name), "rb") as b:
+                check("fsdp_async_default_stager", a.read() == b.read(),
+                      f"{name}: dcp.async_save (DCP's default stager) wrote other bytes than dcp.save")
     nf4_full = gather_rows(model.base.weight)
     if RANK == 0:
         torch.save({"x": x.cpu(), "y": y, "y_manual": y_manual, "types": types, "after_save": snap1, "after_next_step": snap2,

@@ -13,7 +13,7 @@ Planners and the stager talk to tensors only through this contract. Users add fa
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -123,6 +123,19 @@ class Adapter:
         (for the chunk ``target`` holds)."""
         raise NotImplementedError
 
+    # Op registration: filling aten ops a library lacks (DCP's default stager needs new_empty). Optional.
+
+    def loaded_classes(self) -> list[type]:
+        """The tensor classes of this family whose modules are already imported (imports nothing).
+        Default: none."""
+        return []
+
+    def add_op(self, cls: type, op: Any, impl: Callable[..., Any]) -> Callable[[], None] | None:
+        """Make ``impl(func, args, kwargs)`` the implementation of aten ``op`` for ``cls`` through its
+        library's own op registry, only where the library has none. Returns a callable that removes
+        it again, or None (default) where ``cls`` implements ``op`` already or has no registry."""
+        return None
+
     # Groups: one tensor that packs several members (MoE experts), checkpointed by member. Optional.
 
     def members(self, t: torch.Tensor) -> list[torch.Tensor] | None:
@@ -167,6 +180,12 @@ def register_adapter(adapter: Adapter, *, override: bool = False) -> Adapter:
         _adapters.insert(0, adapter)
         _by_class.clear()
     return adapter
+
+
+def all_adapters() -> list[Adapter]:
+    """Every registered adapter, most recently registered first."""
+    with _lock:
+        return list(_adapters)
 
 
 def registered_type_names() -> list[str]:

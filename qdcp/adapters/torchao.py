@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Any, Mapping
+import sys
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -80,6 +81,24 @@ class TorchAOAdapter(Adapter):
 
     def tensor_class(self) -> type:
         return _import(_CLASS_PATHS[self.cls_name], self.cls_name)
+
+    def loaded_classes(self):
+        module = sys.modules.get(_CLASS_PATHS[self.cls_name])
+        cls = getattr(module, self.cls_name, None) if module is not None else None
+        return [cls] if isinstance(cls, type) and self.matches(cls) else []
+
+    def add_op(self, cls, op, impl):
+        """Through ``TorchAOBaseTensor.implements``: torchao's per-class table of aten ops."""
+        table = getattr(cls, "_ATEN_OP_TABLE", {}).get(cls)
+        if table is None or op in table or not hasattr(cls, "implements"):
+            return None
+        cls.implements(op)(lambda func, types, args, kwargs: impl(func, args, kwargs))
+        handler = table[op]
+
+        def remove() -> None:
+            if table.get(op) is handler:
+                del table[op]
+        return remove
 
     def attribute_classes(self) -> Mapping[str, type]:
         if self._attribute_classes is None:
@@ -374,6 +393,20 @@ class NF4TensorAdapter(TorchAOAdapter):
 
     def from_inner_buffers(self, t, buffers):
         return self.rebuild(self.type_names[0], self.attributes(t), tuple(t.shape), t.dtype, buffers)
+
+    def add_op(self, cls, op, impl):
+        """Through NF4's own op table (``NF4_OPS_TABLE`` and ``implements`` of its module)."""
+        module = sys.modules.get(cls.__module__)
+        table = getattr(module, "NF4_OPS_TABLE", None)
+        if not isinstance(table, dict) or op in table or not callable(getattr(module, "implements", None)):
+            return None
+        module.implements([op])(lambda func, args, kwargs: impl(func, args, kwargs or {}))
+        handler = table[op]
+
+        def remove() -> None:
+            if table.get(op) is handler:
+                del table[op]
+        return remove
 
     def quantize_like(self, target, hp, global_amax=None):
         to_nf4 = _import("torchao.quantization", "to_nf4")
