@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -515,6 +516,20 @@ def state_types(model, opts) -> dict:
     return out
 
 
+class GatedSavePlanner(QuantizedSavePlanner):
+    """Plans (in the upload thread) only once ``gate`` is set, so the in-place update the caller
+    makes after ``async_save`` returns always lands before the upload reads anything."""
+
+    def __init__(self, gate: threading.Event, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = gate
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+        if not self.gate.wait(120):
+            raise TimeoutError("the gate of GatedSavePlanner was never opened")
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
+
 def fsdp_save(root: str, mesh) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -540,11 +555,13 @@ def fsdp_save(root: str, mesh) -> None:
     snap1 = fsdp_snapshot(model, opts)
     # The plain call, DCP's default stager: the next step updates the model in place before the
     # upload finishes; the checkpoint must still be the synchronous one, byte for byte.
+    gate = threading.Event()
     fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "ckpt_async"),
-                         planner=QuantizedSavePlanner())
+                         planner=GatedSavePlanner(gate))
     fsdp_grads(model, 2)
     for o in opts:
         o.step()
+    gate.set()
     fut.result()
     snap2 = fsdp_snapshot(model, opts)
     dist.barrier()
