@@ -14,6 +14,7 @@ from qdcp.adapters import te_grouped as _te_grouped
 from qdcp.errors import (
     AlignmentError,
     CheckpointFormatError,
+    ChecksumError,
     LoadMismatchError,
     QdcpError,
     StagingError,
@@ -45,6 +46,6 @@ __all__ = [
     "CheckpointReader", "CheckpointWriter", "storage_reader",
     "storage_writer", "to_device", "register_new_empty", "unregister_new_empty", "enable_new_empty",
     "Adapter", "register_adapter", "find_adapter", "registered_type_names",
-    "QdcpError", "CheckpointFormatError", "UnsupportedTensorError", "AlignmentError",
+    "QdcpError", "CheckpointFormatError", "ChecksumError", "UnsupportedTensorError", "AlignmentError",
     "LoadMismatchError", "StagingError",
 ]

@@ -9,6 +9,10 @@ class CheckpointFormatError(QdcpError, ValueError):
     """The checkpoint's qdcp spec or DCP metadata is malformed, tampered or from a newer qdcp."""
 
 
+class ChecksumError(CheckpointFormatError):
+    """A stored item's bytes do not match the checksum written with them (the data is corrupt)."""
+
+
 class UnsupportedTensorError(QdcpError, TypeError):
     """A tensor type has no qdcp adapter, or an attribute cannot be stored."""
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import hashlib
 import io
 import math
 import re
@@ -56,6 +55,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
+from qdcp import checksums as sums
 from qdcp import spec as qspec
 from qdcp.adapters.base import Adapter, adapter_for_type, find_adapter
 from qdcp.errors import (
@@ -189,25 +189,37 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         dequantize: False (default) stores quantized entries raw; True stores them as plain tensors
             of their logical dtype; a callable ``(fqn, tensor) -> bool`` chooses per entry.
         dequantize_dtype: dtype of dequantized entries (default: each entry's logical dtype).
+        checksums: hash every item written (XXH3-64 of the bytes being written, the staged copy in
+            an async save) into the checkpoint's metadata; :class:`QuantizedLoadPlanner` verifies
+            them (default True). Device tensors of a synchronous save are copied to the host at
+            planning (the one copy the writer would make) and kept until written.
         **kwargs: passed to ``DefaultSavePlanner`` (``flatten_state_dict``, ``enable_plan_caching``...).
     """
 
     def __init__(self, dequantize: DequantizeChoice = False,
-                 dequantize_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+                 dequantize_dtype: torch.dtype | None = None, checksums: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         register_new_empty()  # before dcp.async_save's default stager sees classes imported since
         if not (isinstance(dequantize, bool) or callable(dequantize)):
             raise TypeError("dequantize must be a bool or a callable (fqn, tensor) -> bool")
         self.dequantize = dequantize
         self.dequantize_dtype = dequantize_dtype
+        self.checksums = bool(checksums)
         self._entries: dict[str, _SaveEntry] = {}
         self._sources: dict[str, tuple[_SaveEntry, str | None]] = {}
         self._templates: dict[tuple, tuple] = {}
+        self._ready: dict[MetadataIndex, torch.Tensor | bytes] = {}
+
+    @property
+    def records_checksums(self) -> bool:
+        """Whether the checkpoint's metadata will hold a checksum of every item (storage writers
+        need no checksums of their own then)."""
+        return self.checksums
 
     # DCP calls this first, on every rank.
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
         super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
-        self._entries, self._sources, self._templates = {}, {}, {}
+        self._entries, self._sources, self._templates, self._ready = {}, {}, {}, {}
         with _planning():
             self._plan_entries()
 
@@ -300,31 +312,50 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             for item in entry.items:
                 planner_data.setdefault(item.index.fqn, (item.index.fqn,))
         planner_data[qspec.PLANNER_DATA_KEY] = qspec.dumps({f: e.spec for f, e in self._entries.items()})
-        planner_data[_REPLICATED_KEY] = _replicated_digests(self._entries.values())
         self.plan = SavePlan(items, planner_data=planner_data)
+        # per-save data, sent beside the plan (never part of what plan caching compares)
+        shared = [(qspec.component_fqn(e.fqn, name), offsets) for e in self._entries.values()
+                  for name, offsets in e.shared]
+        hashed = items if self.checksums else [i for i in items if _item_key(i) in set(shared)]
+        mine = {"hashes": {_item_key(i): self._checksum(i) for i in hashed}, "shared": shared}
         if self._enable_plan_caching:
             cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
             if cached is not None and cached.items == self.plan.items \
                     and cached.planner_data == self.plan.planner_data:
-                return SavePlan([], usable=False)
+                return SavePlan([], planner_data={_SUMS_KEY: mine}, usable=False)
             self._pending_local_plan = self.plan
-        return self.plan
+        return dataclasses.replace(self.plan, planner_data={**planner_data, _SUMS_KEY: mine})
+
+    def _checksum(self, item: WriteItem) -> int:
+        """The hash of exactly what :meth:`resolve_data` gives the writer for ``item``. Objects are
+        serialized once (kept for the writer); device data is copied to the host once (the copy
+        the writer would make), kept for the writer."""
+        data = self._item_data(item)
+        if isinstance(data, io.BytesIO):
+            self._ready[item.index] = data.getvalue()
+            return sums.of_bytes(self._ready[item.index])
+        if data.device.type != "cpu":
+            data = self._ready[item.index] = data.detach().cpu()
+        return sums.of_tensor(data)
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        per_rank, stripped = [], []
+        for plan in all_plans:
+            data = dict(plan.planner_data or {})
+            per_rank.append(data.pop(_SUMS_KEY, None) or {"hashes": {}, "shared": []})
+            stripped.append(dataclasses.replace(plan, planner_data=data))
+        _check_shared(per_rank)
+        plans, metadata = super().create_global_plan(stripped)
+        if self.checksums:
+            planner_data = dict(metadata.planner_data or {})
+            planner_data[sums.PLANNER_DATA_KEY] = _checksum_record(self.global_plan, per_rank, metadata)
+            metadata = self.metadata = dataclasses.replace(metadata, planner_data=planner_data)
+        return plans, metadata
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         texts, stripped = [], []
-        digests: dict[tuple, tuple[int, str]] = {}
-        for rank, plan in enumerate(all_plans):
+        for plan in all_plans:
             data = dict(plan.planner_data or {})
-            for (item_fqn, offsets), digest in (data.pop(_REPLICATED_KEY, None) or {}).items():
-                first = digests.setdefault((item_fqn, offsets), (rank, digest))
-                if first[1] != digest:
-                    fqn, name = item_fqn.rsplit(qspec.COMPONENT_SEPARATOR, 1)
-                    raise AlignmentError(
-                        f"key {fqn!r}: component {name!r} holds values shared by the shards of ranks "
-                        f"{first[0]} and {rank} (one for the whole tensor, or for a block both shards "
-                        f"cut), but they differ: the shards were quantized each on its own (e.g. with "
-                        f"its own per-tensor scale). Quantize the shards with one scale for the whole "
-                        f"tensor, or save this entry dequantized.")
             texts.append(data.pop(qspec.PLANNER_DATA_KEY, None) or qspec.dumps({}))
             stripped.append(dataclasses.replace(plan, planner_data=data))
         plans, metadata = super()._create_global_plan(stripped)
@@ -333,6 +364,12 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         return plans, dataclasses.replace(metadata, planner_data=planner_data)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        ready = self._ready.get(write_item.index)
+        if ready is not None:
+            return io.BytesIO(ready) if isinstance(ready, bytes) else ready
+        return self._item_data(write_item)
+
+    def _item_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         source = self._sources.get(write_item.index.fqn)
         if source is None:
             return super().resolve_data(write_item)
@@ -343,23 +380,45 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         return entry.adapter.components(t)[component]
 
 
-_REPLICATED_KEY = "__qdcp_replicated__"  # per-rank digests of replicated components; not saved
+_SUMS_KEY = "__qdcp_sums__"  # per-rank item hashes and shared component items; never saved as such
 
 
-def _replicated_digests(entries) -> dict[tuple[str, tuple[int, ...]], str]:
-    """sha256 of each shared component item of the raw DTensor entries (replicated components, and
-    items of a component constant along a dim the shard splits), keyed by (item fqn, offsets), to
-    compare across ranks: DCP keeps one rank's copy of an item, so ranks that disagree must fail."""
+def _item_key(item: WriteItem) -> tuple[str, tuple[int, ...]]:
+    return item.index.fqn, tuple(item.index.offset or ())
+
+
+def _check_shared(per_rank: list[dict]) -> None:
+    """Items of a component that several ranks' shards hold (replicated, or constant along a dim
+    the shards cut) must be equal: DCP keeps one rank's copy. Refuse them when they differ."""
+    first: dict[tuple, tuple[int, int]] = {}
+    for rank, part in enumerate(per_rank):
+        hashes = part["hashes"]
+        for key in part["shared"]:
+            seen = first.setdefault(key, (rank, hashes[key]))
+            if seen[1] != hashes[key]:
+                fqn, name = key[0].rsplit(qspec.COMPONENT_SEPARATOR, 1)
+                raise AlignmentError(
+                    f"key {fqn!r}: component {name!r} holds values shared by the shards of ranks "
+                    f"{seen[0]} and {rank} (one for the whole tensor, or for a block both shards "
+                    f"cut), but they differ: the shards were quantized each on its own (e.g. with "
+                    f"its own per-tensor scale). Quantize the shards with one scale for the whole "
+                    f"tensor, or save this entry dequantized.")
+
+
+def _checksum_record(global_plan: list[SavePlan], per_rank: list[dict], metadata: Metadata) -> dict:
+    """The metadata's checksum record: for each item, the hash of the copy the rank that writes
+    it computed (DCP writes one rank's copy of a replicated item), in the metadata's chunk order."""
+    written = {}
+    for rank, plan in enumerate(global_plan):
+        hashes = per_rank[rank]["hashes"]
+        for item in plan.items:
+            key = _item_key(item)
+            written[key] = hashes.get(key)
     out = {}
-    for entry in entries:
-        if not entry.shared:
-            continue
-        comps = entry.adapter.components(entry.placed.local)
-        for name, offsets in entry.shared:
-            t = comps[name].detach().cpu().contiguous().reshape(-1)
-            data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            out[(qspec.component_fqn(entry.fqn, name), offsets)] = hashlib.sha256(data).hexdigest()
-    return out
+    for fqn, md in metadata.state_dict_metadata.items():
+        offsets = [tuple(c.offsets) for c in md.chunks] if isinstance(md, TensorStorageMetadata) else [()]
+        out[fqn] = [written.get((fqn, o)) for o in offsets]
+    return sums.encode(out)
 
 
 def _merge_specs(texts: list[str]) -> str:
@@ -444,21 +503,33 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     Quantized or plain targets, from raw, dequantized or plain checkpoint entries, at any sharding.
     Targets are updated in place. ``weights_only`` (default True) loads non-tensor objects with
     ``torch.load(weights_only=True)``, so a checkpoint cannot run code; pass False only for
-    checkpoints you trust that hold arbitrary pickled objects.
+    checkpoints you trust that hold arbitrary pickled objects. ``checksums`` (default True):
+    every item read whole is checked against the checksum the save recorded (raising
+    :class:`~qdcp.ChecksumError`); items read in part, when resharding, are checked by
+    :class:`~qdcp.CheckpointReader`.
     """
 
     def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
-                 allow_partial_load: bool = False, weights_only: bool = True) -> None:
+                 allow_partial_load: bool = False, weights_only: bool = True, checksums: bool = True) -> None:
         super().__init__(flatten_state_dict=flatten_state_dict,
                          flatten_sharded_tensors=flatten_sharded_tensors,
                          allow_partial_load=allow_partial_load)
         self.weights_only = weights_only
+        self.checksums = bool(checksums)
         self._entries: dict[str, _LoadEntry] = {}
         self._dest: dict[str, _LoadEntry] = {}
         self._lock = threading.Lock()
+        self._verify = sums.ReadVerifier(None)
+
+    @property
+    def verifies_whole_items(self) -> bool:
+        """Whether this planner checks every item it reads whole against the checkpoint's checksums
+        (a storage reader then needs to check only the items read in part)."""
+        return self._verify.record is not None
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
+        self._verify = sums.ReadVerifier(sums.record(metadata) if self.checksums else None)
         self._specs = read_specs(metadata)
         self._entries, self._dest, self._handled = {}, {}, set()
         self._structures: dict[tuple, tuple] = {}  # structure -> (decoded attrs, layouts)
@@ -731,9 +802,14 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             entry = self._dest.get(item.dest_index.fqn)
             if entry is not None:
                 entry.pending += 1
+        self._verify.plan(new_plan.items)
         return super().finish_plan(new_plan)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        dest = self._destination(read_item)
+        return self._verify.buffer(read_item, dest)
+
+    def _destination(self, read_item: ReadItem) -> torch.Tensor:
         entry = self._dest.get(read_item.dest_index.fqn)
         if entry is None:
             return super().resolve_tensor(read_item)
@@ -742,6 +818,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         entry = self._dest.get(read_item.dest_index.fqn)
+        key = entry.fqn if entry is not None else read_item.dest_index.fqn
+        if self._verify.check(read_item, tensor, key):
+            self._destination(read_item).copy_(tensor)  # it was read into a host buffer to check it
+            tensor = self._destination(read_item)
         if entry is None:
             return super().commit_tensor(read_item, tensor)
         with self._lock:
@@ -758,6 +838,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                     group.adapter.members_loaded(group.target)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self._verify.check_bytes(read_item, value.getbuffer(), read_item.dest_index.fqn)
         obj = torch.load(value, weights_only=self.weights_only)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)

@@ -56,6 +56,14 @@ def component_fqn(fqn: str, component: str) -> str:
     return f"{fqn}{COMPONENT_SEPARATOR}{component}"
 
 
+def describe_item(item_fqn: str) -> str:
+    """How errors name a stored item: ``key 'w' (component 'qdata')``, or ``key 'w'``."""
+    if COMPONENT_SEPARATOR in item_fqn:
+        key, comp = item_fqn.rsplit(COMPONENT_SEPARATOR, 1)
+        return f"key {key!r} (component {comp!r})"
+    return f"key {item_fqn!r}"
+
+
 def dtype_to_str(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
     try:

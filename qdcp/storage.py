@@ -1,8 +1,9 @@
 """Storage: safe metadata reading, checksummed items and atomic commits on top of DCP's file writers.
 
 - :func:`safe_load_metadata` unpickles DCP's ``.metadata`` with an allowlist (no code runs).
-- :class:`ChecksumExtension` appends a CRC-32 to every stored item; :class:`CheckpointReader`
-  verifies it before the item is deserialized and names the state-dict key on a mismatch.
+- :class:`ChecksumExtension` appends an XXH3-64 to every stored item (where the save planner
+  records no checksums of its own); :class:`CheckpointReader` verifies every item it reads (the
+  trailer, or the planner's checksum) and names the state-dict key on a mismatch.
 - :class:`CheckpointWriter` refuses to write over an existing checkpoint unless ``overwrite=True``;
   with it, new data files get fresh names and the new ``.metadata`` atomically replaces the old one
   (``rename``), so a save killed at any point leaves the previous checkpoint loadable. Files of the
@@ -26,6 +27,8 @@ import zipfile
 import zlib
 from typing import IO, Any
 
+import xxhash
+
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import StreamTransformExtension
@@ -39,8 +42,10 @@ try:  # fsspec is optional
 except ImportError:  # pragma: no cover
     FsspecReader = FsspecWriter = None
 
+from qdcp import checksums
 from qdcp import spec as qspec
-from qdcp.errors import CheckpointFormatError, QdcpError
+from qdcp.errors import CheckpointFormatError, ChecksumError, QdcpError
+from qdcp.spec import describe_item
 
 MAX_METADATA_BYTES = 1 << 30
 METADATA_FILE = ".metadata"
@@ -107,7 +112,7 @@ def check_chunk_geometry(md: Metadata) -> None:
     for fqn, item in (md.state_dict_metadata or {}).items():
         if not isinstance(item, TensorStorageMetadata):
             continue
-        where = _describe_item(fqn)
+        where = describe_item(fqn)
         size = tuple(item.size)
         if any(not isinstance(s, int) or s < 0 for s in size):
             raise CheckpointFormatError(f"{where}: bad size {size} in the checkpoint's metadata")
@@ -150,50 +155,56 @@ def check_chunk_geometry(md: Metadata) -> None:
 
 # ----------------------------------------------------------------------------- checksums
 
-class ChecksumError(CheckpointFormatError):
-    """A stored item's bytes do not match the checksum written with them."""
+_TRAILERS = {"1": 4, "2": 8}  # qdcp-checksum version -> bytes of the hash after the item
 
 
-class _CrcWriter(io.RawIOBase):
-    """Passes bytes through to ``out`` and appends their CRC-32 (4 bytes, little-endian) on close."""
+def _stream_hash(version: str, data: Any) -> int:
+    return zlib.crc32(data) if version == "1" else checksums.of_bytes(data)
+
+
+class _HashWriter(io.RawIOBase):
+    """Passes bytes through to ``out`` and appends their XXH3-64 (8 bytes, little-endian) on close."""
 
     def __init__(self, out: IO[bytes]) -> None:
         super().__init__()
-        self._out, self._crc = out, 0
+        self._out, self._hash = out, xxhash.xxh3_64()
 
     def writable(self) -> bool:
         return True
 
     def write(self, b) -> int:
-        self._crc = zlib.crc32(b, self._crc)
+        self._hash.update(b)
         return self._out.write(b)
 
     def close(self) -> None:
         if not self.closed:
-            self._out.write(struct.pack("<I", self._crc))
+            self._out.write(struct.pack("<Q", self._hash.intdigest()))
             self._out.close()
         super().close()
 
 
-def _verified_payload(raw: IO[bytes], where: str) -> io.BytesIO:
-    return io.BytesIO(_verified_view(raw.read(-1), where))
-
-
-def _verified_view(data: bytes, where: str) -> memoryview:
-    """The payload of a checksummed item (without a copy), after checking its CRC-32."""
-    if len(data) < 4:
+def _verified_view(data: Any, where: str, version: str) -> memoryview:
+    """The payload of a ``qdcp-checksum/<version>`` item (without a copy), after checking its hash
+    (version 1: CRC-32, written by qdcp 0.1; version 2: XXH3-64)."""
+    size = _TRAILERS[version]
+    if len(data) < size:
         raise ChecksumError(f"{where}: the stored item is truncated ({len(data)} bytes)")
-    payload = memoryview(data)[:-4]
-    (expected,) = struct.unpack("<I", data[-4:])
-    actual = zlib.crc32(payload)
+    payload = memoryview(data)[:-size]
+    expected = int.from_bytes(bytes(data[-size:]), "little")
+    actual = _stream_hash(version, payload)
     if actual != expected:
-        raise ChecksumError(f"{where}: checksum mismatch (stored {expected:08x}, computed {actual:08x}); "
-                            f"the data file is corrupt")
+        raise ChecksumError(f"{where}: checksum mismatch (stored {expected:0{2 * size}x}, computed "
+                            f"{actual:0{2 * size}x}); the data file is corrupt")
     return payload
 
 
 class ChecksumExtension(StreamTransformExtension):
-    """DCP stream extension ``qdcp-checksum/1``: a CRC-32 after each item's bytes."""
+    """DCP stream extension ``qdcp-checksum/2``: an XXH3-64 after each item's bytes. Reads
+    ``qdcp-checksum/1`` (a CRC-32, qdcp 0.1) too."""
+
+    def __init__(self, version: str = "2") -> None:
+        super().__init__()
+        self.version = version
 
     @staticmethod
     def registry_name() -> str:
@@ -201,18 +212,33 @@ class ChecksumExtension(StreamTransformExtension):
 
     @staticmethod
     def from_descriptor(version: str) -> "ChecksumExtension":
-        if version.partition(".")[0] != "1":
-            raise CheckpointFormatError(f"unknown qdcp-checksum version {version!r}")
-        return ChecksumExtension()
+        major = version.partition(".")[0]
+        if major not in _TRAILERS:
+            raise CheckpointFormatError(f"unknown qdcp-checksum version {version!r}; upgrade qdcp")
+        return ChecksumExtension(major)
 
     def get_descriptor(self) -> str:
-        return f"{self.registry_name()}/1"
+        return f"{self.registry_name()}/{self.version}"
 
     def transform_to(self, output: IO[bytes]) -> IO[bytes]:
-        return _CrcWriter(output)
+        if self.version != "2":
+            raise CheckpointFormatError("qdcp writes qdcp-checksum/2 only")
+        return _HashWriter(output)
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
-        return _verified_payload(input, "stored item")
+        return io.BytesIO(_verified_view(input.read(-1), "stored item", self.version))
+
+
+def _checksum_version(descriptors: list[str], where: str = "stored item") -> str | None:
+    """The qdcp-checksum version among an item's transform descriptors (None if absent)."""
+    for d in descriptors:
+        name, _, version = d.partition("/")
+        if name == ChecksumExtension.registry_name():
+            major = version.partition(".")[0]
+            if major not in _TRAILERS:
+                raise CheckpointFormatError(f"{where}: unknown qdcp-checksum version {version!r}; upgrade qdcp")
+            return major
+    return None
 
 
 class _ViewReader(io.RawIOBase):
@@ -279,21 +305,15 @@ class _VerifyingTransforms:
 
     def transform_load_stream(self, read_item, transform_descriptors, raw_stream):
         descriptors = list(transform_descriptors or ())
-        descriptor = ChecksumExtension().get_descriptor()
-        if descriptor in descriptors:
+        where = describe_item(read_item.storage_index.fqn)
+        version = _checksum_version(descriptors, where)
+        if version is not None:
             # written last-applied-first: the checksum wraps the raw bytes in the file
-            if descriptors[-1] != descriptor:
+            if _checksum_version(descriptors[-1:]) is None:
                 raise CheckpointFormatError(f"unexpected extension order {descriptors}")
-            raw_stream = _verified_payload(raw_stream, _describe_item(read_item.storage_index.fqn))
+            raw_stream = io.BytesIO(_verified_view(raw_stream.read(-1), where, version))
             descriptors = descriptors[:-1]
         return self._inner.transform_load_stream(read_item, descriptors, raw_stream)
-
-
-def _describe_item(fqn: str) -> str:
-    if qspec.COMPONENT_SEPARATOR in fqn:
-        key, comp = fqn.rsplit(qspec.COMPONENT_SEPARATOR, 1)
-        return f"key {key!r} (component {comp!r})"
-    return f"key {fqn!r}"
 
 
 # ----------------------------------------------------------------------------- readers
@@ -322,6 +342,7 @@ class _SafeReading:
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         check_chunk_geometry(metadata)  # here, not in read_metadata: `qdcp verify` lists such problems
+        self._qdcp_sums = checksums.record(metadata)
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._qdcp_chunks = {  # (item fqn, chunk offsets) -> (chunk sizes, dtype)
             (fqn, tuple(c.offsets)): (tuple(c.sizes), item.properties.dtype)
@@ -331,12 +352,14 @@ class _SafeReading:
     def read_data(self, plan, planner) -> Future:
         """DCP's ``FileSystemReader.read_data``, checking every number the metadata gives before it is
         used: files stay inside the checkpoint, byte ranges inside their file, the stored tensor has
-        the dtype and chunk shape the metadata records, zip CRCs hold for items stored without qdcp
-        checksums; any failure is a :class:`CheckpointFormatError` naming the state-dict key."""
+        the dtype and chunk shape the metadata records. Every item is verified once: against its
+        ``qdcp-checksum`` trailer, else against the checksum the save planner recorded (left to a
+        planner that ``verifies_whole_items`` for items it reads whole), else by torch.save's zip
+        CRCs. Any failure is a :class:`CheckpointFormatError` naming the state-dict key."""
         per_file: dict[str, list] = {}
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
-            where = _describe_item(req.storage_index.fqn)
+            where = describe_item(req.storage_index.fqn)
             if info is None:
                 raise CheckpointFormatError(
                     f"{where}: the checkpoint has no storage record for its chunk at "
@@ -351,7 +374,7 @@ class _SafeReading:
                 stream = stream_cm.__enter__()
             except OSError as e:
                 raise CheckpointFormatError(
-                    f"{_describe_item(reqs[0].storage_index.fqn)}: its data file {rel!r} cannot be opened "
+                    f"{describe_item(reqs[0].storage_index.fqn)}: its data file {rel!r} cannot be opened "
                     f"({e}); the checkpoint is incomplete") from None
             try:
                 size = stream.seek(0, io.SEEK_END)
@@ -363,6 +386,30 @@ class _SafeReading:
         fut.set_result(None)
         return fut
 
+    def _planner_checks(self, req, planner) -> bool:
+        """Whether ``planner`` verifies this item itself: it says it checks the items it reads
+        whole (``verifies_whole_items``), the checkpoint records a checksum, and it is read whole."""
+        found = self._qdcp_sums.expected(req.storage_index.fqn, req.storage_index.offset) \
+            if self._qdcp_sums is not None else None
+        if found is None or not getattr(planner, "verifies_whole_items", False):
+            return False
+        sizes = found[0]
+        return sizes is None or (not any(req.storage_offsets) and tuple(req.lengths) == sizes)
+
+    def _recorded(self, req) -> int | None:
+        """The checksum the checkpoint records for the stored item ``req`` reads (None if none)."""
+        found = self._qdcp_sums.expected(req.storage_index.fqn, req.storage_index.offset) \
+            if self._qdcp_sums is not None else None
+        return found[1] if found is not None else None
+
+    @staticmethod
+    def _compare(req, got: int, expected: int) -> None:
+        if got != expected:
+            raise ChecksumError(
+                f"{describe_item(req.storage_index.fqn)}: the stored chunk at "
+                f"{tuple(req.storage_index.offset or ())} does not match the checksum its save recorded "
+                f"(recorded {expected:016x}, read {got:016x}): the data file is corrupt")
+
     def _read_buffer(self, length: int) -> memoryview:
         buf = getattr(self, "_qdcp_buffer", None)
         if buf is None or len(buf) < length:
@@ -370,7 +417,7 @@ class _SafeReading:
         return memoryview(buf)[:length]
 
     def _read_item(self, stream, size: int, rel: str, req, planner) -> None:
-        where = _describe_item(req.storage_index.fqn)
+        where = describe_item(req.storage_index.fqn)
         info = self.storage_data[req.storage_index]
         offset, length = info.offset, info.length
         if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
@@ -384,22 +431,28 @@ class _SafeReading:
         if got != length:
             raise CheckpointFormatError(f"{where}: {rel!r} ended after {got} of {length} bytes")
         descriptors = list(info.transform_descriptors or ())
-        checksum = ChecksumExtension().get_descriptor()
-        checked = checksum in descriptors
+        version = _checksum_version(descriptors, where)
         try:
-            if descriptors == [checksum]:  # the common case, without copies
-                payload = _verified_view(data, where)
+            if version is not None and len(descriptors) == 1:  # the common case, without copies
+                payload = _verified_view(data, where, version)
             else:
                 payload = memoryview(
                     self.transforms.transform_load_stream(req, descriptors, io.BytesIO(data)).read(-1))
+            by_planner = self._planner_checks(req, planner)
+            recorded = self._recorded(req) if version is None and not by_planner else None
+            zip_crcs = version is None and recorded is None and not by_planner  # nothing else checks it
             if req.type == LoadItemType.BYTE_IO:
-                if not checked and payload[:4] == b"PK\x03\x04":  # a torch.save archive
+                if recorded is not None:
+                    self._compare(req, checksums.of_bytes(payload), recorded)
+                elif zip_crcs and payload[:4] == b"PK\x03\x04":  # a torch.save archive
                     _check_zip_crcs(payload, where)
                 planner.load_bytes(req, io.BytesIO(payload))
                 return
-            if not checked:
+            if zip_crcs:
                 _check_zip_crcs(payload, where)
             tensor = torch.load(_ViewReader(payload), map_location="cpu", weights_only=True)
+            if recorded is not None:
+                self._compare(req, checksums.of_tensor(tensor), recorded)
         except QdcpError:
             raise
         except Exception as e:
@@ -468,6 +521,7 @@ class _AtomicWriting:
 
     def _setup_atomic(self, overwrite: bool) -> None:
         self.qdcp_overwrite = overwrite
+        self._qdcp_extensions = tuple(self.transforms.extensions)
         self._holds_path = False
         self._stager = None
 
@@ -524,6 +578,9 @@ class _AtomicWriting:
         return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{token}_{i}_")) for i, p in enumerate(plans)]
 
     def write_data(self, plan, planner):
+        # a planner that records every item's checksum in the metadata makes the writer's own
+        # qdcp-checksum trailers redundant: leave them out (the files stay stock-DCP readable)
+        self.transforms.extensions = () if getattr(planner, "records_checksums", False) else self._qdcp_extensions
         try:
             fut = super().write_data(plan, planner)
             fut.wait()  # a torch.futures.Future, already complete for file-system writers
@@ -595,8 +652,11 @@ class CheckpointWriter(_AtomicWriting, FileSystemWriter):
     Args:
         path: checkpoint directory.
         overwrite: replace an existing checkpoint (atomically). Default False: raise before writing.
-        checksums: append a CRC-32 to every item (verified by :class:`CheckpointReader`). A
-            checksummed checkpoint needs qdcp's reader; pass False for stock-DCP-readable files.
+        checksums: every item is checksummed: by the save planner where it records checksums
+            in the metadata (:class:`~qdcp.QuantizedSavePlanner`, the default; the files stay
+            readable by stock DCP), otherwise by this writer, which appends an XXH3-64 to each
+            item (``qdcp-checksum/2``; such files need :class:`CheckpointReader`). Both are
+            verified by :class:`CheckpointReader`. False: no writer checksums.
         **kwargs: ``FileSystemWriter`` options (``thread_count``, ``sync_files``...).
     """
 

@@ -126,8 +126,8 @@ def qdcp_load(path, state: dict, **planner_kw) -> dict:
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a tensor's bytes, for bit-exact comparison of any dtype."""
-    t = t.detach().contiguous()
-    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).to(torch.uint8)
+    t = t.detach().contiguous()  # its elements are consecutive (size-1 dims may keep any stride)
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8) if t.numel() else t.reshape(-1).to(torch.uint8)
 
 
 def bits_diff(a: torch.Tensor, b: torch.Tensor) -> str | None:

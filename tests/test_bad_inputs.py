@@ -23,11 +23,11 @@ import subprocess
 import sys
 import warnings
 import zipfile
-import zlib
 from typing import Callable
 
 import pytest
 import torch
+import xxhash
 import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -59,22 +59,29 @@ def original_state(seed: int = 0) -> dict:
     return state
 
 
-def _save(state: dict, path, checksums: bool) -> None:
+def _save(state: dict, path, variant: str) -> None:
+    """``plain``: stock writer, the save planner's checksums in the metadata (the default);
+    ``trailer``: qdcp.CheckpointWriter appending an XXH3-64 to each item (planner checksums off);
+    ``bare``: stock writer, no checksums at all (torch.save's zip CRCs are all there is)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if checksums:
-            dcp.save(state, storage_writer=qdcp.CheckpointWriter(path), planner=qdcp.QuantizedSavePlanner(),
+        if variant == "trailer":
+            dcp.save(state, storage_writer=qdcp.CheckpointWriter(path),
+                     planner=qdcp.QuantizedSavePlanner(checksums=False), no_dist=True)
+        else:
+            dcp.save(state, checkpoint_id=path, planner=qdcp.QuantizedSavePlanner(checksums=variant == "plain"),
                      no_dist=True)
-        else:  # stock DCP writer: no checksums
-            dcp.save(state, checkpoint_id=path, planner=qdcp.QuantizedSavePlanner(), no_dist=True)
+
+
+VARIANTS = ("plain", "trailer", "bare")
 
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
     root = tmp_path_factory.mktemp("pristine")
-    for variant in ("plain", "crc"):
-        _save(original_state(0), root / variant, variant == "crc")
-        _save(original_state(7), root / f"other_{variant}", variant == "crc")  # same shapes, other values
+    for variant in VARIANTS:
+        _save(original_state(0), root / variant, variant)
+        _save(original_state(7), root / f"other_{variant}", variant)  # same shapes, other values
     return root
 
 
@@ -154,10 +161,10 @@ def truncate(path, at) -> None:
     f.write_bytes(raw[: at(raw, read_md(path))])
 
 
-def append_item(path, payload: bytes, checksums: bool, name="extra.distcp"):
+def append_item(path, payload: bytes, trailer: bool, name="extra.distcp"):
     """Append stored bytes to a data file (``name``); returns the storage info to point an index at."""
-    if checksums:
-        payload = payload + struct.pack("<I", zlib.crc32(payload))
+    if trailer:
+        payload = payload + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload))
     target = path / name
     offset = target.stat().st_size if target.exists() else 0
     with open(target, "ab") as f:
@@ -172,7 +179,7 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def is_crc(path) -> bool:
+def has_trailers(path) -> bool:
     return any(i.transform_descriptors for i in read_md(path).storage_data.values())
 
 
@@ -181,7 +188,7 @@ def is_crc(path) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    variants: tuple[str, ...]          # "plain" (stock dcp.save), "crc" (qdcp.CheckpointWriter)
+    variants: tuple[str, ...]          # of VARIANTS (see _save)
     mutate: Callable                   # (path, pristine_root) -> None
     key: str | tuple | None = None     # the state-dict key(s) one of which the error must name
     changes_data: bool = True          # verify must exit non-zero
@@ -189,8 +196,8 @@ class Case:
     xfail: str | None = None           # a known qdcp bug (fix outside this change), strict xfail
 
 
-BOTH = ("plain", "crc")
-CRC = ("crc",)
+BOTH = ("plain", "trailer")
+TRAILER = ("trailer",)
 CASES: list[Case] = []
 
 
@@ -223,83 +230,85 @@ for _key, _comp, _rec, _frac in [
 ]:
     case(f"flip_{_key}_{_comp}_{_rec.replace('/', '')}",
          lambda p, r, k=_key, c=_comp, rec=_rec, fr=_frac: flip(p, record_offset(p, comp(k, c), rec, fr)),
-         key=_key)
-case("flip_bias_data", lambda p, r: flip(p, record_offset(p, "bias", "data/0", 0.5)), key="bias")
-case("flip_object_pickle", lambda p, r: flip(p, record_offset(p, "step", "data.pkl", 0.6)), key="step")
+         key=_key, variants=VARIANTS)
+case("flip_bias_data", lambda p, r: flip(p, record_offset(p, "bias", "data/0", 0.5)), key="bias",
+     variants=VARIANTS)
+case("flip_object_pickle", lambda p, r: flip(p, record_offset(p, "step", "data.pkl", 0.6)), key="step",
+     variants=VARIANTS)
 
 # --- tampered or truncated JSON specs
 case("spec_truncated_json", lambda p, r: set_spec_text(p, read_md(p).planner_data["__qdcp__"][:500]))
 case("spec_garbage", lambda p, r: set_spec_text(p, "\x00{{{not json"))
-case("spec_not_a_string", lambda p, r: set_spec_text(p, {"format": "qdcp"}), variants=CRC)
-case("spec_deeply_nested", lambda p, r: set_spec_text(p, "[" * 200000 + "]" * 200000), variants=CRC)
+case("spec_not_a_string", lambda p, r: set_spec_text(p, {"format": "qdcp"}), variants=TRAILER)
+case("spec_deeply_nested", lambda p, r: set_spec_text(p, "[" * 200000 + "]" * 200000), variants=TRAILER)
 case("spec_format_other", lambda p, r: edit_spec(p, lambda d, md: d.update(format="safetensors")))
 case("spec_version_future", lambda p, r: edit_spec(p, lambda d, md: d.update(version=2)))
 case("spec_version_far_future", lambda p, r: edit_spec(p, lambda d, md: d.update(version=10**40)),
-     variants=CRC)
-case("spec_version_zero", lambda p, r: edit_spec(p, lambda d, md: d.update(version=0)), variants=CRC)
-case("spec_version_string", lambda p, r: edit_spec(p, lambda d, md: d.update(version="1")), variants=CRC)
-case("spec_version_bool", lambda p, r: edit_spec(p, lambda d, md: d.update(version=True)), variants=CRC)
-case("spec_entries_not_object", lambda p, r: edit_spec(p, lambda d, md: d.update(entries=[1])), variants=CRC)
+     variants=TRAILER)
+case("spec_version_zero", lambda p, r: edit_spec(p, lambda d, md: d.update(version=0)), variants=TRAILER)
+case("spec_version_string", lambda p, r: edit_spec(p, lambda d, md: d.update(version="1")), variants=TRAILER)
+case("spec_version_bool", lambda p, r: edit_spec(p, lambda d, md: d.update(version=True)), variants=TRAILER)
+case("spec_entries_not_object", lambda p, r: edit_spec(p, lambda d, md: d.update(entries=[1])), variants=TRAILER)
 case("spec_entry_not_object", lambda p, r: edit_spec(p, lambda d, md: d["entries"].update(nf4=[])),
-     key="nf4", variants=CRC)
+     key="nf4", variants=TRAILER)
 case("spec_unknown_type", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["nf4"].update(type="evil.module.Tensor")), key="nf4")
 case("spec_type_of_other_adapter", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["nf4"].update(type="torchao.Int8Tensor")), key="nf4")
 case("spec_unknown_storage", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["mx_fp4_swizzled"].update(storage="zip")), key="mx_fp4_swizzled",
-    variants=CRC)
+    variants=TRAILER)
 case("spec_raw_entry_claims_dequantized", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["float8_row"].update(storage="dequantized")), key="float8_row",
-    variants=CRC)
+    variants=TRAILER)
 case("spec_shape_disagrees_with_target", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["int8_group32"].update(shape=[128, 256])), key="int8_group32")
 case("spec_negative_dim", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["int8_group32"].update(shape=[-256, 128])), key="int8_group32",
-    variants=CRC)
+    variants=TRAILER)
 case("spec_too_many_dims", lambda p, r: edit_spec(
-    p, lambda d, md: d["entries"]["int8_group32"].update(shape=[1] * 17)), key="int8_group32", variants=CRC)
+    p, lambda d, md: d["entries"]["int8_group32"].update(shape=[1] * 17)), key="int8_group32", variants=TRAILER)
 case("spec_unknown_dtype", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["optim8bit_signed"].update(dtype="float128")), key="optim8bit_signed",
-    variants=CRC)
+    variants=TRAILER)
 case("spec_logical_dtype_changed", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["int8_group32"].update(dtype="float16")), key="int8_group32",
-    variants=CRC)
+    variants=TRAILER)
 case("spec_component_dtype_disagrees_with_md", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["int8_group32"]["components"][1].update(dtype="float16")),
-    key="int8_group32", variants=CRC)
+    key="int8_group32", variants=TRAILER)
 case("spec_component_shape_disagrees_with_layout", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["mx_fp4_swizzled"]["components"][0].update(shape=[256, 128])),
-    key="mx_fp4_swizzled", variants=CRC)
+    key="mx_fp4_swizzled", variants=TRAILER)
 case("spec_layout_unknown", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["nf4"]["components"][0].update(layout={"kind": "spiral"})), key="nf4",
-    variants=CRC)
+    variants=TRAILER)
 case("spec_layout_zero_group", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["nf4"]["components"][0].update(layout={"kind": "flat", "group": 0})),
-    key="nf4", variants=CRC)
+    key="nf4", variants=TRAILER)
 case("spec_layout_block_rank", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["float8_row"]["components"][1].update(layout={"kind": "blocked",
                                                                                  "block": [1, 128, 1]})),
-    key="float8_row", variants=CRC)
+    key="float8_row", variants=TRAILER)
 case("spec_attr_object_not_allowed", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["int8_group32"]["attrs"].update(
         act_quant_kwargs={"object": "os.system", "fields": {"command": "touch pwned"}})),
-    key="int8_group32", variants=CRC)
+    key="int8_group32", variants=TRAILER)
 case("spec_attr_enum_not_allowed", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["float8_row"]["attrs"].update(
-        kernel_preference={"enum": "subprocess.Popen", "value": "ls"})), key="float8_row", variants=CRC)
+        kernel_preference={"enum": "subprocess.Popen", "value": "ls"})), key="float8_row", variants=TRAILER)
 case("spec_attr_block_size_disagrees", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["int8_group32"]["attrs"].update(block_size=[1, 64])), key="int8_group32",
-    variants=CRC)
+    variants=TRAILER)
 case("spec_attr_nf4_block_size_disagrees", lambda p, r: edit_spec(
-    p, lambda d, md: d["entries"]["nf4"]["attrs"].update(block_size=32)), key="nf4", variants=CRC)
+    p, lambda d, md: d["entries"]["nf4"]["attrs"].update(block_size=32)), key="nf4", variants=TRAILER)
 case("spec_duplicate_component", lambda p, r: edit_spec(
     p, lambda d, md: d["entries"]["nf4"]["components"].append(d["entries"]["nf4"]["components"][0])),
-    key="nf4", variants=CRC)
+    key="nf4", variants=TRAILER)
 case("spec_empty_components", lambda p, r: edit_spec(
-    p, lambda d, md: d["entries"]["nf4"].update(components=[])), key="nf4", variants=CRC)
+    p, lambda d, md: d["entries"]["nf4"].update(components=[])), key="nf4", variants=TRAILER)
 case("spec_ghost_entry", lambda p, r: edit_spec(
-    p, lambda d, md: d["entries"].update(ghost=d["entries"]["nf4"])), key="ghost", variants=CRC)
+    p, lambda d, md: d["entries"].update(ghost=d["entries"]["nf4"])), key="ghost", variants=TRAILER)
 case("spec_removed", lambda p, r: edit_md(p, lambda md: md.planner_data.pop(qspec.PLANNER_DATA_KEY)))
 
 
@@ -327,16 +336,16 @@ def _reshape_component(key, name, shape, layout, chunks=None):
 case("data_dtype_int8_qdata_as_uint8", lambda p, r: edit_spec(
     p, _retype_component("int8_group32", "qdata", "uint8")), key="int8_group32")
 case("data_dtype_mx_scale_as_uint8", lambda p, r: edit_spec(
-    p, _retype_component("mx_fp4_swizzled", "scale", "uint8")), key="mx_fp4_swizzled", variants=CRC)
+    p, _retype_component("mx_fp4_swizzled", "scale", "uint8")), key="mx_fp4_swizzled", variants=TRAILER)
 case("data_dtype_plain_bias_as_float64", lambda p, r: edit_md(
     p, lambda md: setattr(md.state_dict_metadata["bias"].properties, "dtype", torch.float64)), key="bias")
 case("data_shape_int8_scale_grown", lambda p, r: edit_spec(p, _reshape_component(
     "int8_group32", "scale", [256, 8], {"kind": "blocked", "block": [1, 16]})), key="int8_group32")
 case("data_shape_int8_scale_shrunk", lambda p, r: edit_spec(p, _reshape_component(
     "int8_group32", "scale", [256, 2], {"kind": "blocked", "block": [1, 64]})), key="int8_group32",
-    variants=CRC)
+    variants=TRAILER)
 case("data_shape_nf4_scalers_shrunk", lambda p, r: edit_spec(p, _reshape_component(
-    "nf4", "quantized_scalers", [256], {"kind": "flat", "group": 128})), key="nf4", variants=CRC)
+    "nf4", "quantized_scalers", [256], {"kind": "flat", "group": 128})), key="nf4", variants=TRAILER)
 
 
 # --- missing components
@@ -360,11 +369,11 @@ case("missing_component_in_spec", lambda p, r: edit_spec(p, _drop_component_spec
 case("missing_component_item", lambda p, r: edit_spec(p, _drop_component_item("nf4", "quantized_scalers")),
      key="nf4")
 case("missing_component_everywhere", lambda p, r: edit_spec(
-    p, _drop_component_item("mx_fp4_swizzled", "scale", from_spec=True)), key="mx_fp4_swizzled", variants=CRC)
+    p, _drop_component_item("mx_fp4_swizzled", "scale", from_spec=True)), key="mx_fp4_swizzled", variants=TRAILER)
 case("missing_storage_record", lambda p, r: edit_md(
     p, lambda md: md.storage_data.pop(index_of(md, comp("optim8bit_signed", "qmap")))), key="optim8bit_signed")
 case("missing_plain_tensor", lambda p, r: edit_md(p, lambda md: md.state_dict_metadata.pop("bias")),
-     key="bias", variants=CRC)
+     key="bias", variants=TRAILER)
 case("missing_data_file", lambda p, r: os.remove(data_file(p)))
 
 
@@ -381,13 +390,13 @@ case("chunk_out_of_bounds", lambda p, r: edit_md(
     p, _chunks(comp("int8_group32", "qdata"), [((8, 0), (256, 128))])), key="int8_group32")
 case("chunk_negative_offset", lambda p, r: edit_md(
     p, _chunks(comp("optim8bit_signed", "codes"), [((-8, 0), (256, 128))])), key="optim8bit_signed",
-    variants=CRC)
+    variants=TRAILER)
 case("chunk_hole_claimed_smaller", lambda p, r: edit_md(
     p, _chunks(comp("int8_group32", "qdata"), [((0, 0), (128, 128))])), key="int8_group32")
 case("chunk_none", lambda p, r: edit_md(p, _chunks(comp("nf4", "quantized_data"), [])), key="nf4",
-     variants=CRC)
+     variants=TRAILER)
 case("chunk_wrong_rank", lambda p, r: edit_md(
-    p, _chunks(comp("float8_row", "scale"), [((0,), (256,))])), key="float8_row", variants=CRC)
+    p, _chunks(comp("float8_row", "scale"), [((0,), (256,))])), key="float8_row", variants=TRAILER)
 case("chunk_plain_claimed_smaller", lambda p, r: edit_md(p, _chunks("bias", [((0,), (5,))])), key="bias")
 
 
@@ -396,7 +405,7 @@ def _forged_chunks(fqn, pieces, checksums):
     (rows of the original data), so only a coverage check can tell the damage."""
     def go(path, root):
         md = read_md(path)
-        orig = qdcp.reader.read_entry(root / ("crc" if checksums else "plain"), fqn.split(SEP)[0]) \
+        orig = qdcp.reader.read_entry(root / ("trailer" if checksums else "plain"), fqn.split(SEP)[0]) \
             if SEP not in fqn else None
         if orig is None:
             sd = {fqn: torch.empty(tuple(md.state_dict_metadata[fqn].size),
@@ -422,11 +431,11 @@ for _v in BOTH:
     # rows [0,128) and [64,192) (honest data): 256 rows in all, so a sum-of-volumes check passes,
     # but rows [192,256) are never read
     case(f"chunks_overlap_cancels_hole_{_v}", _forged_chunks(
-        comp("optim8bit_signed", "codes"), [((0, 0), (128, 128), 0), ((64, 0), (128, 128), 64)], _v == "crc"),
+        comp("optim8bit_signed", "codes"), [((0, 0), (128, 128), 0), ((64, 0), (128, 128), 64)], _v == "trailer"),
         key="optim8bit_signed", variants=(_v,))
-    case(f"chunks_plain_hole_{_v}", _forged_chunks("bias", [((0,), (5,), 0)], _v == "crc"), key="bias",
+    case(f"chunks_plain_hole_{_v}", _forged_chunks("bias", [((0,), (5,), 0)], _v == "trailer"), key="bias",
          variants=(_v,))
-    case(f"chunks_plain_overlap_{_v}", _forged_chunks("bias", [((0,), (4,), 0), ((3,), (4,), 3)], _v == "crc"),
+    case(f"chunks_plain_overlap_{_v}", _forged_chunks("bias", [((0,), (4,), 0), ((3,), (4,), 3)], _v == "trailer"),
          key="bias", variants=(_v,), changes_data=True)
 
 
@@ -449,7 +458,7 @@ def _swap_storage(a, b):
 
 def _point_to_other_checkpoint(fqn):
     def go(path, root):
-        other = root / f"other_{'crc' if is_crc(path) else 'plain'}"
+        other = root / f"other_{path.name.rsplit('-', 1)[1]}"
         info = info_of(read_md(other), fqn)
         rel = os.path.relpath(data_file(other), path)
         edit_md(path, _storage(fqn, relative_path=rel, offset=info.offset, length=info.length))
@@ -471,13 +480,13 @@ case("storage_missing_file", lambda p, r: edit_md(
 case("storage_path_traversal_other_checkpoint", _point_to_other_checkpoint(comp("int8_group32", "qdata")),
      key="int8_group32")
 case("storage_absolute_path", lambda p, r: edit_md(
-    p, _storage("bias", relative_path="/etc/passwd", offset=0, length=100)), key="bias", variants=CRC)
+    p, _storage("bias", relative_path="/etc/passwd", offset=0, length=100)), key="bias", variants=TRAILER)
 case("storage_unknown_extension", lambda p, r: edit_md(
-    p, _storage("bias", transform_descriptors=["evil-zip/1"])), key="bias", variants=CRC)
+    p, _storage("bias", transform_descriptors=["evil-zip/1"])), key="bias", variants=TRAILER)
 case("storage_checksum_future_version", lambda p, r: edit_md(
-    p, _storage("bias", transform_descriptors=["qdcp-checksum/2"])), key="bias", variants=CRC)
+    p, _storage("bias", transform_descriptors=["qdcp-checksum/3"])), key="bias", variants=TRAILER)
 case("storage_checksum_stripped", lambda p, r: edit_md(
-    p, _storage("bias", transform_descriptors=[])), key="bias", variants=CRC, changes_data=False)
+    p, _storage("bias", transform_descriptors=[])), key="bias", variants=TRAILER, changes_data=False)
 
 
 # --- huge claimed sizes (consistent in spec and item metadata; must not be allocated)
@@ -508,14 +517,14 @@ def _huge_plain(md):
 
 case("huge_entry_shape", lambda p, r: edit_spec(p, _huge_entry), key="int8_group32", huge=True)
 case("huge_replicated_component", lambda p, r: edit_spec(p, _huge_replicated), key="nf4", huge=True,
-     variants=CRC)
-case("huge_plain_tensor", lambda p, r: edit_md(p, _huge_plain), key="bias", huge=True, variants=CRC)
+     variants=TRAILER)
+case("huge_plain_tensor", lambda p, r: edit_md(p, _huge_plain), key="bias", huge=True, variants=TRAILER)
 case("huge_storage_length", lambda p, r: edit_md(
     p, _storage(comp("float8_row", "qdata"), length=HUGE)), key="float8_row", huge=True)
 case("huge_storage_offset", lambda p, r: edit_md(
-    p, _storage(comp("float8_row", "qdata"), offset=HUGE)), key="float8_row", huge=True, variants=CRC)
+    p, _storage(comp("float8_row", "qdata"), offset=HUGE)), key="float8_row", huge=True, variants=TRAILER)
 case("huge_metadata_pickle_bytes", lambda p, r: (p / ".metadata").write_bytes(
-    b"\x80\x04\x8e" + struct.pack("<Q", HUGE) + b"x" * 64), huge=True, variants=CRC)
+    b"\x80\x04\x8e" + struct.pack("<Q", HUGE) + b"x" * 64), huge=True, variants=TRAILER)
 
 
 # --- truncated / garbage / hostile .metadata
@@ -549,17 +558,17 @@ def pwned_marker(path):
 
 
 case("metadata_truncated_half", _md_bytes(lambda b, p: b[: len(b) // 2]))
-case("metadata_truncated_last_byte", _md_bytes(lambda b, p: b[:-1]), variants=CRC)
-case("metadata_empty", _md_bytes(lambda b, p: b""), variants=CRC)
-case("metadata_garbage", _md_bytes(lambda b, p: os.urandom(4096)), variants=CRC)
+case("metadata_truncated_last_byte", _md_bytes(lambda b, p: b[:-1]), variants=TRAILER)
+case("metadata_empty", _md_bytes(lambda b, p: b""), variants=TRAILER)
+case("metadata_garbage", _md_bytes(lambda b, p: os.urandom(4096)), variants=TRAILER)
 case("metadata_payload_open_creates_file", _md_bytes(lambda b, p: pickle.dumps(_TouchPayload(str(pwned_marker(p))))))
 case("metadata_payload_os_system", _md_bytes(lambda b, p: pickle.dumps(_SystemPayload(str(pwned_marker(p))))),
-     variants=CRC)
+     variants=TRAILER)
 case("metadata_payload_inside_metadata", lambda p, r: edit_md(
     p, lambda md: md.planner_data.update(evil=_TouchPayload(str(pwned_marker(p))))))
-case("metadata_not_metadata", _md_bytes(lambda b, p: pickle.dumps({"state_dict_metadata": {}})), variants=CRC)
+case("metadata_not_metadata", _md_bytes(lambda b, p: pickle.dumps({"state_dict_metadata": {}})), variants=TRAILER)
 case("metadata_missing", lambda p, r: os.remove(p / ".metadata"))
-case("metadata_is_directory", lambda p, r: (os.remove(p / ".metadata"), os.mkdir(p / ".metadata")), variants=CRC)
+case("metadata_is_directory", lambda p, r: (os.remove(p / ".metadata"), os.mkdir(p / ".metadata")), variants=TRAILER)
 
 
 # --- non-tensor objects carrying a code-executing pickle (BYTE_IO items)
@@ -567,7 +576,7 @@ def _evil_object(fqn, payload_cls):
     def go(path, root):
         buf = io.BytesIO()
         torch.save(payload_cls(str(pwned_marker(path))), buf)
-        info = append_item(path, buf.getvalue(), is_crc(path))
+        info = append_item(path, buf.getvalue(), has_trailers(path))
         edit_md(path, lambda md: md.storage_data.__setitem__(index_of(md, fqn), info))
     return go
 
@@ -696,7 +705,7 @@ def make_case(root, tmp_path, c: Case, variant: str):
 # ----------------------------------------------------------------------------- tests
 
 def test_pristine_loads_exactly_and_verifies(pristine):
-    for variant in ("plain", "crc"):
+    for variant in VARIANTS:
         path = pristine / variant
         for kind in ("quantized", "plain"):
             assert_exact(load_into(path, kind), kind)

@@ -28,9 +28,9 @@ def _inner(fn):
         raise next(iter(e.failures.values()))[0] from None
 
 
-def save(path, version, overwrite=False, **kw):
+def save(path, version, overwrite=False, planner_checksums=True, **kw):
     dcp.save(state(version), storage_writer=CheckpointWriter(path, overwrite=overwrite, **kw),
-             planner=QuantizedSavePlanner(), no_dist=True)
+             planner=QuantizedSavePlanner(checksums=planner_checksums), no_dist=True)
 
 
 def load(path):
@@ -129,23 +129,45 @@ def _item_at(md, file_name, offset):
     return None
 
 
-def test_flipped_byte_anywhere_is_reported_with_its_key(tmp_path):
-    path = tmp_path / "ckpt"
-    save(path, 1)
+def _flip_every_30th_of_the_file(path, planner_checksums: bool):
+    """Flip one byte at 30 places spread over the data file; yield (item fqn, outcome) where the
+    outcome is the error a load raised, or None for a load that returned the saved values."""
+    save(path, 1, planner_checksums=planner_checksums)
     md = qdcp.read_metadata(path)
     (data_file,) = [n for n in os.listdir(path) if n.endswith(".distcp")]
     raw = (path / data_file).read_bytes()
-    offsets = sorted({int(i * (len(raw) - 1) / 29) for i in range(30)})
-    for off in offsets:
-        fqn = _item_at(md, data_file, off)
+    for off in sorted({int(i * (len(raw) - 1) / 29) for i in range(30)}):
         flipped = bytearray(raw)
         flipped[off] ^= 0x5A
         (path / data_file).write_bytes(bytes(flipped))
-        key = fqn.split(".__qdcp__.")[0]
-        with pytest.raises(ChecksumError, match=f"key '{key}'"):
-            load(path)
+        try:
+            assert_is_version(load(path), 1)
+            outcome = None
+        except QdcpError as e:
+            outcome = e
+        yield _item_at(md, data_file, off), off, outcome
     (path / data_file).write_bytes(raw)
     assert_is_version(load(path), 1)
+
+
+def test_flipped_byte_anywhere_is_reported_with_its_key(tmp_path):
+    """CheckpointWriter with a planner that records no checksums: each item carries its own
+    XXH3-64 trailer over every stored byte, so every flip is a ChecksumError naming the key."""
+    for fqn, off, error in _flip_every_30th_of_the_file(tmp_path / "ckpt", planner_checksums=False):
+        assert isinstance(error, ChecksumError), (off, fqn, error)
+        assert f"key '{fqn.split('.__qdcp__.')[0]}'" in str(error)
+
+
+def test_flipped_byte_never_loads_wrong_values_with_planner_checksums(tmp_path):
+    """The default: the save planner records a checksum of each item's values (the writer adds no
+    trailers). A flip in stored values is a ChecksumError naming the key; a flip in torch.save's
+    framing fails as unreadable, naming the key, or (bytes no value depends on) loads the exact
+    values. Never wrong values."""
+    outcomes = list(_flip_every_30th_of_the_file(tmp_path / "ckpt", planner_checksums=True))
+    for fqn, off, error in outcomes:
+        if error is not None:
+            assert f"key '{fqn.split('.__qdcp__.')[0]}'" in str(error), (off, error)
+    assert sum(isinstance(e, ChecksumError) for _, _, e in outcomes) >= 5
 
 
 def test_checksums_off_gives_a_stock_readable_checkpoint(tmp_path):

@@ -1,0 +1,183 @@
+"""Item checksums: the hash, and the record of them in a checkpoint's metadata.
+
+:class:`qdcp.QuantizedSavePlanner` hashes every item it writes -- a tensor chunk's elements in
+row-major order, or a BYTE_IO item's bytes -- from the data being written (the staged copy in an
+async save), and records the hashes in ``Metadata.planner_data["__qdcp_checksums__"]``::
+
+    {"algorithm": "xxh3_64", "items": {item_fqn: bytes}}
+
+where ``bytes`` holds one little-endian 64-bit hash per chunk of the item, in the order of
+``Metadata.state_dict_metadata[item_fqn].chunks`` (one for a BYTE_IO item). The hash is xxHash's
+XXH3-64 (``xxhash.xxh3_64``), seed 0. :class:`qdcp.QuantizedLoadPlanner` verifies every item it
+reads whole; :class:`qdcp.CheckpointReader` verifies the rest (items read in part when resharding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import threading
+from typing import Any, Mapping
+
+import torch
+import xxhash
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from qdcp.errors import CheckpointFormatError, ChecksumError
+from qdcp.spec import describe_item
+
+PLANNER_DATA_KEY = "__qdcp_checksums__"
+ALGORITHM = "xxh3_64"
+
+_U64 = struct.Struct("<Q")
+
+
+def of_bytes(data: Any) -> int:
+    """XXH3-64 of a bytes-like object."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def of_tensor(t: torch.Tensor) -> int:
+    """XXH3-64 of a CPU tensor's elements, row-major (any strides; the same value for a copy)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        raise ValueError(f"checksums are computed on CPU tensors, got one on {t.device}")
+    if t.numel() == 0:
+        return of_bytes(b"")
+    t = t.contiguous()  # row-major; a contiguous tensor's elements are consecutive in memory
+    return of_bytes(t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy())
+
+
+def encode(hashes: Mapping[str, list[int | None]]) -> dict:
+    """The metadata record of ``{item_fqn: [hash per chunk, metadata order]}`` (items with a
+    missing hash are left out: nothing to verify them against)."""
+    items = {fqn: b"".join(_U64.pack(h) for h in hs) for fqn, hs in hashes.items()
+             if hs and all(h is not None for h in hs)}
+    return {"algorithm": ALGORITHM, "items": items}
+
+
+@dataclasses.dataclass
+class Record:
+    """The checksums a checkpoint carries, looked up by item and chunk offsets."""
+
+    metadata: Metadata
+    items: Mapping[str, bytes]
+    _by_offsets: dict[str, dict[tuple, tuple[tuple, int]]] = dataclasses.field(default_factory=dict)
+
+    def expected(self, fqn: str, offsets: Any) -> tuple[tuple[int, ...] | None, int] | None:
+        """``(chunk sizes or None for a BYTE_IO item, hash)`` of the stored chunk of ``fqn`` at
+        ``offsets``, or None when the checkpoint records no checksum for it."""
+        table = self._by_offsets.get(fqn)
+        if table is None:
+            table = self._by_offsets[fqn] = self._table(fqn)
+        return table.get(tuple(offsets or ()))
+
+    def _table(self, fqn: str) -> dict[tuple, tuple[tuple | None, int]]:
+        blob = self.items.get(fqn)
+        if blob is None:
+            return {}
+        item = self.metadata.state_dict_metadata.get(fqn)
+        chunks = item.chunks if isinstance(item, TensorStorageMetadata) else [None]
+        if not isinstance(blob, bytes) or len(blob) != 8 * len(chunks):
+            raise CheckpointFormatError(
+                f"{describe_item(fqn)}: the checkpoint records {len(blob) // 8 if isinstance(blob, bytes) else 0} "
+                f"checksums for its {len(chunks)} chunks; the metadata is damaged")
+        out = {}
+        for i, chunk in enumerate(chunks):
+            (h,) = _U64.unpack_from(blob, 8 * i)
+            if chunk is None:
+                out[()] = (None, h)
+            else:
+                out[tuple(chunk.offsets)] = (tuple(chunk.sizes), h)
+        return out
+
+
+def record(metadata: Metadata | None) -> Record | None:
+    """The checksum record of ``metadata``, or None for a checkpoint written without checksums."""
+    data = getattr(metadata, "planner_data", None)
+    raw = data.get(PLANNER_DATA_KEY) if isinstance(data, dict) else None
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("items"), dict):
+        raise CheckpointFormatError("the checkpoint's checksum record is malformed; the metadata is damaged")
+    if raw.get("algorithm") != ALGORITHM:
+        raise CheckpointFormatError(
+            f"the checkpoint's items are checksummed with {raw.get('algorithm')!r}, which this qdcp does "
+            f"not know (it knows {ALGORITHM!r}). Upgrade qdcp, or load without verification "
+            f"(QuantizedLoadPlanner(checksums=False)).")
+    return Record(metadata, raw["items"])
+
+
+class ReadVerifier:
+    """Checks the items a load planner reads whole against a checkpoint's :class:`Record`.
+
+    DCP's reader loads a stored chunk, copies the part a read item asks for into the buffer the
+    planner's ``resolve_tensor`` gave, then calls ``commit_tensor``. For a read item that takes a
+    stored chunk whole, :meth:`buffer` gives a host buffer of the stored dtype where the real
+    destination is another dtype or on a device (the hash is of the stored bytes), and
+    :meth:`check` hashes what arrived. Items read in part are left to the storage reader.
+    """
+
+    def __init__(self, record: Record | None) -> None:
+        self.record = record
+        self._whole: dict[Any, tuple[int, torch.dtype]] = {}  # read item -> (hash, stored dtype)
+        self._temps: set[int] = set()
+        self._filled: set[str] = set()
+        self._lock = threading.Lock()
+
+    def plan(self, read_items) -> None:
+        """Note which of the final plan's read items take a stored chunk (or object) whole."""
+        self._whole, self._temps, self._filled = {}, set(), set()
+        if self.record is None:
+            return
+        md = self.record.metadata.state_dict_metadata
+        for item in read_items:
+            fqn = item.storage_index.fqn
+            found = self.record.expected(fqn, item.storage_index.offset)
+            if found is None:
+                continue
+            sizes, h = found
+            if sizes is None or (not any(item.storage_offsets) and tuple(item.lengths) == sizes):
+                dtype = md[fqn].properties.dtype if sizes is not None else None
+                self._whole[item] = (h, dtype)
+
+    def buffer(self, read_item, dest: torch.Tensor) -> torch.Tensor:
+        """Where DCP should copy ``read_item``'s data: ``dest``, or a host buffer to check first."""
+        found = self._whole.get(read_item)
+        if found is None or (dest.device.type == "cpu" and dest.dtype == found[1]):
+            return dest
+        with self._lock:
+            self._temps.add(id(read_item))
+        return torch.empty(tuple(read_item.lengths), dtype=found[1])
+
+    def check(self, read_item, tensor: torch.Tensor, key: str) -> bool:
+        """Verify ``tensor`` (what arrived for ``read_item``) if it is a whole stored chunk; True
+        when it sits in a host buffer from :meth:`buffer` that the caller must copy on."""
+        found = self._whole.get(read_item)
+        with self._lock:
+            temp = id(read_item) in self._temps
+        if found is not None:
+            self._compare(read_item, of_tensor(tensor), found[0], key, temp)
+        with self._lock:
+            self._filled.add(key)
+        return temp
+
+    def check_bytes(self, read_item, data: Any, key: str) -> None:
+        found = self._whole.get(read_item)
+        if found is not None:
+            self._compare(read_item, of_bytes(data), found[0], key, True)
+        with self._lock:
+            self._filled.add(key)
+
+    def _compare(self, read_item, got: int, expected: int, key: str, untouched: bool) -> None:
+        if got == expected:
+            return
+        with self._lock:
+            filled = sorted(self._filled | ({key} if not untouched else set()))
+        listed = ", ".join(repr(k) for k in filled[:20]) + (f" and {len(filled) - 20} more" if len(filled) > 20 else "")
+        raise ChecksumError(
+            f"{describe_item(read_item.storage_index.fqn)}: the bytes read from the checkpoint do not match "
+            f"the checksum its save recorded (recorded {expected:016x}, read {got:016x}): its data file is "
+            f"corrupt. Entries of the target already filled from this checkpoint: "
+            f"{listed or 'none'}{'' if untouched else ' (this one with the corrupt bytes)'}. Load them "
+            f"from another checkpoint.")
