@@ -271,6 +271,31 @@ class _ViewReader(io.RawIOBase):
         return len(chunk)
 
 
+class _FileSlice(_ViewReader):
+    """A seekable read-only file over ``length`` bytes of ``stream`` from ``offset`` (torch.load
+    reads a stored item straight from the file, as DCP's own reader does: one copy)."""
+
+    def __init__(self, stream: IO[bytes], offset: int, length: int) -> None:
+        io.RawIOBase.__init__(self)
+        self._stream, self._offset, self._length, self._pos = stream, offset, length, 0
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek value {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self._length - self._pos))
+        if n == 0:
+            return 0
+        self._stream.seek(self._offset + self._pos)
+        got = self._stream.readinto(memoryview(b)[:n])
+        self._pos += got
+        return got
+
+
 def _check_zip_crcs(payload: memoryview, where: str) -> None:
     """Verify the CRC-32 that ``torch.save`` writes for every record of its zip archive (the only
     integrity check of an item stored without qdcp checksums; ``torch.load`` does not check them)."""
@@ -416,6 +441,19 @@ class _SafeReading:
             buf = self._qdcp_buffer = bytearray(max(length, 1 << 20))
         return memoryview(buf)[:length]
 
+    def _payload(self, stream, offset: int, length: int, rel: str, where: str, descriptors, version, req):
+        """The item's stored bytes, read into a reused buffer, trailer checked and transforms undone."""
+        stream.seek(offset)
+        data = self._read_buffer(length)  # reused: items are copied out before the next read
+        got = stream.readinto(data)
+        if got != length:
+            raise CheckpointFormatError(f"{where}: {rel!r} ended after {got} of {length} bytes")
+        if not descriptors:
+            return data
+        if version is not None and len(descriptors) == 1:
+            return _verified_view(data, where, version)
+        return memoryview(self.transforms.transform_load_stream(req, descriptors, io.BytesIO(data)).read(-1))
+
     def _read_item(self, stream, size: int, rel: str, req, planner) -> None:
         where = describe_item(req.storage_index.fqn)
         info = self.storage_data[req.storage_index]
@@ -425,32 +463,27 @@ class _SafeReading:
             raise CheckpointFormatError(
                 f"{where}: its stored bytes [{offset}, {offset}+{length}) lie outside {rel!r} ({size} "
                 f"bytes); the file is truncated or the metadata is corrupt")
-        stream.seek(offset)
-        data = self._read_buffer(length)  # reused: items are copied out before the next read
-        got = stream.readinto(data)
-        if got != length:
-            raise CheckpointFormatError(f"{where}: {rel!r} ended after {got} of {length} bytes")
         descriptors = list(info.transform_descriptors or ())
         version = _checksum_version(descriptors, where)
+        by_planner = self._planner_checks(req, planner)
+        recorded = self._recorded(req) if version is None and not by_planner else None
+        zip_crcs = version is None and recorded is None and not by_planner  # nothing else checks it
         try:
-            if version is not None and len(descriptors) == 1:  # the common case, without copies
-                payload = _verified_view(data, where, version)
+            if not descriptors and not zip_crcs and req.type != LoadItemType.BYTE_IO:
+                # checked after loading, by this reader or the planner: load straight from the file
+                tensor = torch.load(_FileSlice(stream, offset, length), map_location="cpu", weights_only=True)
             else:
-                payload = memoryview(
-                    self.transforms.transform_load_stream(req, descriptors, io.BytesIO(data)).read(-1))
-            by_planner = self._planner_checks(req, planner)
-            recorded = self._recorded(req) if version is None and not by_planner else None
-            zip_crcs = version is None and recorded is None and not by_planner  # nothing else checks it
-            if req.type == LoadItemType.BYTE_IO:
-                if recorded is not None:
-                    self._compare(req, checksums.of_bytes(payload), recorded)
-                elif zip_crcs and payload[:4] == b"PK\x03\x04":  # a torch.save archive
+                payload = self._payload(stream, offset, length, rel, where, descriptors, version, req)
+                if req.type == LoadItemType.BYTE_IO:
+                    if recorded is not None:
+                        self._compare(req, checksums.of_bytes(payload), recorded)
+                    elif zip_crcs and payload[:4] == b"PK\x03\x04":  # a torch.save archive
+                        _check_zip_crcs(payload, where)
+                    planner.load_bytes(req, io.BytesIO(payload))
+                    return
+                if zip_crcs:
                     _check_zip_crcs(payload, where)
-                planner.load_bytes(req, io.BytesIO(payload))
-                return
-            if zip_crcs:
-                _check_zip_crcs(payload, where)
-            tensor = torch.load(_ViewReader(payload), map_location="cpu", weights_only=True)
+                tensor = torch.load(_ViewReader(payload), map_location="cpu", weights_only=True)
             if recorded is not None:
                 self._compare(req, checksums.of_tensor(tensor), recorded)
         except QdcpError:
