@@ -9,6 +9,7 @@
 
 from qdcp.adapters import Adapter, find_adapter, register_adapter, registered_type_names
 from qdcp.adapters import torchao as _torchao
+from qdcp.adapters import torchao_training as _torchao_training
 from qdcp.adapters import transformer_engine as _transformer_engine
 from qdcp.adapters import te_grouped as _te_grouped
 from qdcp.errors import (
@@ -32,7 +33,7 @@ from qdcp.storage import (
 from qdcp.planner import QuantizedLoadPlanner, QuantizedSavePlanner
 from qdcp.stager import QuantizedStager
 
-for _adapter in _torchao.builtin_adapters():
+for _adapter in _torchao.builtin_adapters() + _torchao_training.builtin_adapters():
     register_adapter(_adapter)
 for _adapter in _transformer_engine.builtin_adapters() + _te_grouped.builtin_adapters():
     register_adapter(_adapter)

@@ -102,6 +102,14 @@ def _place(value: Any) -> _Placed | None:
     return None
 
 
+def _with_local(value: Any, local: torch.Tensor) -> torch.Tensor:
+    """``local`` in ``value``'s place: bare, or as the local tensor of a DTensor like ``value``."""
+    if not isinstance(value, DTensor):
+        return local
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
+
+
 @contextlib.contextmanager
 def _planning():
     """Plan without routing every ``.shape``/``.dtype`` of a tensor subclass through its
@@ -231,6 +239,10 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             adapter = find_adapter(placed.local)
             if adapter is None:
                 _check_not_half_staged(fqn, placed.local)
+                continue
+            inner = adapter.unwrap(placed.local)
+            if inner is not None:  # a wrapper around a high-precision tensor: DCP writes that tensor
+                self.state_dict[fqn] = _with_local(value, inner)
                 continue
             dequantize = self.dequantize(fqn, value) if callable(self.dequantize) else self.dequantize
             entry = self._plan_dequantized(fqn, placed, adapter) if dequantize \
@@ -549,6 +561,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             source = specs.get(fqn)
             placed = _place(target)
             adapter = find_adapter(placed.local) if placed is not None else None
+            inner = adapter.unwrap(placed.local) if adapter is not None else None
+            if inner is not None:  # a wrapper around a high-precision tensor: load into that, in place
+                target = self.state_dict[fqn] = _with_local(target, inner)
+                placed, adapter = _place(target), None
             if source is None and fqn not in md and placed is not None \
                     and self._plan_group_members(fqn, placed, adapter, specs, metadata):
                 continue

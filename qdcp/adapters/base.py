@@ -73,6 +73,12 @@ class Adapter:
         """A new instance like ``t`` whose data lives in ``buffers`` (same keys as :meth:`inner_buffers`)."""
         raise NotImplementedError
 
+    def unwrap(self, t: torch.Tensor) -> torch.Tensor | None:
+        """For a wrapper whose values are one high-precision tensor (torchao's quantized-training
+        weights): that tensor (same shape and dtype as ``t``). Planners store and load such an
+        entry as that plain tensor, in place. None (default) for tensors holding quantized data."""
+        return None
+
     def layouts(self, t: torch.Tensor) -> dict[str, Layout]:
         """How each component shards with the logical tensor (shard-invariant)."""
         raise NotImplementedError

@@ -28,6 +28,8 @@ _CLASS_PATHS: dict[str, str] = {
     "OptimState8bit": "torchao.optim.subclass_8bit",
     "OptimState4bit": "torchao.optim.subclass_4bit",
     "OptimStateFp8": "torchao.optim.subclass_fp8",
+    "Int8QuantizedTrainingLinearWeight": "torchao.prototype.quantized_training.int8",
+    "BitNetPacked2bitLinearWeight": "torchao.prototype.quantized_training.bitnet",
 }
 
 # Enums and records that may appear in torchao attributes: class name -> (module, attribute).
