@@ -2,7 +2,9 @@
 
 :class:`qdcp.QuantizedSavePlanner` hashes every item it writes -- a tensor chunk's elements in
 row-major order, or a BYTE_IO item's bytes -- from the data being written (the staged copy in an
-async save), and records the hashes in ``Metadata.planner_data["__qdcp_checksums__"]``::
+async save), and records the hashes in the checkpoint's ``Metadata`` as the attribute
+``qdcp_checksums`` (not a field: ``Metadata`` objects of two saves of the same structure stay
+equal, as DCP's plan caching expects; pickling keeps it)::
 
     {"algorithm": "xxh3_64", "items": {item_fqn: bytes}}
 
@@ -26,7 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from qdcp.errors import CheckpointFormatError, ChecksumError
 from qdcp.spec import describe_item
 
-PLANNER_DATA_KEY = "__qdcp_checksums__"
+METADATA_ATTRIBUTE = "qdcp_checksums"
 ALGORITHM = "xxh3_64"
 
 _U64 = struct.Struct("<Q")
@@ -94,8 +96,7 @@ class Record:
 
 def record(metadata: Metadata | None) -> Record | None:
     """The checksum record of ``metadata``, or None for a checkpoint written without checksums."""
-    data = getattr(metadata, "planner_data", None)
-    raw = data.get(PLANNER_DATA_KEY) if isinstance(data, dict) else None
+    raw = getattr(metadata, METADATA_ATTRIBUTE, None)
     if raw is None:
         return None
     if not isinstance(raw, dict) or not isinstance(raw.get("items"), dict):

@@ -16,11 +16,13 @@ the adapter registry, bare or as the local tensor of a DTensor) are planned here
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import gc
 import io
 import math
+import pickle
 import re
 import threading
 from typing import Any, Callable, Union
@@ -351,17 +353,14 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         return sums.of_tensor(data)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        per_rank, stripped = [], []
-        for plan in all_plans:
-            data = dict(plan.planner_data or {})
-            per_rank.append(data.pop(_SUMS_KEY, None) or {"hashes": {}, "shared": []})
-            stripped.append(dataclasses.replace(plan, planner_data=data))
+        # take the per-save hashes out of the plans (in place: DCP's plan caching keeps the plans
+        # it is given and compares later ones with them)
+        per_rank = [(plan.planner_data or {}).pop(_SUMS_KEY, None) or {"hashes": {}, "shared": []}
+                    for plan in all_plans]
         _check_shared(per_rank)
-        plans, metadata = super().create_global_plan(stripped)
+        plans, metadata = super().create_global_plan(all_plans)
         if self.checksums:
-            planner_data = dict(metadata.planner_data or {})
-            planner_data[sums.PLANNER_DATA_KEY] = _checksum_record(self.global_plan, per_rank, metadata)
-            metadata = self.metadata = dataclasses.replace(metadata, planner_data=planner_data)
+            setattr(metadata, sums.METADATA_ATTRIBUTE, _checksum_record(self.global_plan, per_rank, metadata))
         return plans, metadata
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -466,11 +465,11 @@ def _write_item(fqn: str, chunk: Chunk, global_shape, dtype: torch.dtype, sharde
 
 
 def _check_not_half_staged(fqn: str, t: torch.Tensor) -> None:
-    """Refuse a plain tensor that a stager built from a quantized one without its data."""
+    """Refuse a plain tensor that a stager built from a quantized one without its data. (Tensor
+    subclasses qdcp has no adapter for -- ShardedTensor, DCP's checkpointable protocol, anything
+    else -- go through DCP's default path untouched, as with DCP's own planner.)"""
     if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-        raise UnsupportedTensorError(
-            f"key {fqn!r}: no qdcp adapter handles {type(t).__module__}.{type(t).__qualname__}. "
-            f"Register one with qdcp.register_adapter, or convert it to a plain tensor.")
+        return
     inner = getattr(t, "__dict__", {})
     if any(isinstance(v, torch.Tensor) for v in inner.values()):
         raise StagingError(
@@ -855,11 +854,26 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self._verify.check_bytes(read_item, value.getbuffer(), read_item.dest_index.fqn)
-        obj = torch.load(value, weights_only=self.weights_only)
+        try:
+            with torch.serialization.safe_globals(list(_SAFE_OBJECT_TYPES)):
+                obj = torch.load(value, weights_only=self.weights_only)
+        except pickle.UnpicklingError as e:
+            refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+            raise LoadMismatchError(
+                f"key {read_item.dest_index.fqn!r}: the checkpoint stores a pickled object of type "
+                f"{refused.group(1) if refused else '(unknown)'}, which loading with weights_only=True "
+                f"refuses (a pickle can run code). If you trust this checkpoint, pass "
+                f"QuantizedLoadPlanner(weights_only=False), or allow that type with "
+                f"torch.serialization.add_safe_globals.") from e
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# Objects whose unpickling runs no code, allowed beside torch's weights-only types: what trainers
+# checkpoint as non-tensor state (torchtitan's TrainState keeps its losses in a BytesIO).
+_SAFE_OBJECT_TYPES = (io.BytesIO, argparse.Namespace)
 
 
 def _plan_raw_copy(fqn, placed, adapter, source, source_adapter, source_attrs, layouts, md, src_items):

@@ -43,7 +43,6 @@ except ImportError:  # pragma: no cover
     FsspecReader = FsspecWriter = None
 
 from qdcp import checksums
-from qdcp import spec as qspec
 from qdcp.errors import CheckpointFormatError, ChecksumError, QdcpError
 from qdcp.spec import describe_item
 

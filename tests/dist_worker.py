@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import qdcp  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
-from quantized_cases import CASES, SHAPE, bits, inner  # noqa: E402
+from quantized_cases import CASES, SHAPE, bits, gated_save_planner, inner  # noqa: E402
 from worker_results import check, qdcp_error_in, run, section_error, try_load  # noqa: E402
 from worker_results import short as _short  # noqa: E402
 
@@ -516,20 +516,6 @@ def state_types(model, opts) -> dict:
     return out
 
 
-class GatedSavePlanner(QuantizedSavePlanner):
-    """Plans (in the upload thread) only once ``gate`` is set, so the in-place update the caller
-    makes after ``async_save`` returns always lands before the upload reads anything."""
-
-    def __init__(self, gate: threading.Event, **kwargs):
-        super().__init__(**kwargs)
-        self.gate = gate
-
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
-        if not self.gate.wait(120):
-            raise TimeoutError("the gate of GatedSavePlanner was never opened")
-        super().set_up_planner(state_dict, storage_meta, is_coordinator)
-
-
 def fsdp_save(root: str, mesh) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -557,7 +543,7 @@ def fsdp_save(root: str, mesh) -> None:
     # upload finishes; the checkpoint must still be the synchronous one, byte for byte.
     gate = threading.Event()
     fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "ckpt_async"),
-                         planner=GatedSavePlanner(gate))
+                         planner=gated_save_planner(gate))
     fsdp_grads(model, 2)
     for o in opts:
         o.step()

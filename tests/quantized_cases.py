@@ -114,6 +114,20 @@ def qdcp_save(path, state: dict, no_dist: bool = False, **planner_kw):
     return path
 
 
+def gated_save_planner(gate, **planner_kw):
+    """A ``QuantizedSavePlanner`` that plans (in ``async_save``'s upload thread) only once ``gate``
+    (a ``threading.Event``) is set: a test updates the live model first, so a staged copy that
+    aliased the live tensors is caught every time, not by chance."""
+    from qdcp import QuantizedSavePlanner
+
+    class GatedSavePlanner(QuantizedSavePlanner):
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+            if not gate.wait(120):
+                raise TimeoutError("the gate of the gated save planner was never opened")
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+    return GatedSavePlanner(**planner_kw)
+
+
 def qdcp_load(path, state: dict, **planner_kw) -> dict:
     """``dcp.load`` with qdcp's load planner (``planner_kw`` for it), in place; returns ``state``."""
     import torch.distributed.checkpoint as dcp

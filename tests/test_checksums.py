@@ -28,8 +28,8 @@ from qdcp import (
     QuantizedSavePlanner,
 )
 from qdcp import checksums
-from quantized_cases import CASE_BY_NAME, assert_same_buffers, inner
-from test_stager import STATES, _mutate, _snapshot
+from quantized_cases import CASE_BY_NAME, assert_same_buffers, gated_save_planner, inner
+from test_stager import _mutate, _snapshot
 
 DATA = Path(__file__).with_name("data") / "qdcp-0.1-checkpoints"
 INT8 = CASE_BY_NAME["int8_group32"]
@@ -93,7 +93,7 @@ def test_every_item_is_recorded_with_the_hash_of_its_bytes(tmp_path):
 
 def test_checksums_off_records_none_and_loads(tmp_path):
     dcp.save(_state(), checkpoint_id=tmp_path, planner=QuantizedSavePlanner(checksums=False))
-    assert checksums.PLANNER_DATA_KEY not in qdcp.read_metadata(tmp_path).planner_data
+    assert not hasattr(qdcp.read_metadata(tmp_path), checksums.METADATA_ATTRIBUTE)
     loaded = _load(tmp_path, _targets())
     assert_same_buffers(loaded["w"], _state()["w"])
 
@@ -101,14 +101,13 @@ def test_checksums_off_records_none_and_loads(tmp_path):
 def test_async_save_hashes_the_staged_copy(tmp_path):
     """The live tensors change after ``async_save`` returns and before the upload plans (gated):
     the checkpoint holds, and its checksums describe, the values at the call."""
-    from test_default_stager import GatedSavePlanner
-
+    
     for stager in (None, qdcp.QuantizedStager()):
         live = _state(1)
         before = _snapshot(live)
         gate = threading.Event()
         path = tmp_path / ("default" if stager is None else "quantized")
-        fut = dcp.async_save(live, checkpoint_id=path, planner=GatedSavePlanner(gate),
+        fut = dcp.async_save(live, checkpoint_id=path, planner=gated_save_planner(gate),
                              **({"async_stager": stager} if stager else {}))
         _mutate(live)
         gate.set()
@@ -199,7 +198,7 @@ def test_verification_off_is_a_choice(tmp_path):
 def test_unknown_algorithm_is_refused_before_reading(tmp_path):
     dcp.save(_state(), checkpoint_id=tmp_path, planner=QuantizedSavePlanner())
     md = qdcp.read_metadata(tmp_path)
-    md.planner_data[checksums.PLANNER_DATA_KEY]["algorithm"] = "blake9"
+    md.qdcp_checksums["algorithm"] = "blake9"
     import pickle
     (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
     targets = _targets()

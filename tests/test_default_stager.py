@@ -20,28 +20,15 @@ from torchao.quantization import Int8Tensor
 
 import qdcp
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
-from quantized_cases import CASES, assert_same_buffers, inner
+from quantized_cases import CASES, assert_same_buffers, gated_save_planner, inner
 from test_stager import STATES, _assert_same_checkpoint, _mixed, _mutate, _snapshot
 
 NEW_EMPTY = torch.ops.aten.new_empty.default
 
 
-class GatedSavePlanner(QuantizedSavePlanner):
-    """Plans (in the upload thread) only once ``gate`` is set: the test updates the model first,
-    so a staged copy that aliased the live tensors would be caught every time, not by chance."""
-
-    def __init__(self, gate: threading.Event, **kwargs):
-        super().__init__(**kwargs)
-        self.gate = gate
-
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
-        assert self.gate.wait(60)
-        super().set_up_planner(state_dict, storage_meta, is_coordinator)
-
-
 def _async_then_mutate(state, path, **planner_kw):
     gate = threading.Event()
-    fut = dcp.async_save(state, checkpoint_id=path, planner=GatedSavePlanner(gate, **planner_kw))
+    fut = dcp.async_save(state, checkpoint_id=path, planner=gated_save_planner(gate, **planner_kw))
     _mutate(state)
     gate.set()
     fut.result()

@@ -22,8 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import qdcp
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, QuantizedStager, StagingError
-from quantized_cases import bits
-from test_default_stager import GatedSavePlanner
+from quantized_cases import bits, gated_save_planner
 from test_stager import _files, _mutate, _snapshot
 from training_cases import CASE_BY_NAME, CASES, values
 
@@ -85,7 +84,7 @@ def test_every_save_path_writes_the_same_bytes(case, tmp_path):
     before = _snapshot(live)
     for name, kwargs in (("default", {}), ("quantized", {"async_stager": QuantizedStager()})):
         gate = threading.Event()
-        fut = dcp.async_save(live, checkpoint_id=tmp_path / name, planner=GatedSavePlanner(gate), **kwargs)
+        fut = dcp.async_save(live, checkpoint_id=tmp_path / name, planner=gated_save_planner(gate), **kwargs)
         _mutate(live)
         gate.set()
         fut.result()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import math
 import sys
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
