@@ -860,8 +860,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as e:
             refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
             raise LoadMismatchError(
-                f"key {read_item.dest_index.fqn!r}: the checkpoint stores a pickled object of type "
-                f"{refused.group(1) if refused else '(unknown)'}, which loading with weights_only=True "
+                f"key {read_item.dest_index.fqn!r}: the checkpoint stores a pickled object that refers to "
+                f"{refused.group(1) if refused else 'a global'}, which loading with weights_only=True "
                 f"refuses (a pickle can run code). If you trust this checkpoint, pass "
                 f"QuantizedLoadPlanner(weights_only=False), or allow that type with "
                 f"torch.serialization.add_safe_globals.") from e

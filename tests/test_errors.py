@@ -124,7 +124,7 @@ def test_stale_staged_plain_tensor_with_inner_attributes_is_refused(tmp_path):
     assert not (tmp_path / "x" / ".metadata").exists()
 
 
-def test_load_bytes_refuses_pickled_code(tmp_path):
+def test_load_bytes_refuses_pickled_code(tmp_path, capsys):
     class Boom:
         def __reduce__(self):
             return (print, ("pwned",))
@@ -132,8 +132,9 @@ def test_load_bytes_refuses_pickled_code(tmp_path):
     path = tmp_path / "evil"
     dcp.save({"obj": Boom(), "t": torch.ones(2)}, checkpoint_id=path)
     state = {"obj": None, "t": torch.zeros(2)}
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(LoadMismatchError, match=r"key 'obj'.*refers to print.*weights_only=False"):
         _raise_inner(lambda: dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner()))
+    assert "pwned" not in capsys.readouterr().out
 
 
 def test_tampered_metadata_pickle_is_refused(tmp_path):
