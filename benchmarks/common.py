@@ -55,6 +55,20 @@ def table_row(row: dict, cols) -> str:
     return " | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols)
 
 
+def drop_page_cache(*paths: str) -> None:
+    """Evict the files under ``paths`` from the page cache (written back first), so the next read
+    comes from the disk."""
+    os.sync()
+    for path in paths:
+        for d, _, files in os.walk(path):
+            for name in files:
+                fd = os.open(os.path.join(d, name), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
 def dir_bytes(path: str) -> int:
     """Bytes of every file under ``path``."""
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)

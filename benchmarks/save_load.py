@@ -9,6 +9,10 @@ Prints, in one run, per quantized format:
 - ``qdcp.CheckpointReader`` load / the same load through DCP's own reader (goal <= 1.15), and
   ``qdcp.CheckpointWriter`` save / DCP's own writer (atomic commit).
 
+Loads are timed twice: *hot*, the files in the page cache (the software path alone: every byte is
+copied at memory speed, so one more pass over it -- the checksum -- shows at full size), and
+*cold*, the files' pages dropped before each load (``posix_fadvise(DONTNEED)``), read from disk.
+
     python benchmarks/save_load.py [--gib 1.0] [--kinds int8,mxfp8,nvfp4,nf4] [--dir /tmp/qdcp-bench]
 """
 
@@ -20,7 +24,8 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 
-from common import compare, component_bytes, dir_bytes, fresh_dir, plain_twin, quantized_state, table_row
+from common import (compare, component_bytes, dir_bytes, drop_page_cache, fresh_dir, plain_twin,
+                    quantized_state, table_row)
 from qdcp import CheckpointReader, CheckpointWriter, QuantizedLoadPlanner, QuantizedSavePlanner
 
 
@@ -40,20 +45,24 @@ def bench(kind: str, gib: float, root: str, repeat: int) -> dict:
         "v": (lambda: dcp.save(twin, checkpoint_id=v_dir), lambda: fresh_dir(v_dir)),
         "w": (lambda: dcp.save(state, storage_writer=CheckpointWriter(w_dir), planner=QuantizedSavePlanner()),
               lambda: fresh_dir(w_dir))}, repeat)
-    loads = compare({
-        "q": (lambda: dcp.load(target, checkpoint_id=q_dir, planner=QuantizedLoadPlanner()), None),
-        "n": (lambda: dcp.load(target, checkpoint_id=q_dir, planner=QuantizedLoadPlanner(checksums=False)), None),
-        "v": (lambda: dcp.load(twin_target, checkpoint_id=v_dir), None),
-        "r": (lambda: dcp.load(target, storage_reader=CheckpointReader(q_dir), planner=QuantizedLoadPlanner()),
-              None)}, repeat)
+    loads = {}
+    for temp, setup in (("hot", None), ("cold", lambda: drop_page_cache(q_dir, v_dir))):
+        loads[temp] = compare({
+            "q": (lambda: dcp.load(target, checkpoint_id=q_dir, planner=QuantizedLoadPlanner()), setup),
+            "n": (lambda: dcp.load(target, checkpoint_id=q_dir, planner=QuantizedLoadPlanner(checksums=False)),
+                  setup),
+            "v": (lambda: dcp.load(twin_target, checkpoint_id=v_dir), setup),
+            "r": (lambda: dcp.load(target, storage_reader=CheckpointReader(q_dir), planner=QuantizedLoadPlanner()),
+                  setup)}, repeat)
     dcp.save(state, checkpoint_id=fresh_dir(b_dir), planner=QuantizedSavePlanner(dequantize=True))
     comp = component_bytes(state)
     out = {"kind": kind, "entries": len(state), "component_MiB": comp / 2**20,
            "ckpt/components": dir_bytes(q_dir) / comp, "ckpt/bf16_ckpt": dir_bytes(q_dir) / dir_bytes(b_dir),
            "save_s": saves["q"], "vanilla_save_s": saves["v"], "save/vanilla": saves["q"] / saves["v"],
-           "load_s": loads["q"], "vanilla_load_s": loads["v"], "load/vanilla": loads["q"] / loads["v"],
-           "sums_save/none": saves["q"] / saves["n"], "verified/unverified": loads["q"] / loads["n"],
-           "reader/dcp_reader": loads["r"] / loads["q"], "writer/dcp_writer": saves["w"] / saves["q"]}
+           "sums_save/none": saves["q"] / saves["n"], "writer/dcp_writer": saves["w"] / saves["q"]}
+    for temp, t in loads.items():
+        out.update({f"{temp}_load_s": t["q"], f"{temp}_load/vanilla": t["q"] / t["v"],
+                    f"{temp}_verified/unverified": t["q"] / t["n"], f"{temp}_reader/dcp_reader": t["r"] / t["q"]})
     for d in (q_dir, n_dir, v_dir, b_dir, w_dir):
         fresh_dir(d)
     return out
@@ -67,9 +76,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    cols = ["kind", "entries", "component_MiB", "ckpt/components", "ckpt/bf16_ckpt", "save_s",
-            "vanilla_save_s", "save/vanilla", "load_s", "vanilla_load_s", "load/vanilla", "sums_save/none",
-            "verified/unverified", "reader/dcp_reader", "writer/dcp_writer"]
+    cols = ["kind", "entries", "component_MiB", "ckpt/components", "ckpt/bf16_ckpt", "save_s", "vanilla_save_s",
+            "save/vanilla", "sums_save/none", "writer/dcp_writer"]
+    cols += [f"{t}_{c}" for t in ("hot", "cold") for c in ("load_s", "load/vanilla", "verified/unverified",
+                                                           "reader/dcp_reader")]
     print(" | ".join(cols))
     for kind in args.kinds.split(","):
         r = bench(kind, args.gib, args.dir, args.repeat)

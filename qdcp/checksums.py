@@ -16,10 +16,13 @@ reads whole; :class:`qdcp.CheckpointReader` verifies the rest (items read in par
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import os
 import struct
 import threading
-from typing import Any, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Mapping
 
 import torch
 import xxhash
@@ -48,6 +51,49 @@ def of_tensor(t: torch.Tensor) -> int:
         return of_bytes(b"")
     t = t.contiguous()  # row-major; a contiguous tensor's elements are consecutive in memory
     return of_bytes(t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy())
+
+
+def of_data(data: Any) -> int:
+    """XXH3-64 of what a writer is given for an item: a CPU tensor, or the bytes of an object."""
+    return of_tensor(data) if isinstance(data, torch.Tensor) else of_bytes(data)
+
+
+# xxHash releases the GIL while it hashes: large items are hashed on these threads, beside the
+# Python work (and the GIL-free copies) of the caller
+_BACKGROUND_BYTES = 1 << 20
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="qdcp-hash")
+        return _pool
+
+
+def _nbytes(data: Any) -> int:
+    return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)
+
+
+def hash_many(items: Iterable[tuple[Any, Any]]) -> dict[Any, int]:
+    """``{key: hash}`` for ``(key, data)`` pairs produced lazily (at most a few large ones are held
+    at a time); large data is hashed on background threads while the next is produced."""
+    out: dict[Any, int] = {}
+    pending: collections.deque = collections.deque()
+    limit = 2 * max(1, min(4, os.cpu_count() or 1))
+    for key, data in items:
+        if _nbytes(data) < _BACKGROUND_BYTES:
+            out[key] = of_data(data)
+            continue
+        pending.append((key, _hash_pool().submit(of_data, data)))
+        if len(pending) > limit:
+            k, fut = pending.popleft()
+            out[k] = fut.result()
+    for k, fut in pending:
+        out[k] = fut.result()
+    return out
 
 
 def encode(hashes: Mapping[str, list[int | None]]) -> dict:
@@ -116,7 +162,9 @@ class ReadVerifier:
     planner's ``resolve_tensor`` gave, then calls ``commit_tensor``. For a read item that takes a
     stored chunk whole, :meth:`buffer` gives a host buffer of the stored dtype where the real
     destination is another dtype or on a device (the hash is of the stored bytes), and
-    :meth:`check` hashes what arrived. Items read in part are left to the storage reader.
+    :meth:`check` hashes what arrived: large items on a background thread while the reader goes on,
+    all of them done by the time the plan's last item is committed. Items read in part are left to
+    the storage reader.
     """
 
     def __init__(self, record: Record | None) -> None:
@@ -124,13 +172,16 @@ class ReadVerifier:
         self._whole: dict[Any, tuple[int, torch.dtype]] = {}  # read item -> (hash, stored dtype)
         self._temps: set[int] = set()
         self._filled: set[str] = set()
+        self._pending: collections.deque = collections.deque()  # (future, expected, read item, key, untouched)
+        self._remaining = 0
         self._lock = threading.Lock()
 
     def plan(self, read_items) -> None:
         """Note which of the final plan's read items take a stored chunk (or object) whole."""
-        self._whole, self._temps, self._filled = {}, set(), set()
+        self._whole, self._temps, self._filled, self._pending = {}, set(), set(), collections.deque()
         if self.record is None:
             return
+        self._remaining = len(read_items)
         md = self.record.metadata.state_dict_metadata
         for item in read_items:
             fqn = item.storage_index.fqn
@@ -154,21 +205,36 @@ class ReadVerifier:
     def check(self, read_item, tensor: torch.Tensor, key: str) -> bool:
         """Verify ``tensor`` (what arrived for ``read_item``) if it is a whole stored chunk; True
         when it sits in a host buffer from :meth:`buffer` that the caller must copy on."""
-        found = self._whole.get(read_item)
         with self._lock:
             temp = id(read_item) in self._temps
-        if found is not None:
-            self._compare(read_item, of_tensor(tensor), found[0], key, temp)
-        with self._lock:
-            self._filled.add(key)
+        self._verify(read_item, tensor, key, temp)
         return temp
 
     def check_bytes(self, read_item, data: Any, key: str) -> None:
+        self._verify(read_item, bytes(data), key, True)
+
+    def _verify(self, read_item, data: Any, key: str, untouched: bool) -> None:
         found = self._whole.get(read_item)
         if found is not None:
-            self._compare(read_item, of_bytes(data), found[0], key, True)
+            if _nbytes(data) >= _BACKGROUND_BYTES:
+                with self._lock:
+                    self._pending.append((_hash_pool().submit(of_data, data), found[0], read_item, key, untouched))
+            else:
+                self._compare(read_item, of_data(data), found[0], key, untouched)
         with self._lock:
             self._filled.add(key)
+            self._remaining -= 1
+            last = self._remaining <= 0
+        self._collect(wait=last)
+
+    def _collect(self, wait: bool) -> None:
+        """Compare the background hashes that are done (all of them with ``wait``)."""
+        while True:
+            with self._lock:
+                if not self._pending or not (wait or self._pending[0][0].done()):
+                    return
+                fut, expected, read_item, key, untouched = self._pending.popleft()
+            self._compare(read_item, fut.result(), expected, key, untouched)
 
     def _compare(self, read_item, got: int, expected: int, key: str, untouched: bool) -> None:
         if got == expected:

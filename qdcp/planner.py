@@ -330,8 +330,9 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         # per-save data, sent beside the plan (never part of what plan caching compares)
         shared = [(qspec.component_fqn(e.fqn, name), offsets) for e in self._entries.values()
                   for name, offsets in e.shared]
-        hashed = items if self.checksums else [i for i in items if _item_key(i) in set(shared)]
-        mine = {"hashes": {_item_key(i): self._checksum(i) for i in hashed}, "shared": shared}
+        shared_keys = set(shared)
+        hashed = items if self.checksums else [i for i in items if _item_key(i) in shared_keys]
+        mine = {"hashes": sums.hash_many((_item_key(i), self._written(i)) for i in hashed), "shared": shared}
         if self._enable_plan_caching:
             cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
             if cached is not None and cached.items == self.plan.items \
@@ -340,17 +341,16 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             self._pending_local_plan = self.plan
         return dataclasses.replace(self.plan, planner_data={**planner_data, _SUMS_KEY: mine})
 
-    def _checksum(self, item: WriteItem) -> int:
-        """The hash of exactly what :meth:`resolve_data` gives the writer for ``item``. Objects are
-        serialized once (kept for the writer); device data is copied to the host once (the copy
-        the writer would make), kept for the writer."""
+    def _written(self, item: WriteItem) -> torch.Tensor | bytes:
+        """Exactly what :meth:`resolve_data` will give the writer for ``item``, to hash. Objects
+        are serialized once (kept for the writer); device data is copied to the host once (the
+        copy the writer would make), kept for the writer."""
         data = self._item_data(item)
         if isinstance(data, io.BytesIO):
-            self._ready[item.index] = data.getvalue()
-            return sums.of_bytes(self._ready[item.index])
-        if data.device.type != "cpu":
+            data = self._ready[item.index] = data.getvalue()
+        elif data.device.type != "cpu":
             data = self._ready[item.index] = data.detach().cpu()
-        return sums.of_tensor(data)
+        return data
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         # take the per-save hashes out of the plans (in place: DCP's plan caching keeps the plans
