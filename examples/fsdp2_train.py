@@ -2,13 +2,14 @@
 
 A frozen NF4 base weight (QLoRA style) feeds a trainable layer optimized by torchao's AdamW8bit
 (its states are quantized ``OptimState8bit`` DTensors). Every ``--ckpt-every`` steps the model and
-optimizer state are saved with ``dcp.async_save`` + ``QuantizedSavePlanner`` + ``QuantizedStager``
-while training goes on. ``--resume`` loads the newest checkpoint at whatever world size this run
+optimizer state are saved with the plain ``dcp.async_save(..., planner=QuantizedSavePlanner())``
+while training goes on (``--stager qdcp`` passes ``async_stager=QuantizedStager()``, the faster
+path with reused buffers). ``--resume`` loads the newest checkpoint at whatever world size this run
 has and continues; the losses it prints from the resumed step on are checked against the log of
 the first run.
 
     torchrun --nproc-per-node 2 examples/fsdp2_train.py --dir /tmp/qdcp-fsdp2 --steps 8
-    torchrun --nproc-per-node 4 examples/fsdp2_train.py --dir /tmp/qdcp-fsdp2 --steps 8 --resume
+    torchrun --nproc-per-node 1 examples/fsdp2_train.py --dir /tmp/qdcp-fsdp2 --steps 8 --resume
 
 gloo on CPU; nccl with one GPU per rank where CUDA is present.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 import warnings
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # torchao's compiled optimizer step fails on CPU
@@ -63,12 +65,34 @@ def batch(step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return x.to(device), torch.tanh(x).to(device)
 
 
+def save(model, optim, path: str, stager, group, saves: list, rank: int):
+    """Start an async checkpoint; note how long training was blocked and when it was written."""
+    start = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(model, optim)
+    kwargs = {"async_stager": stager} if stager is not None else {}
+    fut = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path,
+                         planner=QuantizedSavePlanner(), process_group=group, **kwargs)
+    record = {"checkpoint": os.path.basename(path), "blocked_s": time.perf_counter() - start}
+    saves.append(record)
+
+    def written(_):
+        record["total_s"] = time.perf_counter() - start
+        if rank == 0:
+            print(f"  checkpoint {record['checkpoint']}: training blocked {record['blocked_s'] * 1e3:.0f} ms, "
+                  f"written in the background in {record['total_s'] * 1e3:.0f} ms", flush=True)
+    fut.add_done_callback(written)
+    return fut
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", required=True)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--ckpt-every", type=int, default=3)
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--resume", action="store_true", help="load the newest checkpoint (or --resume-step's)")
+    parser.add_argument("--resume-step", type=int, default=None)
+    parser.add_argument("--stager", choices=["dcp", "qdcp"], default="dcp",
+                        help="dcp: DCP's default stager (the plain call); qdcp: QuantizedStager")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))
@@ -94,17 +118,16 @@ def main() -> None:
     start = 0
     if args.resume:
         saved = sorted(int(d.split("_")[1]) for d in os.listdir(args.dir) if d.startswith("step_"))
-        start = saved[-1]
+        start = args.resume_step if args.resume_step is not None else saved[-1]
         model_sd, optim_sd = get_state_dict(model, optim)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=os.path.join(args.dir, f"step_{start}"), planner=QuantizedLoadPlanner())
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if rank == 0:
-            print(f"resumed from step {start} at world size {world}")
+            print(f"  resumed from step {start} at world size {world}", flush=True)
 
-    stager = QuantizedStager()
-    pending = None
-    losses = {}
+    stager = QuantizedStager() if args.stager == "qdcp" else None
+    pending, saves, losses = None, [], {}
     for step in range(start, args.steps):
         x, y = batch(step, device)
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -113,20 +136,20 @@ def main() -> None:
         optim.zero_grad()
         losses[step] = loss.item()
         if rank == 0:
-            print(f"step {step} loss {losses[step]:.6f}")
+            print(f"  step {step + 1}/{args.steps}  loss {losses[step]:.6f}", flush=True)
         if (step + 1) % args.ckpt_every == 0:
             if pending is not None:
                 pending.result()  # one checkpoint in flight at a time
-            model_sd, optim_sd = get_state_dict(model, optim)
-            pending = dcp.async_save({"model": model_sd, "optim": optim_sd},
-                                     checkpoint_id=os.path.join(args.dir, f"step_{step + 1}"),
-                                     planner=QuantizedSavePlanner(), async_stager=stager,
-                                     process_group=ckpt_group)
+            pending = save(model, optim, os.path.join(args.dir, f"step_{step + 1}"), stager, ckpt_group, saves,
+                           rank)
     if pending is not None:
         pending.result()
-    stager.close()
+    if stager is not None:
+        stager.close()
 
     if rank == 0:
+        with open(os.path.join(args.dir, f"run-{'resume' if args.resume else 'first'}.json"), "w") as f:
+            json.dump({"world": world, "start": start, "losses": losses, "saves": saves}, f)
         if not args.resume:
             with open(log_path, "w") as f:
                 json.dump(losses, f)
@@ -134,7 +157,7 @@ def main() -> None:
             with open(log_path) as f:
                 first = {int(k): v for k, v in json.load(f).items()}
             same = all(first[s] == losses[s] for s in losses)
-            print(f"losses from step {start} on identical to the first run: {same}")
+            print(f"  losses from step {start + 1} on identical to the first run: {same}", flush=True)
             if not same:
                 raise SystemExit("resumed losses differ from the first run")
     dist.destroy_process_group()

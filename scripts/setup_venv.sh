@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Make .venv (Python 3.11 unless $PYTHON says otherwise) and install qdcp with the extras given as
-# $1 under constraints.txt (which pins the CPU build of torch). Used by demo.sh and test.sh.
+# Make the virtual environment $VENV (default .venv; Python 3.11 unless $PYTHON says otherwise) and
+# install qdcp with the extras given as $1 under constraints.txt (which pins the CPU build of torch).
+# Used by demo.sh and test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
 fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[$1]"
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+# a regular (not editable) install: no build warnings; the tests import this checkout's qdcp first
+"$VENV/bin/python" -m pip install -q -c constraints.txt ".[$1]"
