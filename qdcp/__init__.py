@@ -7,7 +7,7 @@
     dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner())
 """
 
-from qdcp.adapters import Adapter, find_adapter, register_adapter, registered_type_names
+from qdcp.adapters import Adapter, StoredEntry, find_adapter, register_adapter, registered_type_names
 from qdcp.adapters import torchao as _torchao
 from qdcp.adapters import torchao_training as _torchao_training
 from qdcp.adapters import transformer_engine as _transformer_engine
@@ -46,7 +46,7 @@ __all__ = [
     "QuantizedSavePlanner", "QuantizedLoadPlanner", "QuantizedStager", "describe", "read_metadata", "read_entry",
     "CheckpointReader", "CheckpointWriter", "storage_reader",
     "storage_writer", "to_device", "register_new_empty", "unregister_new_empty", "enable_new_empty",
-    "Adapter", "register_adapter", "find_adapter", "registered_type_names",
+    "Adapter", "StoredEntry", "register_adapter", "find_adapter", "registered_type_names",
     "QdcpError", "CheckpointFormatError", "ChecksumError", "UnsupportedTensorError", "AlignmentError",
     "LoadMismatchError", "StagingError",
 ]

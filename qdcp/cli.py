@@ -1,9 +1,13 @@
 """The ``qdcp`` command line: inspect, verify and convert checkpoints.
 
     qdcp inspect PATH [--json]
-    qdcp verify PATH
-    qdcp convert PATH OUT --to safetensors [--dequantize] [--dtype bf16]
-    qdcp convert PATH OUT --to dcp --dequantize [--dtype bf16]
+    qdcp verify PATH [--quiet]
+    qdcp convert PATH OUT --to safetensors [--dequantize] [--dtype bf16|fp16|fp32] [--quiet]
+    qdcp convert PATH OUT --to dcp --dequantize [--dtype bf16|fp16|fp32] [--quiet]
+
+Every verb works without the libraries of the quantized types a checkpoint stores where their
+adapter can compute values in plain torch (TransformerEngine's: TE need not be importable). Long
+work shows a progress bar (entries and bytes) on a terminal; ``--quiet`` turns it off.
 
 Exit status: 0 success, 1 a check failed, 2 bad usage / missing or unreadable checkpoint.
 """
@@ -17,9 +21,11 @@ import math
 import os
 import sys
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from tqdm import tqdm
 
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
@@ -43,16 +49,6 @@ def _quiet() -> None:
     logging.disable(logging.WARNING)
 
 
-def _progress(i: int, n: int, key: str) -> None:
-    if sys.stderr.isatty() and n > 1:
-        width = 30
-        done = int(width * (i + 1) / n)
-        sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i + 1}/{n} {key[:40]:<40}")
-        if i + 1 == n:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
 def _short_attrs(attrs: dict) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, dict):
@@ -68,6 +64,49 @@ def _short_attrs(attrs: dict) -> str:
             return "x".join(fmt(x) for x in v)
         return str(v)
     return ",".join(f"{k}={fmt(v)}" for k, v in attrs.items() if v is not None and k != "dtype")
+
+
+# ----------------------------------------------------------------------------- the entries of a checkpoint
+
+class _Entries:
+    """A checkpoint's state-dict entries (component items folded into their entry), with the
+    bytes each stores, iterated in key order under a progress bar."""
+
+    def __init__(self, path: str, quiet: bool, what: str) -> None:
+        from qdcp.reader import read_metadata
+
+        self.path, self.quiet, self.what = path, quiet, what
+        self.md: Metadata = read_metadata(path)
+        self.specs = qspec.read_specs(self.md)
+        self.owned = {qspec.component_fqn(e.fqn, c.name) for e in self.specs.values() for c in e.components}
+        self.keys = sorted(set(self.specs) | {k for k in self.md.state_dict_metadata if k not in self.owned})
+
+    def nbytes(self, key: str) -> int:
+        entry = self.specs.get(key)
+        if entry is not None and entry.storage == qspec.RAW:
+            return sum(math.prod(c.shape) * c.dtype.itemsize for c in entry.components)
+        item = self.md.state_dict_metadata.get(key)
+        return math.prod(item.size) * item.properties.dtype.itemsize if isinstance(item, TensorStorageMetadata) else 0
+
+    def raw(self, key: str) -> qspec.EntrySpec | None:
+        entry = self.specs.get(key)
+        return entry if entry is not None and entry.storage == qspec.RAW else None
+
+    def __iter__(self) -> Iterator[str]:
+        total = sum(self.nbytes(k) for k in self.keys)
+        disable = True if self.quiet else None  # None: tqdm shows a bar on a terminal only
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self.what, disable=disable,
+                  file=sys.stderr, leave=False) as bar:
+            for i, key in enumerate(self.keys):
+                bar.set_postfix_str(f"entry {i + 1}/{len(self.keys)}", refresh=False)
+                yield key
+                bar.update(self.nbytes(key))
+
+    def values(self, key: str, dtype: torch.dtype | None) -> torch.Tensor | Any:
+        """The entry as plain values (raw entries dequantized, in ``dtype`` if given), or an object."""
+        from qdcp.reader import read_entry
+
+        return read_entry(self.path, key, self.md, dequantize=True, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -101,39 +140,41 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- verify
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from qdcp.adapters.base import find_adapter
-    from qdcp.planner import read_specs
-    from qdcp.reader import check_chunks, check_storage, read_entry, read_metadata
+    from qdcp.reader import check_chunks, check_storage
 
-    md = read_metadata(args.path)
+    entries = _Entries(args.path, args.quiet, "verify")
+    md, specs = entries.md, entries.specs
     problems = check_chunks(md) + check_storage(md, args.path)
-    specs = read_specs(md)
-    owned = {qspec.component_fqn(e.fqn, c.name) for e in specs.values() for c in e.components}
     problems += [f"{k}: a qdcp component item that no spec entry lists (damaged or missing spec)"
                  for k in sorted(md.state_dict_metadata)
-                 if qspec.COMPONENT_SEPARATOR in k and k not in owned
+                 if qspec.COMPONENT_SEPARATOR in k and k not in entries.owned
                  and k.rsplit(qspec.COMPONENT_SEPARATOR, 1)[0] not in specs]
-    keys = sorted(set(specs) | {k for k in md.state_dict_metadata if k not in owned})
-    for i, key in enumerate(keys):
-        _progress(i, len(keys), key)
+    for key in entries:
         try:
-            value = read_entry(args.path, key, md)
-            if isinstance(value, torch.Tensor):
-                adapter = find_adapter(value)
-                plain = adapter.dequantize(value) if adapter else value
-                expected = specs[key].shape if key in specs else tuple(md.state_dict_metadata[key].size)
-                if tuple(plain.shape) != tuple(expected):
-                    problems.append(f"{key}: rebuilt shape {tuple(plain.shape)} != {tuple(expected)}")
-                if key in specs and specs[key].storage == qspec.RAW and plain.dtype != specs[key].dtype:
-                    problems.append(f"{key}: rebuilt dtype {plain.dtype} != {specs[key].dtype}")
+            problems += _verify_entry(entries, key)
         except BaseException as e:  # CheckpointException is a BaseException
             if isinstance(e, KeyboardInterrupt):
                 raise
             problems.append(f"{key}: {_root_cause(e)}")
     for p in problems:
         print(f"FAIL {p}")
-    print(f"{'OK' if not problems else 'FAILED'}: {len(keys)} entries, {len(problems)} problems")
+    print(f"{'OK' if not problems else 'FAILED'}: {len(entries.keys)} entries, {len(problems)} problems")
     return EXIT_OK if not problems else EXIT_FAILED
+
+
+def _verify_entry(entries: _Entries, key: str) -> list[str]:
+    """Read the entry whole (checksums and stored shapes checked on the way) and compute its values."""
+    value = entries.values(key, None)
+    if not isinstance(value, torch.Tensor):
+        return []
+    spec = entries.specs.get(key)
+    expected = spec.shape if spec is not None else tuple(entries.md.state_dict_metadata[key].size)
+    problems = []
+    if tuple(value.shape) != tuple(expected):
+        problems.append(f"{key}: rebuilt shape {tuple(value.shape)} != {tuple(expected)}")
+    if spec is not None and spec.storage == qspec.RAW and value.dtype != spec.dtype:
+        problems.append(f"{key}: rebuilt dtype {value.dtype} != {spec.dtype}")
+    return problems
 
 
 def _root_cause(e: BaseException) -> str:
@@ -151,89 +192,82 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     dtype = _DTYPE_ARGS[args.dtype] if args.dtype else None
     if args.to == "safetensors":
-        return _to_safetensors(args.path, args.out, args.dequantize, dtype)
+        return _to_safetensors(_Entries(args.path, args.quiet, "convert"), args.out, args.dequantize, dtype)
     if not args.dequantize:
         print("qdcp: --to dcp needs --dequantize (a raw copy is the checkpoint itself)", file=sys.stderr)
         return EXIT_USAGE
-    return _to_dcp_dequantized(args.path, args.out, dtype)
+    return _to_dcp_dequantized(_Entries(args.path, args.quiet, "convert"), args.out, dtype)
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+def _tensor_plan(entries: _Entries, dequantize: bool, dtype: torch.dtype | None):
+    """``(tensor name, shape, dtype, entry key, component or None)`` of every tensor to write, and
+    the keys of objects (which safetensors cannot hold)."""
+    plan, skipped = [], []
+    for key in entries.keys:
+        entry = entries.specs.get(key)
+        if entries.raw(key) is not None and not dequantize:
+            plan += [(qspec.component_fqn(key, c.name), c.shape, c.dtype, key, c.name) for c in entry.components]
+            continue
+        item = entries.md.state_dict_metadata.get(key)
+        if entry is None and not isinstance(item, TensorStorageMetadata):
+            skipped.append(key)
+            continue
+        base = entry.dtype if entries.raw(key) is not None else (
+            (entry.stored_dtype or entry.dtype) if entry is not None else item.properties.dtype)
+        shape = entry.shape if entry is not None else tuple(item.size)
+        plan.append((key, tuple(shape), dtype if dtype is not None and base.is_floating_point else base, key, None))
+    return plan, skipped
 
 
-def _to_safetensors(path: str, out: str, dequantize: bool, dtype: torch.dtype | None) -> int:
+def _to_safetensors(entries: _Entries, out: str, dequantize: bool, dtype: torch.dtype | None) -> int:
     """Stream entries into one safetensors file; memory holds one entry at a time.
 
-    Raw export (default): components under ``<key>.__qdcp__.<component>`` and the qdcp spec of the
-    raw entries in the header metadata under ``"qdcp"``; plain tensors under their key. With
-    ``dequantize``: every tensor entry as a plain tensor under its key. Objects are skipped.
+    Raw export (default): components under ``<key>.__qdcp__.<component>`` (read as stored: no
+    library needed) and the qdcp spec of the raw entries in the header metadata under ``"qdcp"``;
+    plain tensors under their key. With ``dequantize``: every tensor entry as a plain tensor under
+    its key. Objects are skipped.
     """
-    from qdcp.adapters.base import find_adapter
-    from qdcp.planner import read_specs
-    from qdcp.reader import read_entry, read_metadata
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from qdcp.reader import read_entry, read_stored
 
-    md = read_metadata(path)
-    specs = read_specs(md)
-    owned = {qspec.component_fqn(e.fqn, c.name): e for e in specs.values() for c in e.components}
-    # plan: (tensor name, shape, dtype, how to produce it)
-    plan: list[tuple[str, tuple, torch.dtype, str, str | None]] = []
-    skipped = []
-    for key in sorted(set(specs) | set(md.state_dict_metadata) - set(owned)):
-        entry = specs.get(key)
-        if entry is not None and entry.storage == qspec.RAW and not dequantize:
-            for c in entry.components:
-                plan.append((qspec.component_fqn(key, c.name), c.shape, c.dtype, key, c.name))
-            continue
-        if entry is not None:
-            base = entry.dtype if entry.storage == qspec.RAW else (entry.stored_dtype or entry.dtype)
-            shape = entry.shape
-        else:
-            item = md.state_dict_metadata[key]
-            if not isinstance(item, TensorStorageMetadata):
-                skipped.append(key)
-                continue
-            base, shape = item.properties.dtype, tuple(item.size)
-        out_dtype = dtype if dtype is not None and base.is_floating_point else base
-        plan.append((key, tuple(shape), out_dtype, key, None))
+    plan, skipped = _tensor_plan(entries, dequantize, dtype)
     header: dict[str, Any] = {}
     offset = 0
     for name, shape, dt, _, _ in plan:
         if dt not in _SAFETENSORS_DTYPES:
             print(f"qdcp: {name}: dtype {dt} has no safetensors name", file=sys.stderr)
             return EXIT_FAILED
-        n = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dt], "shape": list(shape),
-                        "data_offsets": [offset, offset + n]}
+        n = math.prod(shape) * dt.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dt], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     meta = {"format": "pt", "producer": "qdcp"}
-    raw = {k: e for k, e in specs.items() if e.storage == qspec.RAW}
+    raw = {k: e for k, e in entries.specs.items() if e.storage == qspec.RAW}
     if raw and not dequantize:
         meta["qdcp"] = qspec.dumps(raw)
     header["__metadata__"] = meta
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    by_key: dict[str, list] = {}
+    for row in plan:
+        by_key.setdefault(row[3], []).append(row)
     tmp = out + ".tmp"
-    keys = [p[3] for p in plan]
-    unique = list(dict.fromkeys(keys))
     with open(tmp, "wb") as f:
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
-        i = 0
-        for idx, key in enumerate(unique):
-            _progress(idx, len(unique), key)
-            value = read_entry(path, key, md)
-            adapter = find_adapter(value)
-            comps = adapter.components(value) if (adapter and not dequantize) else None
-            while i < len(plan) and plan[i][3] == key:
-                name, shape, dt, _, comp = plan[i]
-                t = comps[comp] if comp is not None else (
-                    adapter.dequantize(value) if adapter else value)
-                t = _cast(t, dt).contiguous()
-                assert tuple(t.shape) == tuple(shape), (name, t.shape, shape)
+        for key in entries:
+            rows = by_key.get(key, ())
+            if not rows:
+                continue
+            if rows[0][4] is not None:  # raw components, as stored
+                stored = read_stored(entries.path, key, entries.md).components
+                tensors = [stored[comp] for *_, comp in rows]
+            else:
+                value = read_entry(entries.path, key, entries.md, dequantize=True, dtype=rows[0][2])
+                tensors = [value]
+            for (name, shape, dt, _, _), t in zip(rows, tensors):
+                t = t.to(dt).contiguous()
+                if tuple(t.shape) != tuple(shape):
+                    raise QdcpError(f"key {key!r}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
                 f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-                i += 1
     os.replace(tmp, out)
     for key in skipped:
         print(f"qdcp: skipped non-tensor entry {key!r} (safetensors holds tensors only)", file=sys.stderr)
@@ -241,30 +275,16 @@ def _to_safetensors(path: str, out: str, dequantize: bool, dtype: torch.dtype | 
     return EXIT_OK
 
 
-def _to_dcp_dequantized(path: str, out: str, dtype: torch.dtype | None) -> int:
-    """A portable DCP copy: quantized entries dequantized (at write time, one at a time)."""
+def _to_dcp_dequantized(entries: _Entries, out: str, dtype: torch.dtype | None) -> int:
+    """A portable DCP checkpoint: every tensor entry plain (raw entries dequantized, in ``dtype``
+    if given), objects as they are; readable by stock DCP."""
     import torch.distributed.checkpoint as dcp
 
-    from qdcp.adapters.base import find_adapter
-    from qdcp.planner import QuantizedSavePlanner, read_specs
-    from qdcp.reader import read_entry, read_metadata
-
-    md = read_metadata(path)
-    specs = read_specs(md)
-    owned = {qspec.component_fqn(e.fqn, c.name) for e in specs.values() for c in e.components}
-    keys = sorted(set(specs) | set(md.state_dict_metadata) - owned)
-    state = {}
-    for i, key in enumerate(keys):
-        _progress(i, len(keys), key)
-        value = read_entry(path, key, md)
-        plain = isinstance(value, torch.Tensor) and find_adapter(value) is None
-        state[key] = _cast(value, dtype) if plain else value
+    state = {key: entries.values(key, dtype) for key in entries}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=out, planner=QuantizedSavePlanner(dequantize=True,
-                                                                         dequantize_dtype=dtype),
-                 no_dist=True)
-    print(f"wrote {out}: {len(keys)} entries, dequantized")
+        dcp.save(state, checkpoint_id=out, no_dist=True)
+    print(f"wrote {out}: {len(state)} entries, dequantized")
     return EXIT_OK
 
 
@@ -277,16 +297,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
-    p = sub.add_parser("verify", help="read and rebuild every entry; check chunk coverage")
+    p = sub.add_parser("verify", help="read every entry (checksums checked) and compute its values; check chunks")
     p.add_argument("path")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("convert", help="export to safetensors or a dequantized DCP checkpoint")
     p.add_argument("path")
     p.add_argument("out")
     p.add_argument("--to", choices=["safetensors", "dcp"], required=True)
     p.add_argument("--dequantize", action="store_true", help="write plain high-precision tensors")
-    p.add_argument("--dtype", choices=sorted(_DTYPE_ARGS), help="dtype of floating outputs")
+    p.add_argument("--dtype", choices=sorted(_DTYPE_ARGS),
+                   help="dtype of floating outputs (dequantized values are computed in it)")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
     return parser
 

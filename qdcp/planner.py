@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor
 
 from qdcp import checksums as sums
 from qdcp import spec as qspec
-from qdcp.adapters.base import Adapter, adapter_for_type, find_adapter
+from qdcp.adapters.base import Adapter, StoredEntry, adapter_for_type, find_adapter
 from qdcp.errors import (
     AlignmentError,
     CheckpointFormatError,
@@ -67,7 +67,7 @@ from qdcp.errors import (
     StagingError,
     UnsupportedTensorError,
 )
-from qdcp.layouts import Chunk, Layout, full_chunk, layout_from_json
+from qdcp.layouts import Chunk, Layout, full_chunk
 from qdcp.new_empty import register_new_empty
 
 DequantizeChoice = Union[bool, Callable[[str, torch.Tensor], bool]]
@@ -151,22 +151,6 @@ def _expand(layouts: dict[str, Layout], shape: tuple[int, ...], chunk: Chunk) ->
             return chunk
         chunk = grown
     raise AlignmentError(f"no aligned chunk covers {chunk} in a tensor of shape {shape}")
-
-
-def _layouts_from_spec(entry: qspec.EntrySpec) -> dict[str, Layout]:
-    out = {}
-    for c in entry.components:
-        layout = layout_from_json(c.layout, c.shape)
-        try:
-            derived = layout.component_shape(entry.shape)
-        except (AlignmentError, CheckpointFormatError) as e:
-            raise CheckpointFormatError(f"key {entry.fqn!r}: component {c.name!r}: {e}") from None
-        if tuple(derived) != tuple(c.shape):
-            raise CheckpointFormatError(
-                f"key {entry.fqn!r}: component {c.name!r} is recorded as {tuple(c.shape)} but its "
-                f"layout gives {tuple(derived)} for logical shape {entry.shape}")
-        out[c.name] = layout
-    return out
 
 
 def _describe_tensor(t: torch.Tensor, adapter: Adapter, fqn: str) -> tuple[dict, dict[str, Layout]]:
@@ -387,7 +371,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         entry, component = source
         t = entry.placed.local
         if component is None:
-            return entry.adapter.dequantize(t).to(entry.spec.stored_dtype)
+            return entry.adapter.dequantize(t, entry.spec.stored_dtype)
         return entry.adapter.components(t)[component]
 
 
@@ -541,15 +525,11 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self._verify = sums.ReadVerifier(sums.record(metadata) if self.checksums else None)
-        self._specs = read_specs(metadata)
+        self._specs = qspec.read_specs(metadata)
         self._entries, self._dest, self._handled = {}, {}, set()
         self._structures: dict[tuple, tuple] = {}  # structure -> (decoded attrs, layouts)
         self._configs: dict[tuple, bool] = {}  # (structure, target structure) -> same config?
-        self._stored_components: dict[str, set[str]] = {}  # entry key -> component items stored
-        for item_fqn in metadata.state_dict_metadata:
-            if qspec.COMPONENT_SEPARATOR in item_fqn:
-                owner, name = item_fqn.rsplit(qspec.COMPONENT_SEPARATOR, 1)
-                self._stored_components.setdefault(owner, set()).add(name)
+        self._stored_components = qspec.stored_components(metadata.state_dict_metadata)
         with _planning():
             self._plan_entries(metadata)
 
@@ -690,20 +670,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         source_adapter = adapter_for_type(source.type, fqn)
         structure = _structure_key(source)
         source_attrs, layouts = self._decoded(source, source_adapter, fqn)
-        for c in source.components:
-            item_md = md.get(src_items[c.name])
-            if not isinstance(item_md, TensorStorageMetadata):
-                raise CheckpointFormatError(
-                    f"key {fqn!r}: component {c.name!r} is missing from the checkpoint")
-            if tuple(item_md.size) != tuple(c.shape) or item_md.properties.dtype != c.dtype:
-                raise CheckpointFormatError(
-                    f"key {fqn!r}: component {c.name!r} is stored as {tuple(item_md.size)} "
-                    f"{item_md.properties.dtype} but its spec says {c.shape} {c.dtype}")
-        unlisted = self._stored_components.get(src_fqn, set()) - {c.name for c in source.components}
-        if unlisted:
-            raise CheckpointFormatError(
-                f"key {fqn!r}: the checkpoint stores components {sorted(unlisted)} that its spec does "
-                f"not list; the spec is damaged")
+        qspec.check_items(source, md, self._stored_components.get(src_fqn, set()), key=fqn)
         if _is_empty(placed.chunk):
             return None
 
@@ -737,8 +704,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         if known is None:
             attrs = {k: qspec.decode_value(v, source_adapter.attribute_classes(), f"key {fqn!r}: ")
                      for k, v in source.attrs.items()}
-            layouts = _layouts_from_spec(source)
-            check_component_bytes(source)
+            layouts = qspec.layouts_of(source)
+            qspec.check_component_bytes(source)
             known = self._structures[structure] = (attrs, layouts)
         return known
 
@@ -966,6 +933,14 @@ def _amax_chunk(adapter: Adapter | None, placed: _Placed) -> Chunk | None:
     return whole if placed.chunk != whole else None
 
 
+def _wider(target: torch.Tensor, logical: torch.dtype) -> torch.dtype | None:
+    """A plain floating target wider than the stored entry's logical dtype gets its values computed
+    in its own precision (never rounded through the logical dtype); None otherwise."""
+    if find_adapter(target) is None and target.dtype.is_floating_point and target.dtype.itemsize > logical.itemsize:
+        return target.dtype
+    return None
+
+
 def _finalize(entry: _LoadEntry) -> None:
     """Turn what was read for one entry into the target's values, in place."""
     target = entry.placed.local
@@ -981,11 +956,9 @@ def _finalize(entry: _LoadEntry) -> None:
         read = next(iter(entry.buffers.values()))
     else:
         source = entry.source
-        comps = {c: entry.buffers[i] for i, c in entry.temps.items()}
-        src_adapter = adapter_for_type(source.type, entry.fqn)
-        rebuilt = src_adapter.rebuild(source.type, entry.source_attrs, entry.read_chunk[1],
-                                      source.dtype, comps)
-        read = src_adapter.dequantize(rebuilt)
+        stored = StoredEntry(source.type, entry.source_attrs, entry.read_chunk[1], source.dtype,
+                             {c: entry.buffers[i] for i, c in entry.temps.items()})
+        read = adapter_for_type(source.type, entry.fqn).dequantize_stored(stored, _wider(target, source.dtype))
     hp = _narrow(read, _relative(entry.placed.chunk, entry.read_chunk))
     if tuple(hp.shape) != tuple(target.shape):  # one member of a group: [1, M, N] -> [M, N]
         hp = hp.reshape(target.shape)
@@ -1000,20 +973,3 @@ def _finalize(entry: _LoadEntry) -> None:
     entry.adapter.copy_into(target, entry.adapter.components(new))
 
 
-def check_component_bytes(entry: qspec.EntrySpec) -> None:
-    """Refuse a raw entry whose components claim more bytes than any quantized format needs
-    (4x the logical tensor, plus 1 MiB): a file must not make the loader allocate without bound."""
-    logical = math.prod(entry.shape) * entry.dtype.itemsize
-    claimed = sum(math.prod(c.shape) * c.dtype.itemsize for c in entry.components)
-    if claimed > 4 * logical + (1 << 20):
-        raise CheckpointFormatError(
-            f"key {entry.fqn!r}: components claim {claimed} bytes for a logical tensor of {logical} "
-            f"bytes; the spec is corrupt or hostile")
-
-
-def read_specs(metadata: Metadata | None) -> dict[str, qspec.EntrySpec]:
-    """The qdcp entry specs recorded in a checkpoint's DCP metadata ({} for a plain checkpoint)."""
-    data = getattr(metadata, "planner_data", None)
-    if not isinstance(data, dict) or qspec.PLANNER_DATA_KEY not in data:
-        return {}
-    return qspec.loads(data[qspec.PLANNER_DATA_KEY])

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from qdcp import spec as qspec
+from qdcp.adapters.base import StoredEntry, adapter_for_type
 from qdcp.storage import storage_reader
 
 def read_metadata(path: str | os.PathLike, **storage_options: Any) -> Metadata:
@@ -28,10 +29,8 @@ def describe(path: str | os.PathLike) -> dict[str, dict]:
     framing); quantized entries add ``type``, ``attrs`` and, raw, ``components``: ``{name: {shape,
     dtype, bytes, layout}}``.
     """
-    from qdcp.planner import read_specs
-
     md = read_metadata(path)
-    specs = read_specs(md)
+    specs = qspec.read_specs(md)
     owned = {qspec.component_fqn(e.fqn, c.name) for e in specs.values() for c in e.components}
     out: dict[str, dict] = {}
     for fqn, entry in sorted(specs.items()):
@@ -65,44 +64,42 @@ def describe(path: str | os.PathLike) -> dict[str, dict]:
     return out
 
 
-def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = None) -> Any:
+def read_stored(path: str | os.PathLike, key: str, metadata: Metadata | None = None) -> StoredEntry:
+    """The raw entry ``key`` of the checkpoint at ``path`` as stored: its decoded attributes and
+    canonical components, on CPU, checked as a loader checks them. Needs no tensor library.
+    Memory: this entry only."""
+    md = metadata if metadata is not None else read_metadata(path)
+    entry = qspec.read_specs(md).get(key)
+    if entry is None or entry.storage != qspec.RAW:
+        raise KeyError(f"key {key!r} is not a raw quantized entry of the checkpoint at {os.fspath(path)!r}")
+    adapter = adapter_for_type(entry.type, key)
+    attrs = {k: qspec.decode_value(v, adapter.attribute_classes(), f"key {key!r}: ") for k, v in entry.attrs.items()}
+    qspec.layouts_of(entry)
+    qspec.check_component_bytes(entry)
+    qspec.check_items(entry, md.state_dict_metadata, qspec.stored_components(md.state_dict_metadata).get(key, set()))
+    for c in entry.components:
+        _check_claimed_bytes(md, qspec.component_fqn(key, c.name))
+    comps = {c.name: torch.empty(c.shape, dtype=c.dtype) for c in entry.components}
+    _load_quietly({qspec.component_fqn(key, n): t for n, t in comps.items()}, path)
+    return StoredEntry(entry.type, attrs, entry.shape, entry.dtype, comps)
+
+
+def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = None, *,
+               dequantize: bool = False, dtype: torch.dtype | None = None) -> Any:
     """Read one state-dict entry of the checkpoint at ``path`` on CPU, without a target.
 
     Raw entries come back as an instance of their type (rebuilt through its adapter; the library
-    must be installed), plain and dequantized entries as plain tensors, objects as loaded with
-    ``torch.load(weights_only=True)``. Memory: this entry only.
+    must be importable), or with ``dequantize=True`` as the plain tensor of their values (computed
+    in ``dtype``, default the logical dtype; TransformerEngine entries need no TE). Plain and
+    dequantized entries come back as plain tensors (cast to ``dtype`` if it is given and they are
+    floating), objects as loaded with ``torch.load(weights_only=True)``. Memory: this entry only.
     """
-    from qdcp.adapters.base import adapter_for_type
-    from qdcp.errors import CheckpointFormatError
-    from qdcp.planner import _layouts_from_spec, check_component_bytes, read_specs
-
     md = metadata if metadata is not None else read_metadata(path)
-    entry = read_specs(md).get(key)
+    entry = qspec.read_specs(md).get(key)
     if entry is not None and entry.storage == qspec.RAW:
+        stored = read_stored(path, key, md)
         adapter = adapter_for_type(entry.type, key)
-        attrs = {k: qspec.decode_value(v, adapter.attribute_classes(), f"key {key!r}: ")
-                 for k, v in entry.attrs.items()}
-        _layouts_from_spec(entry)
-        check_component_bytes(entry)
-        for c in entry.components:
-            item_md = md.state_dict_metadata.get(qspec.component_fqn(key, c.name))
-            if not isinstance(item_md, TensorStorageMetadata):
-                raise CheckpointFormatError(f"key {key!r}: component {c.name!r} is missing from the checkpoint")
-            if tuple(item_md.size) != tuple(c.shape) or item_md.properties.dtype != c.dtype:
-                raise CheckpointFormatError(
-                    f"key {key!r}: component {c.name!r} is stored as {tuple(item_md.size)} "
-                    f"{item_md.properties.dtype} but its spec says {c.shape} {c.dtype}")
-            _check_claimed_bytes(md, qspec.component_fqn(key, c.name))
-        listed = {qspec.component_fqn(key, c.name) for c in entry.components}
-        orphans = sorted(f for f in md.state_dict_metadata
-                         if f.startswith(key + qspec.COMPONENT_SEPARATOR) and f not in listed)
-        if orphans:
-            raise CheckpointFormatError(f"key {key!r}: the checkpoint stores {orphans}, which its spec does "
-                                        f"not list; the spec is damaged")
-        comps = {c.name: torch.empty(c.shape, dtype=c.dtype) for c in entry.components}
-        state = {qspec.component_fqn(key, n): t for n, t in comps.items()}
-        _load_quietly(state, path)
-        return adapter.rebuild(entry.type, attrs, entry.shape, entry.dtype, comps)
+        return adapter.dequantize_stored(stored, dtype) if dequantize else adapter.rebuild(stored)
     item = md.state_dict_metadata.get(key)
     if item is None:
         raise KeyError(f"key {key!r} is not in the checkpoint at {os.fspath(path)!r}")
@@ -111,7 +108,10 @@ def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = No
     state = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
              if isinstance(item, TensorStorageMetadata) else None}
     _load_quietly(state, path)
-    return state[key]
+    value = state[key]
+    if dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
+        value = value.to(dtype)
+    return value
 
 
 _stored_cache: tuple[Any, dict[str, int]] = (None, {})

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
-from qdcp.errors import CheckpointFormatError
+from qdcp.errors import AlignmentError, CheckpointFormatError
 from qdcp.layouts import layout_from_json
 
 FORMAT_NAME = "qdcp"
@@ -333,3 +333,76 @@ def _loads(text: str) -> dict[str, EntrySpec]:
     if not isinstance(entries, dict):
         raise CheckpointFormatError("the qdcp spec has no entries object")
     return {str(fqn): entry_from_json(str(fqn), e) for fqn, e in entries.items()}
+
+
+# ----------------------------------------------------------------------------- well-formed entries
+# Everything a loader checks about a stored entry before reading its data, in one place: the
+# planner, the reader, `qdcp verify` and the CLI call these.
+
+def read_specs(metadata: Any) -> dict[str, EntrySpec]:
+    """The qdcp entry specs recorded in a checkpoint's DCP ``Metadata`` ({} for a plain checkpoint)."""
+    data = getattr(metadata, "planner_data", None)
+    if not isinstance(data, dict) or PLANNER_DATA_KEY not in data:
+        return {}
+    return loads(data[PLANNER_DATA_KEY])
+
+
+def layouts_of(entry: EntrySpec) -> dict[str, Any]:
+    """Each component's layout, checked: the layout must derive the shape the spec records."""
+    out = {}
+    for c in entry.components:
+        layout = layout_from_json(c.layout, c.shape)
+        try:
+            derived = layout.component_shape(entry.shape)
+        except (AlignmentError, CheckpointFormatError) as e:
+            raise CheckpointFormatError(f"key {entry.fqn!r}: component {c.name!r}: {e}") from None
+        if tuple(derived) != tuple(c.shape):
+            raise CheckpointFormatError(
+                f"key {entry.fqn!r}: component {c.name!r} is recorded as {tuple(c.shape)} but its "
+                f"layout gives {tuple(derived)} for logical shape {entry.shape}")
+        out[c.name] = layout
+    return out
+
+
+def check_component_bytes(entry: EntrySpec) -> None:
+    """Refuse a raw entry whose components claim more bytes than any quantized format needs
+    (4x the logical tensor, plus 1 MiB): a file must not make the loader allocate without bound."""
+    logical = math.prod(entry.shape) * entry.dtype.itemsize
+    claimed = sum(math.prod(c.shape) * c.dtype.itemsize for c in entry.components)
+    if claimed > 4 * logical + (1 << 20):
+        raise CheckpointFormatError(
+            f"key {entry.fqn!r}: components claim {claimed} bytes for a logical tensor of {logical} "
+            f"bytes; the spec is corrupt or hostile")
+
+
+def stored_components(state_dict_metadata: Mapping[str, Any]) -> dict[str, set[str]]:
+    """Entry key -> the names of the component items the checkpoint stores for it."""
+    out: dict[str, set[str]] = {}
+    for item_fqn in state_dict_metadata:
+        if COMPONENT_SEPARATOR in item_fqn:
+            owner, name = item_fqn.rsplit(COMPONENT_SEPARATOR, 1)
+            out.setdefault(owner, set()).add(name)
+    return out
+
+
+def check_items(entry: EntrySpec, state_dict_metadata: Mapping[str, Any], stored: set[str],
+                key: str | None = None) -> None:
+    """Every component item the spec lists exists with exactly its shape and dtype, and no item
+    is stored that it does not list (``stored``: the names :func:`stored_components` found for
+    the entry). ``key`` names the target in errors when it is not the entry's own key."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    key = key if key is not None else entry.fqn
+    for c in entry.components:
+        item = state_dict_metadata.get(component_fqn(entry.fqn, c.name))
+        if not isinstance(item, TensorStorageMetadata):
+            raise CheckpointFormatError(f"key {key!r}: component {c.name!r} is missing from the checkpoint")
+        if tuple(item.size) != tuple(c.shape) or item.properties.dtype != c.dtype:
+            raise CheckpointFormatError(
+                f"key {key!r}: component {c.name!r} is stored as {tuple(item.size)} "
+                f"{item.properties.dtype} but its spec says {c.shape} {c.dtype}")
+    unlisted = stored - {c.name for c in entry.components}
+    if unlisted:
+        raise CheckpointFormatError(
+            f"key {key!r}: the checkpoint stores components {sorted(unlisted)} that its spec does "
+            f"not list; the spec is damaged")

@@ -209,7 +209,7 @@ def reshard_save(root: str, mesh) -> None:
 def check_metadata(path: str, world: int) -> None:
     """Replicated components are written once: one chunk, one storage record."""
     md = qdcp.read_metadata(path)
-    specs = qdcp.planner.read_specs(md)
+    specs = qdcp.spec.read_specs(md)
     n_replicated = 0
     for fqn, entry in specs.items():
         for c in entry.components:
@@ -562,7 +562,7 @@ def fsdp_save(root: str, mesh) -> None:
         torch.save({"x": x.cpu(), "y": y, "y_manual": y_manual, "types": types, "after_save": snap1, "after_next_step": snap2,
                     "nf4": nf4_full}, os.path.join(out, "ref.pt"))
         md = qdcp.read_metadata(os.path.join(out, "ckpt"))
-        specs = qdcp.planner.read_specs(md)
+        specs = qdcp.spec.read_specs(md)
         check("fsdp_save", any(e.type == "torchao.NF4Tensor" for e in specs.values()),
               f"no NF4 entry saved raw: {sorted(specs)}")
         check("fsdp_save", sum(e.type.startswith("torchao.OptimState") for e in specs.values()) == 6,

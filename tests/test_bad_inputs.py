@@ -38,7 +38,7 @@ import qdcp
 import qdcp.cli
 from qdcp import spec as qspec
 from qdcp.errors import CheckpointFormatError, LoadMismatchError, QdcpError
-from qdcp.planner import _layouts_from_spec, check_component_bytes
+from qdcp.spec import check_component_bytes, layouts_of as _layouts_from_spec
 from quantized_cases import CASE_BY_NAME, SHAPE, assert_same_buffers, bits
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

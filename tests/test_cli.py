@@ -118,3 +118,42 @@ def test_convert_to_portable_dcp(checkpoint, tmp_path):
     for c in CASES:
         assert_bitwise_equal(target[c.name], c.dequantize(state[c.name]))
     assert target["step"] == 7 and torch.equal(target["bias"], state["bias"])
+
+
+def _on_a_terminal(*args) -> tuple[int, str]:
+    """Run the CLI with its stderr on a pseudo-terminal (as in an interactive shell); exit, stderr."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    main_fd, sub_fd = pty.openpty()
+    fcntl.ioctl(sub_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 120-column terminal
+    proc = subprocess.Popen([sys.executable, "-m", "qdcp", *map(str, args)], stdout=subprocess.DEVNULL,
+                            stderr=sub_fd, close_fds=True)
+    os.close(sub_fd)
+    chunks = []
+    while True:
+        try:
+            data = os.read(main_fd, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(main_fd)
+    return proc.wait(timeout=300), b"".join(chunks).decode(errors="replace")
+
+
+def test_long_work_shows_progress_on_a_terminal_only(checkpoint, tmp_path):
+    path, _ = checkpoint
+    rc, err = _on_a_terminal("convert", path, tmp_path / "a.safetensors", "--to", "safetensors", "--dequantize")
+    assert rc == 0 and "convert:" in err and "%|" in err  # tqdm's bar (bytes of the entries)
+    rc, err = _on_a_terminal("verify", path)
+    assert rc == 0 and "verify:" in err and "%|" in err
+    skipped = "qdcp: skipped non-tensor entry 'step' (safetensors holds tensors only)"
+    rc, err = _on_a_terminal("convert", path, tmp_path / "b.safetensors", "--to", "safetensors", "--quiet")
+    assert rc == 0 and err.strip() == skipped
+    proc = run("convert", path, tmp_path / "c.safetensors", "--to", "safetensors")  # not a terminal
+    assert proc.stderr.strip() == skipped

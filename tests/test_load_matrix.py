@@ -69,6 +69,24 @@ def test_raw_into_plain_equals_source_dequantize(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_raw_into_a_wider_plain_target_is_computed_in_its_precision(tmp_path, case):
+    """A float32 (or float64) target gets torchao's dequantize computed in float32 where the class
+    takes ``output_dtype`` (torchao computes no wider), never the logical-dtype result widened."""
+    from qdcp.adapters import find_adapter
+
+    source = case.make(0)
+    path = _save(tmp_path, {"w": source})
+    for dtype in (torch.float32, torch.float64):
+        if dtype.itemsize <= case.dtype.itemsize:
+            continue
+        target = torch.zeros(source.shape, dtype=dtype)
+        _load(path, {"w": target})
+        assert_bitwise_equal(target, find_adapter(source).dequantize(source, dtype))
+        if "output_dtype" in type(source).dequantize.__code__.co_varnames:
+            assert_bitwise_equal(target.float(), source.dequantize(output_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_raw_into_other_type_requantizes_like_target(tmp_path, case):
     other = OTHER[case.name]
     source = case.make(0)

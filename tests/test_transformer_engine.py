@@ -338,6 +338,22 @@ def test_into_plain_equals_reference_dequantize(tmp_path, case):
     assert torch.equal(bits(plain), bits(ref))
 
 
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_into_a_float32_target_is_computed_in_float32(tmp_path, case):
+    """TE's dequantize math runs in float32: a float32 target gets those products exactly (for a
+    Float8 tensor, fp8 x scale_inv in float32), not the bf16 dequantize widened."""
+    source = case.build(0)
+    path = _save(tmp_path, {"raw": source})
+    target = torch.zeros(source.shape, dtype=torch.float32)
+    _load(path, {"raw": target})
+    want = find_adapter(source).dequantize(source, torch.float32)
+    assert torch.equal(bits(target), bits(want))
+    if case.name == "f8_cs_rowwise":
+        exact = source._data.view(torch.float8_e4m3fn).float() * source._scale_inv.float()
+        assert torch.equal(bits(target), bits(exact))
+        assert not torch.equal(find_adapter(source).dequantize(source).float(), exact)
+
+
 def _raises_needs_gpu(fn):
     """``fn`` fails with qdcp's UnsupportedTensorError saying a GPU is needed (DCP wraps it)."""
     with pytest.raises(BaseException) as info:

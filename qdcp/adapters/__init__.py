@@ -2,10 +2,11 @@
 
 from qdcp.adapters.base import (
     Adapter,
+    StoredEntry,
     adapter_for_type,
     find_adapter,
     register_adapter,
     registered_type_names,
 )
 
-__all__ = ["Adapter", "adapter_for_type", "find_adapter", "register_adapter", "registered_type_names"]
+__all__ = ["Adapter", "StoredEntry", "adapter_for_type", "find_adapter", "register_adapter", "registered_type_names"]

@@ -12,6 +12,7 @@ Planners and the stager talk to tensors only through this contract. Users add fa
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Callable, Mapping
 
@@ -21,12 +22,38 @@ from qdcp.errors import CheckpointFormatError
 from qdcp.layouts import Chunk, Layout
 
 
+@dataclasses.dataclass(frozen=True)
+class StoredEntry:
+    """What a checkpoint holds for a raw entry (or a chunk of one), decoded: no live tensor."""
+
+    type_name: str                           #: registry name, one of the adapter's ``type_names``
+    attrs: Mapping[str, Any]                 #: decoded attributes (``qdcp.spec.decode_value``)
+    shape: tuple[int, ...]                   #: logical shape of the chunk the components cover
+    dtype: torch.dtype                       #: logical dtype
+    components: Mapping[str, torch.Tensor]   #: canonical components of that chunk
+
+
 class Adapter:
     """One family of quantized tensors. Subclass and register an instance with :func:`register_adapter`.
 
+    Who calls what:
+
+    - the save planner: :meth:`type_name`, :meth:`attributes`, :meth:`info`, :meth:`components`,
+      :meth:`layouts` (raw entries), :meth:`dequantize` (dequantized entries), :meth:`unwrap`;
+    - the load planner: the same, plus :meth:`native_components`, :meth:`copy_into` (same type),
+      :meth:`raw_load_sources` / :meth:`raw_load` (another library's type, same bits),
+      :meth:`dequantize_stored` and :meth:`quantize_like` / :meth:`needs_global_amax` /
+      :meth:`quantize_unsupported` (other types), :meth:`members` / :meth:`member_chunk` /
+      :meth:`members_loaded` (groups);
+    - the stager and :func:`qdcp.to_device`: :meth:`inner_buffers`, :meth:`from_inner_buffers`;
+    - DCP's default stager (through qdcp.new_empty): :meth:`loaded_classes`, :meth:`add_op`;
+    - ``qdcp.read_entry`` and the CLI: :meth:`rebuild` (a live instance; needs the library) and
+      :meth:`dequantize_stored` (values; works without the library where the adapter can).
+
     Required: :attr:`type_names`, :meth:`matches`, :meth:`type_name`, :meth:`component_names`,
-    :meth:`layouts`, :meth:`attributes`, :meth:`dequantize`, :meth:`rebuild`, :meth:`quantize_like`.
-    The defaults of the rest assume components are plain attributes of the instance, stored as is.
+    :meth:`layouts`, :meth:`attributes`, :meth:`dequantize`, :meth:`rebuild`, :meth:`quantize_like`,
+    :meth:`from_inner_buffers`. The defaults of the rest assume components are plain attributes of
+    the instance, stored as is.
     """
 
     #: registry names of the types this adapter handles, e.g. ``("torchao.Int8Tensor",)``
@@ -83,14 +110,23 @@ class Adapter:
         """How each component shards with the logical tensor (shard-invariant)."""
         raise NotImplementedError
 
-    def dequantize(self, t: torch.Tensor) -> torch.Tensor:
-        """The high-precision tensor ``t`` stands for, computed the way its library does."""
+    def dequantize(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The high-precision tensor ``t`` stands for, computed the way its library does, as
+        ``dtype`` (default: ``t``'s logical dtype). A wider ``dtype`` is computed in that precision
+        where the library can, never rounded through the logical dtype first."""
         raise NotImplementedError
 
-    def rebuild(self, type_name: str, attrs: dict[str, Any], shape: tuple[int, ...],
-                dtype: torch.dtype, components: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """A new instance of logical ``shape`` from canonical ``components`` (any chunk's worth)."""
+    def rebuild(self, stored: StoredEntry) -> torch.Tensor:
+        """A live instance of the library's class holding ``stored`` (any chunk's worth). Always a
+        tensor: raises :class:`~qdcp.UnsupportedTensorError`, naming the library, where it cannot
+        be imported."""
         raise NotImplementedError
+
+    def dequantize_stored(self, stored: StoredEntry, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The values of a stored entry, as :meth:`dequantize` gives them for the live instance.
+        Default: :meth:`rebuild` then :meth:`dequantize`; adapters that can compute them without
+        the library (TransformerEngine's, in plain torch) override it."""
+        return self.dequantize(self.rebuild(stored), dtype)
 
     def quantize_like(self, target: torch.Tensor, hp: torch.Tensor,
                       global_amax: torch.Tensor | None = None) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import torch
 
-from qdcp.adapters.base import Adapter
+from qdcp.adapters.base import Adapter, StoredEntry
 from qdcp.adapters import transformer_engine as qte
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Blocked, Chunk, Layout, Replicated
@@ -337,11 +337,13 @@ class TEGroupedTensorAdapter(Adapter):
         return _clone_with(t, type(t), buffers)
 
     # ------------------------------------------------------------------ values
-    def dequantize(self, t):
-        if isinstance(t, qte.CanonicalTETensor):
-            return self._dequantize(t.attrs, tuple(t.shape), t.dtype, t.components)
-        dtype = t.fake_dtype
-        return self._dequantize(self.attributes(t), self._logical_shape(t), dtype, self.components(t))
+    def dequantize(self, t, dtype=None):
+        return self._dequantize(self.attributes(t), self._logical_shape(t), dtype or t.fake_dtype,
+                                self.components(t))
+
+    def dequantize_stored(self, stored, dtype=None):
+        """Each member through its format's plain-torch math: needs no TransformerEngine."""
+        return self._dequantize(stored.attrs, tuple(stored.shape), dtype or stored.dtype, stored.components)
 
     def _dequantize(self, attrs, shape, dtype, comps) -> torch.Tensor:
         recipe = attrs["recipe"]
@@ -351,7 +353,8 @@ class TEGroupedTensorAdapter(Adapter):
         def one(member_comps, member_shape):
             if recipe == "none":
                 return member_comps["data"].to(dtype)
-            return single._dequantize(attrs["member"], tuple(member_shape), dtype, member_comps)
+            return single.dequantize_stored(
+                StoredEntry(single.type_names[0], attrs["member"], tuple(member_shape), dtype, member_comps), dtype)
 
         if attrs["layout"] == "stacked" or (recipe == "none" and "member_shapes" not in attrs):
             n = shape[0]
@@ -375,11 +378,12 @@ class TEGroupedTensorAdapter(Adapter):
             return torch.cat(outs, dim=1)
         return torch.cat(outs, dim=0).reshape(logical)
 
-    def rebuild(self, type_name, attrs, shape, dtype, components):
-        """A plain-torch holder of the canonical components (enough to dequantize): building a
-        ``GroupedTensor`` needs a TE quantizer of the recipe, which a checkpoint does not carry."""
-        return qte.CanonicalTETensor(type_name, dict(attrs), tuple(int(s) for s in shape), dtype,
-                                     dict(components))
+    def rebuild(self, stored):
+        raise UnsupportedTensorError(
+            "a TransformerEngine GroupedTensor cannot be rebuilt from a checkpoint alone: it needs TE "
+            "quantizers of its recipe, which a checkpoint does not carry. Load it into a GroupedTensor "
+            "(dcp.load with QuantizedLoadPlanner), or read its values: qdcp.read_entry(path, key, "
+            "dequantize=True).")
 
     def quantize_unsupported(self, target):
         return ("qdcp does not quantize into a TransformerEngine GroupedTensor (that needs TE's CUDA "

@@ -7,14 +7,16 @@ prefix and class name, and loaded from the fixed import paths in :data:`_CLASS_P
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 import math
 import sys
 from typing import Any, Mapping
 
 import torch
 
-from qdcp.adapters.base import Adapter
+from qdcp.adapters.base import Adapter, StoredEntry
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Blocked, Flat, Layout, Replicated
 
@@ -128,15 +130,25 @@ class TorchAOAdapter(Adapter):
     def attributes(self, t):
         return {n: getattr(t, n) for n in self._attr_names(type(t))}
 
-    def dequantize(self, t):
-        return t.dequantize()
+    def dequantize(self, t, dtype=None):
+        """torchao's ``dequantize``, computed in ``dtype`` where the class takes an ``output_dtype``
+        that wide (else in the widest it takes, float32), then cast to ``dtype``."""
+        if dtype is None or dtype == t.dtype or not _takes_output_dtype(type(t)):
+            out = t.dequantize()
+            return out if dtype is None else out.to(dtype)
+        for work in dict.fromkeys((dtype, torch.float32)):
+            if (type(t), work) in _REFUSED_OUTPUT or work.itemsize <= t.dtype.itemsize:
+                continue
+            try:
+                return t.dequantize(output_dtype=work).to(dtype)
+            except (AssertionError, ValueError, RuntimeError, NotImplementedError):
+                _REFUSED_OUTPUT.add((type(t), work))  # e.g. dequantize_affine refuses float64
+        return t.dequantize().to(dtype)
 
-    def rebuild(self, type_name, attrs, shape, dtype, components):
+    def rebuild(self, stored):
         cls = self.tensor_class()
-        out = cls.__tensor_unflatten__(dict(components), dict(attrs), torch.Size(shape), None)
-        if tuple(out.shape) != tuple(shape):
-            raise LoadMismatchError(
-                f"rebuilt {self.cls_name} has shape {tuple(out.shape)}, expected {tuple(shape)}")
+        out = cls.__tensor_unflatten__(dict(stored.components), dict(stored.attrs), torch.Size(stored.shape), None)
+        check_shape(out, stored.shape, self.cls_name)
         return out
 
     def from_inner_buffers(self, t, buffers):
@@ -151,6 +163,28 @@ class TorchAOAdapter(Adapter):
                 f"the target {self.cls_name} has no component(s) {sorted(missing)} to load into")
         for name, value in components.items():
             native[name].copy_(value)
+
+
+_OUTPUT_DTYPE: dict[type, bool] = {}
+_REFUSED_OUTPUT: set[tuple[type, torch.dtype]] = set()
+
+
+def _takes_output_dtype(cls: type) -> bool:
+    """Whether ``cls.dequantize`` takes an ``output_dtype`` argument (torchao's newer classes do)."""
+    known = _OUTPUT_DTYPE.get(cls)
+    if known is None:
+        try:
+            known = "output_dtype" in inspect.signature(cls.dequantize).parameters
+        except (TypeError, ValueError):
+            known = False
+        _OUTPUT_DTYPE[cls] = known
+    return known
+
+
+def check_shape(out: torch.Tensor, shape, cls_name: str) -> None:
+    """Refuse a rebuilt tensor whose shape is not the stored logical shape."""
+    if tuple(out.shape) != tuple(shape):
+        raise LoadMismatchError(f"rebuilt {cls_name} has shape {tuple(out.shape)}, expected {tuple(shape)}")
 
 
 # ----------------------------------------------------------------------------- affine int/float8
@@ -303,11 +337,11 @@ class _BlockScaledAdapter(TorchAOAdapter):
                 out[name] = _per_tensor_layout(value, t.shape)
         return out
 
-    def rebuild(self, type_name, attrs, shape, dtype, components):
-        components = dict(components)
-        if attrs.get("is_swizzled_scales"):
-            components["scale"] = swizzle_scale(components["scale"])
-        return super().rebuild(type_name, attrs, shape, dtype, components)
+    def rebuild(self, stored):
+        if stored.attrs.get("is_swizzled_scales"):
+            stored = dataclasses.replace(stored, components={**stored.components,
+                                                             "scale": swizzle_scale(stored.components["scale"])})
+        return super().rebuild(stored)
 
 
 def _per_tensor_layout(value: torch.Tensor, shape) -> Layout:
@@ -379,22 +413,24 @@ class NF4TensorAdapter(TorchAOAdapter):
                 "scaler_mean": Replicated(tuple(t.scaler_mean.shape)),
                 "nf4": Replicated(tuple(t.nf4.shape))}
 
-    def dequantize(self, t):
-        return t.get_original_weight()
+    def dequantize(self, t, dtype=None):
+        out = t.get_original_weight()  # NF4 has no wider-precision dequantize: computed in its dtype
+        return out if dtype is None else out.to(dtype)
 
-    def rebuild(self, type_name, attrs, shape, dtype, components):
+    def rebuild(self, stored):
         cls = self.tensor_class()
         args_cls = _import("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "SubclassTensorArgs")
-        shape = torch.Size(shape)
+        shape = torch.Size(stored.shape)
         stride = torch.empty(shape, device="meta").stride()
-        device = components["quantized_data"].device
+        device = stored.components["quantized_data"].device
+        attrs = stored.attrs
         meta = args_cls(shape, stride, 0, attrs["dtype"], device, False)
         ctx = {"block_size": attrs["block_size"], "scaler_block_size": attrs["scaler_block_size"],
                "n_blocks": math.prod(shape) // attrs["block_size"], "tensor_meta": meta}
-        return cls.__tensor_unflatten__(dict(components), ctx, shape, stride)
+        return cls.__tensor_unflatten__(dict(stored.components), ctx, shape, stride)
 
     def from_inner_buffers(self, t, buffers):
-        return self.rebuild(self.type_names[0], self.attributes(t), tuple(t.shape), t.dtype, buffers)
+        return self.rebuild(StoredEntry(self.type_names[0], self.attributes(t), tuple(t.shape), t.dtype, buffers))
 
     def add_op(self, cls, op, impl):
         """Through NF4's own op table (``NF4_OPS_TABLE`` and ``implements`` of its module)."""
@@ -449,9 +485,9 @@ class _OptimStateAdapter(TorchAOAdapter):
             kwargs["signed"] = attrs["signed"]
         return cls.zeros(tuple(shape), **kwargs)
 
-    def rebuild(self, type_name, attrs, shape, dtype, components):
-        out = self._new(attrs, shape, components["codes"].device)
-        for name, value in components.items():
+    def rebuild(self, stored):
+        out = self._new(stored.attrs, stored.shape, stored.components["codes"].device)
+        for name, value in stored.components.items():
             getattr(out, name).copy_(value)
         return out
 

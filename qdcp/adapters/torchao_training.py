@@ -27,7 +27,7 @@ import sys
 import torch
 
 from qdcp.adapters.base import Adapter
-from qdcp.adapters.torchao import TorchAOAdapter
+from qdcp.adapters.torchao import TorchAOAdapter, check_shape
 from qdcp.errors import LoadMismatchError
 from qdcp.layouts import Blocked, Replicated
 
@@ -71,8 +71,9 @@ class _WrapperAdapter(_TrainingAdapter):
     def layouts(self, t):
         return {self.inner: Blocked((1,) * t.ndim)}
 
-    def dequantize(self, t):
-        return self.unwrap(t)
+    def dequantize(self, t, dtype=None):
+        inner = self.unwrap(t)
+        return inner if dtype is None else inner.to(dtype)
 
     def inner_buffers(self, t):
         out = {self.inner: self.unwrap(t)}
@@ -100,7 +101,7 @@ class _WrapperAdapter(_TrainingAdapter):
             self._libraries.pop(cls, None)
         return remove
 
-    def rebuild(self, type_name, attrs, shape, dtype, components):
+    def rebuild(self, stored):
         raise LoadMismatchError(f"{self.cls_name} entries are stored as plain tensors; there is "
                                 f"nothing to rebuild")
 
@@ -185,10 +186,10 @@ class Int8QuantizedTrainingWeightAdapter(_QuantizedTrainingAdapter):
     def layouts(self, t):
         return {"int_data": Blocked((1, 1)), "scale": Blocked((1, t.shape[1]))}
 
-    def rebuild(self, type_name, attrs, shape, dtype, components):
-        out = self.tensor_class()(components["int_data"], components["scale"].reshape(-1).to(dtype))
-        if tuple(out.shape) != tuple(shape):
-            raise LoadMismatchError(f"rebuilt {self.cls_name} has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    def rebuild(self, stored):
+        comps = stored.components
+        out = self.tensor_class()(comps["int_data"], comps["scale"].reshape(-1).to(stored.dtype))
+        check_shape(out, stored.shape, self.cls_name)
         return out
 
     def quantize_like(self, target, hp, global_amax=None):
@@ -210,10 +211,9 @@ class BitNetPacked2bitWeightAdapter(_QuantizedTrainingAdapter):
     def layouts(self, t):
         return {"int_data": Blocked((1, 4)), "scale": Replicated(tuple(t.scale.shape))}
 
-    def rebuild(self, type_name, attrs, shape, dtype, components):
-        out = self.tensor_class()(components["int_data"], components["scale"])
-        if tuple(out.shape) != tuple(shape):
-            raise LoadMismatchError(f"rebuilt {self.cls_name} has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    def rebuild(self, stored):
+        out = self.tensor_class()(stored.components["int_data"], stored.components["scale"])
+        check_shape(out, stored.shape, self.cls_name)
         return out
 
     def quantize_like(self, target, hp, global_amax=None):

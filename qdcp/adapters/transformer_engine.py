@@ -27,7 +27,6 @@ Canonical components per type (see docs/format.md):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 from typing import Any
@@ -140,19 +139,6 @@ def dequantize_mxfp8(data: torch.Tensor, fp8: str, scale: torch.Tensor, block_ro
     return (x * s).to(dtype)
 
 
-# ----------------------------------------------------------------------------- canonical holder
-
-@dataclasses.dataclass
-class CanonicalTETensor:
-    """What :meth:`TEAdapter.rebuild` returns when TE is not imported: enough to dequantize."""
-
-    type_name: str
-    attrs: dict
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    components: dict[str, torch.Tensor]
-
-
 def _te_tensor_module():
     """TE's tensor package if the program has already imported it (never imported here)."""
     return sys.modules.get(_TE_TENSOR_MODULE)
@@ -214,19 +200,26 @@ class TEAdapter(Adapter):
     def native_components(self, t):
         return {}
 
-    def dequantize(self, t):
-        if isinstance(t, CanonicalTETensor):
-            return self._dequantize(t.attrs, tuple(t.shape), t.dtype, t.components)
-        return self._dequantize(self.attributes(t), tuple(t.shape), t.dtype, self.components(t))
+    def dequantize(self, t, dtype=None):
+        """TE's dequantize math in plain torch (float32, then ``dtype``: a float32 target gets the
+        exact products, never rounded through the logical dtype)."""
+        return self._dequantize(self.attributes(t), tuple(t.shape), dtype or t.dtype, self.components(t))
+
+    def dequantize_stored(self, stored, dtype=None):
+        """The same math on stored components: needs no TransformerEngine."""
+        return self._dequantize(stored.attrs, tuple(stored.shape), dtype or stored.dtype, stored.components)
 
     def _dequantize(self, attrs, shape, dtype, comps) -> torch.Tensor:
         raise NotImplementedError
 
-    def rebuild(self, type_name, attrs, shape, dtype, components):
-        shape = tuple(int(s) for s in shape)
+    def rebuild(self, stored):
         if _te_tensor_module() is None:
-            return CanonicalTETensor(type_name, dict(attrs), shape, dtype, dict(components))
-        return self._rebuild_te(attrs, shape, dtype, dict(components))
+            raise UnsupportedTensorError(
+                f"rebuilding a TransformerEngine {self.cls_name} needs transformer_engine, which this "
+                f"process has not imported (qdcp never imports it); import transformer_engine.pytorch "
+                f"first. Its values need no TE: qdcp.read_entry(path, key, dequantize=True).")
+        return self._rebuild_te(stored.attrs, tuple(int(s) for s in stored.shape), stored.dtype,
+                                dict(stored.components))
 
     def _rebuild_te(self, attrs, shape, dtype, comps) -> torch.Tensor:
         raise NotImplementedError
