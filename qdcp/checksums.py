@@ -2,9 +2,9 @@
 
 :class:`qdcp.QuantizedSavePlanner` hashes every item it writes -- a tensor chunk's elements in
 row-major order, or a BYTE_IO item's bytes -- from the data being written (the staged copy in an
-async save), and records the hashes in the checkpoint's ``Metadata`` as the attribute
-``qdcp_checksums`` (not a field: ``Metadata`` objects of two saves of the same structure stay
-equal, as DCP's plan caching expects; pickling keeps it)::
+async save), and records the hashes in ``Metadata.planner_data["__qdcp_checksums__"]`` (added
+once the global plan is made, so that the global plan and ``Metadata`` are those DCP's plan
+caching compares)::
 
     {"algorithm": "xxh3_64", "items": {item_fqn: bytes}}
 
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from qdcp.errors import CheckpointFormatError, ChecksumError
 from qdcp.spec import describe_item
 
-METADATA_ATTRIBUTE = "qdcp_checksums"
+PLANNER_DATA_KEY = "__qdcp_checksums__"
 ALGORITHM = "xxh3_64"
 
 _U64 = struct.Struct("<Q")
@@ -142,7 +142,8 @@ class Record:
 
 def record(metadata: Metadata | None) -> Record | None:
     """The checksum record of ``metadata``, or None for a checkpoint written without checksums."""
-    raw = getattr(metadata, METADATA_ATTRIBUTE, None)
+    data = getattr(metadata, "planner_data", None)
+    raw = data.get(PLANNER_DATA_KEY) if isinstance(data, dict) else None
     if raw is None:
         return None
     if not isinstance(raw, dict) or not isinstance(raw.get("items"), dict):

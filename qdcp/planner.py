@@ -343,9 +343,16 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                     for plan in all_plans]
         _check_shared(per_rank)
         plans, metadata = super().create_global_plan(all_plans)
-        if self.checksums:
-            setattr(metadata, sums.METADATA_ATTRIBUTE, _checksum_record(self.global_plan, per_rank, metadata))
+        self._sums_record = _checksum_record(self.global_plan, per_rank, metadata) if self.checksums else None
         return plans, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        # On the coordinator: the checksums join the Metadata that finish() writes. Added here, not
+        # in create_global_plan, which returns (and plan caching keeps) what DCP's would.
+        record = getattr(self, "_sums_record", None)
+        if record is not None and getattr(self, "metadata", None) is not None:
+            self.metadata.planner_data[sums.PLANNER_DATA_KEY] = record
+        return super().finish_plan(new_plan)
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         texts, stripped = [], []

@@ -33,14 +33,17 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-try:  # fsspec is optional
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-except ImportError:  # pragma: no cover
-    FsspecReader = FsspecWriter = None
+try:  # fsspec is optional; DCP's fsspec storage is public from torch 2.15 on
+    from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
+except ImportError:
+    try:  # torch 2.11 - 2.14 (2.15 keeps this name, with a warning)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    except ImportError:  # pragma: no cover (fsspec not installed)
+        FsspecReader = FsspecWriter = None
 
 from qdcp import checksums
 from qdcp.errors import CheckpointFormatError, ChecksumError, QdcpError
@@ -65,10 +68,25 @@ _ALLOWED_GLOBALS = {
 }
 
 
+class _AnyVersionTensorProperties(TensorProperties):
+    """``TensorProperties`` as any supported torch pickled it: torch 2.15 added ``strides`` (a sixth
+    value its older readers cannot unpack). Replaced by this torch's own class after loading."""
+
+    def __setstate__(self, state) -> None:
+        dtype, layout, requires_grad, memory_format, pin_memory = tuple(state)[:5]
+        super().__setstate__((dtype, layout, requires_grad, memory_format, pin_memory))
+
+    def plain(self) -> TensorProperties:
+        return TensorProperties(dtype=self.dtype, layout=self.layout, requires_grad=self.requires_grad,
+                                memory_format=self.memory_format, pin_memory=self.pin_memory)
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
+        if (module, name) == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
+            return _AnyVersionTensorProperties
         if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -101,6 +119,9 @@ def safe_load_metadata(stream: IO[bytes]) -> Metadata:
         raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {e!r}") from None
     if not isinstance(md, Metadata):
         raise CheckpointFormatError(f".metadata holds a {type(md).__name__}, not DCP Metadata")
+    for item in (md.state_dict_metadata or {}).values():
+        if isinstance(getattr(item, "properties", None), _AnyVersionTensorProperties):
+            item.properties = item.properties.plain()
     return md
 
 
@@ -342,6 +363,16 @@ class _VerifyingTransforms:
 
 # ----------------------------------------------------------------------------- readers
 
+# torch 2.11's dcp.load catches every Exception of read_metadata() and of its rank-local fallback
+# read_metadata(rank=...) and then says only "metadata is None" (2.12 on quote them).
+_DCP_HIDES_METADATA_ERRORS = torch.__version__ < "2.12"
+
+
+class _MetadataUnreadable(BaseException):
+    """Carries qdcp's ``.metadata`` error (its ``__cause__``) past torch 2.11's ``except Exception``
+    around ``read_metadata``: DCP wraps it in its CheckpointException, message intact."""
+
+
 class _SafeReading:
     """Mixin for DCP's file-system readers: safe ``.metadata`` and verified checksums."""
 
@@ -349,7 +380,19 @@ class _SafeReading:
         self.transforms = _VerifyingTransforms(self.transforms)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        rank = kwargs.get("rank")
+        try:
+            return self._read_metadata(rank)
+        except CheckpointFormatError as e:
+            first = getattr(self, "_qdcp_metadata_error", None)
+            if rank is None:
+                self._qdcp_metadata_error = e
+            elif first is not None and _DCP_HIDES_METADATA_ERRORS:
+                raise _MetadataUnreadable(str(first)) from first
+            raise
+
+    def _read_metadata(self, rank: int | None) -> Metadata:
+        path = self._get_metadata_path(rank)
         if not self.fs.exists(path):
             raise CheckpointFormatError(
                 f"{os.fspath(self.path)!r} has no .metadata: it is not a DCP checkpoint, or its save "

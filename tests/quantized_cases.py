@@ -114,6 +114,19 @@ def qdcp_save(path, state: dict, no_dist: bool = False, **planner_kw):
     return path
 
 
+def raise_inner(fn):
+    """Run ``fn``; DCP wraps each rank's error in CheckpointException (a BaseException): re-raise
+    the first rank's own error, as the user reads it (qdcp's, where one carried it)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return fn()
+    except CheckpointException as e:
+        err = next(iter(e.failures.values()))
+        err = err[0] if isinstance(err, tuple) else err
+        raise (err.__cause__ if type(err).__name__ == "_MetadataUnreadable" else err) from None
+
+
 def gated_save_planner(gate, **planner_kw):
     """A ``QuantizedSavePlanner`` that plans (in ``async_save``'s upload thread) only once ``gate``
     (a ``threading.Event``) is set: a test updates the live model first, so a staged copy that

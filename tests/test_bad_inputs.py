@@ -620,9 +620,11 @@ def assert_exact(loaded: dict, kind: str) -> None:
 
 
 def root_errors(e: BaseException) -> list[BaseException]:
-    if isinstance(e, CheckpointException):
-        return [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
-    return [e]
+    """Each rank's own error (on torch 2.11, qdcp's .metadata error rides past DCP's
+    ``except Exception`` as the cause of a carrier)."""
+    errors = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()] \
+        if isinstance(e, CheckpointException) else [e]
+    return [err.__cause__ if type(err).__name__ == "_MetadataUnreadable" else err for err in errors]
 
 
 # DCP's own errors that are clear and name the key (plain tensors go through DCP's default path)

@@ -28,7 +28,7 @@ from qdcp import (
     QuantizedSavePlanner,
 )
 from qdcp import checksums
-from quantized_cases import CASE_BY_NAME, assert_same_buffers, gated_save_planner, inner
+from quantized_cases import CASE_BY_NAME, assert_same_buffers, gated_save_planner, inner, raise_inner
 from test_stager import _mutate, _snapshot
 
 DATA = Path(__file__).with_name("data") / "qdcp-0.1-checkpoints"
@@ -46,17 +46,8 @@ def _targets() -> dict:
             "opt": {"lr": -1.0}}
 
 
-def _inner_error(fn):
-    """DCP wraps each rank's error in CheckpointException (a BaseException): re-raise the first."""
-    try:
-        return fn()
-    except CheckpointException as e:
-        err = next(iter(e.failures.values()))
-        raise (err[0] if isinstance(err, tuple) else err) from None
-
-
 def _load(path, state, **kw):
-    _inner_error(lambda: dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner(**kw)))
+    raise_inner(lambda: dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner(**kw)))
     return state
 
 
@@ -93,7 +84,7 @@ def test_every_item_is_recorded_with_the_hash_of_its_bytes(tmp_path):
 
 def test_checksums_off_records_none_and_loads(tmp_path):
     dcp.save(_state(), checkpoint_id=tmp_path, planner=QuantizedSavePlanner(checksums=False))
-    assert not hasattr(qdcp.read_metadata(tmp_path), checksums.METADATA_ATTRIBUTE)
+    assert checksums.PLANNER_DATA_KEY not in qdcp.read_metadata(tmp_path).planner_data
     loaded = _load(tmp_path, _targets())
     assert_same_buffers(loaded["w"], _state()["w"])
 
@@ -198,7 +189,7 @@ def test_verification_off_is_a_choice(tmp_path):
 def test_unknown_algorithm_is_refused_before_reading(tmp_path):
     dcp.save(_state(), checkpoint_id=tmp_path, planner=QuantizedSavePlanner())
     md = qdcp.read_metadata(tmp_path)
-    md.qdcp_checksums["algorithm"] = "blake9"
+    md.planner_data[checksums.PLANNER_DATA_KEY]["algorithm"] = "blake9"
     import pickle
     (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
     targets = _targets()
@@ -236,7 +227,7 @@ def test_checkpoints_written_before_checksums_still_load(tmp_path, name):
     copy = shutil.copytree(DATA / name, tmp_path / name)
     _flip_stored_bytes(copy, _raw(want["bias"]))
     with pytest.raises(ChecksumError if name == "crc32" else CheckpointFormatError, match="key 'bias'"):
-        _inner_error(lambda: dcp.load(_v01_targets(), storage_reader=CheckpointReader(copy),
+        raise_inner(lambda: dcp.load(_v01_targets(), storage_reader=CheckpointReader(copy),
                                       planner=QuantizedLoadPlanner()))
 
 

@@ -18,22 +18,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlanner, TensorWriteData, WriteItem, WriteItemType
 
 from qdcp import LoadMismatchError, QuantizedLoadPlanner, QuantizedSavePlanner
 from qdcp import checksums
-from quantized_cases import CASE_BY_NAME, assert_same_buffers
+from quantized_cases import CASE_BY_NAME, assert_same_buffers, raise_inner
 from test_stager import _files
-
-
-def _inner_error(fn):
-    try:
-        return fn()
-    except CheckpointException as e:
-        err = next(iter(e.failures.values()))
-        raise (err[0] if isinstance(err, tuple) else err) from None
 
 
 def _both(state, tmp_path, **planner_kw):
@@ -150,7 +141,8 @@ def _local_plan(rank: int, seed: int) -> Any:
 def test_global_plan_caching_caches_what_dcp_caches():
     """As PyTorch's test_planner.py::test_global_plan_with_caching, with qdcp's planner: the plans
     given are cached as given; a second save of the same structure (other values) gets DCP's
-    empty delta plans and equal metadata, whose checksums are the second save's."""
+    empty delta plans and equal metadata. The checksums join the metadata once the coordinator
+    finishes its plan, and they are the second save's."""
     planner = QuantizedSavePlanner(enable_plan_caching=True)
     key = planner._cached_plans_key
     for cache in (SavePlanner._cached_all_plans, SavePlanner._cached_global_plan, SavePlanner._cached_metadata):
@@ -159,12 +151,15 @@ def test_global_plan_caching_caches_what_dcp_caches():
     first_plans, first_md = planner.create_global_plan(all_plans)
     assert SavePlanner._cached_global_plan[key] == first_plans
     assert SavePlanner._cached_all_plans[key] == all_plans
-    first_sums = dict(getattr(first_md, checksums.METADATA_ATTRIBUTE)["items"])
+    planner.finish_plan(first_plans[0])
+    first_sums = dict(first_md.planner_data[checksums.PLANNER_DATA_KEY]["items"])
+    del first_md.planner_data[checksums.PLANNER_DATA_KEY]
     all_plans = [_local_plan(r, 1) for r in range(2)]
     second_plans, second_md = planner.create_global_plan(all_plans)
     assert all(not p.usable and not p.items and p.planner_data is None for p in second_plans)
     assert first_md == second_md == SavePlanner._cached_metadata[key]
-    second_sums = getattr(second_md, checksums.METADATA_ATTRIBUTE)["items"]
+    planner.finish_plan(second_plans[0])
+    second_sums = second_md.planner_data[checksums.PLANNER_DATA_KEY]["items"]
     assert second_sums["tensor"] != first_sums["tensor"]  # fresh: the values changed
     assert second_sums["rank1.__qdcp__.qdata"] == first_sums["rank1.__qdcp__.qdata"]
 
@@ -211,7 +206,7 @@ class _Opaque:
 def test_other_pickled_objects_need_weights_only_false(tmp_path):
     dcp.save({"obj": _Opaque(3)}, checkpoint_id=tmp_path, planner=QuantizedSavePlanner())
     with pytest.raises(LoadMismatchError, match=r"key 'obj'.*_Opaque.*weights_only=False"):
-        _inner_error(lambda: dcp.load({"obj": None}, checkpoint_id=tmp_path, planner=QuantizedLoadPlanner()))
+        raise_inner(lambda: dcp.load({"obj": None}, checkpoint_id=tmp_path, planner=QuantizedLoadPlanner()))
     out = {"obj": None}
     dcp.load(out, checkpoint_id=tmp_path, planner=QuantizedLoadPlanner(weights_only=False))  # trusted
     assert out["obj"].v == 3

@@ -8,7 +8,6 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 import qdcp
 from qdcp import (
@@ -17,18 +16,9 @@ from qdcp import (
     QuantizedLoadPlanner,
     QuantizedSavePlanner,
 )
-from quantized_cases import CASE_BY_NAME, bits, inner
+from quantized_cases import CASE_BY_NAME, bits, inner, raise_inner
 
 INT8 = CASE_BY_NAME["int8_group32"]
-
-
-def _raise_inner(fn):
-    """DCP wraps per-rank errors in CheckpointException (a BaseException); return the inner error."""
-    try:
-        fn()
-    except CheckpointException as e:
-        exc, _trace = next(iter(e.failures.values()))
-        raise exc from None
 
 
 def _saved(tmp_path):
@@ -84,7 +74,7 @@ def test_tampered_spec_is_refused_before_reading(tmp_path, edit, error, match):
     _edit_spec(path, edit)
     state, before = _load_fresh(path)
     with pytest.raises(error, match=match):
-        _raise_inner(lambda: dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner()))
+        raise_inner(lambda: dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner()))
     _assert_untouched(state, before)
 
 
@@ -92,7 +82,7 @@ def test_shape_mismatch_with_target_names_key(tmp_path):
     path = _saved(tmp_path)
     target = INT8.from_hp(INT8.hp(1, (128, 128)))
     with pytest.raises(LoadMismatchError, match="'w'.*shape"):
-        _raise_inner(lambda: dcp.load({"w": target, "b": torch.zeros(3)}, checkpoint_id=path,
+        raise_inner(lambda: dcp.load({"w": target, "b": torch.zeros(3)}, checkpoint_id=path,
                                       planner=QuantizedLoadPlanner()))
 
 
@@ -100,7 +90,7 @@ def test_missing_key_in_checkpoint(tmp_path):
     path = _saved(tmp_path)
     state = {"w": INT8.make(1), "b": torch.zeros(3), "other": INT8.make(2)}
     with pytest.raises(RuntimeError, match="Missing key.*other"):
-        _raise_inner(lambda: dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner()))
+        raise_inner(lambda: dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner()))
     # allow_partial_load skips it and loads the rest
     dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner(allow_partial_load=True))
     assert torch.equal(state["b"], torch.ones(3))
@@ -109,7 +99,7 @@ def test_missing_key_in_checkpoint(tmp_path):
 def test_quantized_entry_into_non_tensor_target(tmp_path):
     path = _saved(tmp_path)
     with pytest.raises(LoadMismatchError, match="'w'"):
-        _raise_inner(lambda: dcp.load({"w": 5, "b": torch.zeros(3)}, checkpoint_id=path,
+        raise_inner(lambda: dcp.load({"w": 5, "b": torch.zeros(3)}, checkpoint_id=path,
                                       planner=QuantizedLoadPlanner()))
 
 
@@ -119,7 +109,7 @@ def test_stale_staged_plain_tensor_with_inner_attributes_is_refused(tmp_path):
     fake = torch.empty(4, 4)
     fake.qdata = torch.zeros(4, 4, dtype=torch.int8)
     with pytest.raises(qdcp.StagingError, match="'w'.*QuantizedStager"):
-        _raise_inner(lambda: dcp.save({"w": fake}, checkpoint_id=tmp_path / "x",
+        raise_inner(lambda: dcp.save({"w": fake}, checkpoint_id=tmp_path / "x",
                                       planner=QuantizedSavePlanner()))
     assert not (tmp_path / "x" / ".metadata").exists()
 
@@ -133,7 +123,7 @@ def test_load_bytes_refuses_pickled_code(tmp_path, capsys):
     dcp.save({"obj": Boom(), "t": torch.ones(2)}, checkpoint_id=path)
     state = {"obj": None, "t": torch.zeros(2)}
     with pytest.raises(LoadMismatchError, match=r"key 'obj'.*refers to print.*weights_only=False"):
-        _raise_inner(lambda: dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner()))
+        raise_inner(lambda: dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner()))
     assert "pwned" not in capsys.readouterr().out
 
 

@@ -10,22 +10,14 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 import qdcp
 from qdcp import CheckpointFormatError, QdcpError, QuantizedLoadPlanner, QuantizedSavePlanner
 from qdcp.storage import ChecksumError, CheckpointReader, CheckpointWriter
 from crash_worker import state
-from quantized_cases import assert_same_buffers
+from quantized_cases import assert_same_buffers, raise_inner
 
 WORKER = os.path.join(os.path.dirname(__file__), "crash_worker.py")
-
-
-def _inner(fn):
-    try:
-        return fn()
-    except CheckpointException as e:
-        raise next(iter(e.failures.values()))[0] from None
 
 
 def save(path, version, overwrite=False, planner_checksums=True, **kw):
@@ -35,7 +27,7 @@ def save(path, version, overwrite=False, planner_checksums=True, **kw):
 
 def load(path):
     out = state(99)
-    _inner(lambda: dcp.load(out, storage_reader=CheckpointReader(path), planner=QuantizedLoadPlanner(),
+    raise_inner(lambda: dcp.load(out, storage_reader=CheckpointReader(path), planner=QuantizedLoadPlanner(),
                             no_dist=True))
     return out
 
@@ -97,7 +89,7 @@ def test_overwrite_needs_an_explicit_choice(tmp_path):
     save(path, 1)
     before = {n: (path / n).read_bytes() for n in os.listdir(path)}
     with pytest.raises(QdcpError, match="already exists.*overwrite=True"):
-        _inner(lambda: save(path, 2))
+        raise_inner(lambda: save(path, 2))
     assert {n: (path / n).read_bytes() for n in os.listdir(path)} == before
     assert_is_version(load(path), 1)
 
@@ -110,7 +102,7 @@ def test_second_save_to_a_path_in_flight_is_refused(tmp_path):
         def resolve_data(self, item):
             if not errors:
                 try:
-                    _inner(lambda: save(path, 5, overwrite=True))
+                    raise_inner(lambda: save(path, 5, overwrite=True))
                 except QdcpError as e:
                     errors.append(e)
             return super().resolve_data(item)

@@ -264,7 +264,7 @@ def test_per_expert_scales_of_shards_inside_experts_must_agree(fake_rank1_of_2):
     b.scale.copy_(a.scale)
     planner, plan_a = local_plan(a)
     # the scales pass; DCP then sees both plans cover rank 1's rows only (this process is rank 1)
-    with pytest.raises(ValueError, match="invalid fill"):
+    with pytest.raises(ValueError, match="invalid fill|Failed to validate global plan"):  # torch 2.13 | 2.11
         planner.create_global_plan([plan_a, local_plan(b)[1]])
 
 

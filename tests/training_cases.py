@@ -111,6 +111,21 @@ class Case:
         return MoE(seed) if self.moe else mlp(seed=seed)
 
 
+_UNAVAILABLE: dict[str, str | None] = {}
+
+
+def unavailable(case: "Case") -> str | None:
+    """Why torchao cannot build ``case`` with this torch (its MXFP8 MoE training asks for a newer
+    torch than 2.11), or None."""
+    if case.name not in _UNAVAILABLE:
+        try:
+            case.model(0)
+            _UNAVAILABLE[case.name] = None
+        except (AssertionError, ImportError, NotImplementedError, RuntimeError) as e:
+            _UNAVAILABLE[case.name] = f"{case.name}: torchao cannot build it with torch {torch.__version__} ({e})"
+    return _UNAVAILABLE[case.name]
+
+
 CASES = [
     Case("float8", float8_training, "WeightWithDynamicFloat8CastTensor"),
     Case("moe_mxfp8", moe_mxfp8_training, "MXFP8TrainingWeightWrapperTensor", moe=True),
