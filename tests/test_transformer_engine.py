@@ -30,7 +30,7 @@ from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale  
 import qdcp  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, UnsupportedTensorError  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
-from qdcp.adapters import transformer_engine as qte  # noqa: E402
+from qdcp.adapters.formats import swizzle_128x4, unpack_fp4, unswizzle_128x4  # noqa: E402
 from quantized_cases import bits, qdcp_load, qdcp_save  # noqa: E402
 
 from transformer_engine.pytorch.constants import DType  # noqa: E402
@@ -283,9 +283,9 @@ def test_te_classes_are_recognised_by_module_and_name(cls_name):
 
 def test_swizzle_matches_the_reference_layout():
     compact = torch.randint(0, 256, (200, 7), generator=_gen(0)).to(torch.uint8)
-    sw = qte.swizzle_128x4(compact)
+    sw = swizzle_128x4(compact)
     assert torch.equal(sw, ref_swizzle(compact))
-    assert torch.equal(qte.unswizzle_128x4(sw, 200, 7), compact)
+    assert torch.equal(unswizzle_128x4(sw, 200, 7), compact)
 
 
 # ----------------------------------------------------------------------------- load matrix
@@ -466,7 +466,7 @@ def test_nvfp4_columnwise_dequantize_matches_rowwise_of_the_same_values():
     # make the columnwise copy hold exactly the rowwise values (transpose codes, same scales)
     a = find_adapter(src)
     c = a.components(src)
-    codes = qte.unpack_fp4(c["rowwise_data"])                # (M, N)
+    codes = unpack_fp4(c["rowwise_data"])                # (M, N)
     ct = codes.t().contiguous()                                # (N, M)
     src._columnwise_data.copy_(ct[:, 0::2] | (ct[:, 1::2] << 4))
     one = torch.zeros((_ru(N, 128), _ru(M // 16, 4)), dtype=torch.uint8)

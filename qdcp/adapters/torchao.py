@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from qdcp.adapters.base import Adapter, StoredEntry
+from qdcp.adapters.formats import swizzle_128x4, unswizzle_128x4
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Blocked, Flat, Layout, Replicated
 
@@ -275,21 +276,19 @@ def _swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
     return -(-rows // 128) * 32, -(-cols // 4) * 16
 
 
-def unswizzle_scale(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Plain ``(..., rows, cols)`` scales from 128x4-tiled ones (padding dropped)."""
-    from_blocked = _import("torchao.prototype.mx_formats.utils", "from_blocked")
+def unswizzle_scale(scale: torch.Tensor, n_rows: int, n_cols: int) -> torch.Tensor:
+    """Plain ``(..., n_rows, n_cols)`` scales from 128x4-tiled ones (padding dropped)."""
     if scale.ndim == 2:
-        return from_blocked(scale, rows, cols)
-    return torch.stack([from_blocked(s, rows, cols) for s in scale])
+        return unswizzle_128x4(scale, n_rows, n_cols)
+    return torch.stack([unswizzle_128x4(s, n_rows, n_cols) for s in scale])
 
 
 def swizzle_scale(scale: torch.Tensor) -> torch.Tensor:
-    """128x4-tiled scales (zero padded) from plain ``(..., rows, cols)`` ones."""
-    to_blocked = _import("torchao.prototype.mx_formats.utils", "to_blocked")
+    """128x4-tiled scales (zero padded) from plain ``(..., rows, cols)`` ones, in torchao's view shape."""
     shape = _swizzled_shape(scale.shape[-2], scale.shape[-1])
     if scale.ndim == 2:
-        return to_blocked(scale).view(shape)
-    return torch.stack([to_blocked(s).view(shape) for s in scale])
+        return swizzle_128x4(scale).view(shape)
+    return torch.stack([swizzle_128x4(s).view(shape) for s in scale])
 
 
 class _BlockScaledAdapter(TorchAOAdapter):

@@ -35,6 +35,8 @@ import torch
 
 from qdcp.adapters.base import Adapter, find_adapter
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
+from qdcp.adapters.formats import (as_u8, bits_as, ceil_div, copy_bits, e2m1_to_float, pad2, round_up,
+                                   rows, swizzle_128x4, unpack_fp4, unswizzle_128x4)
 from qdcp.layouts import Blocked, Layout, Replicated
 
 _TE_TENSOR_MODULE = "transformer_engine.pytorch.tensor"
@@ -45,95 +47,18 @@ _FP8_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FP8_CODES = {v: k for k, v in _FP8_NAMES.items()}
 _FP4_CODE = 10
 
-# E2M1 code -> value (codes 8-15 are the negatives of 0-7).
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-# ----------------------------------------------------------------------------- plain-torch helpers
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _rows(shape) -> int:
-    return math.prod(shape[:-1]) if len(shape) else 1
-
-
-def _pad2(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """``t`` (2-D) in the top-left corner of a zero ``(rows, cols)`` tensor of its dtype."""
-    if tuple(t.shape) == (rows, cols):
-        return t.contiguous()
-    out = torch.zeros((rows, cols), dtype=t.dtype, device=t.device)
-    out[: t.shape[0], : t.shape[1]] = t
-    return out
-
-
-def swizzle_128x4(compact: torch.Tensor) -> torch.Tensor:
-    """GEMM (cuBLAS/TE) 128x4-tiled scale layout of a 2-D ``(rows, cols)`` scale, zero padded.
-
-    Returns ``(roundup(rows, 128), roundup(cols, 4))``: tiles row-major, and inside a tile the
-    byte for ``(r, c)`` sits at ``(r % 32) * 16 + (r // 32) * 4 + c``.
-    """
-    rows, cols = _round_up(compact.shape[0], 128), _round_up(compact.shape[1], 4)
-    p = _pad2(compact, rows, cols)
-    return p.view(rows // 128, 4, 32, cols // 4, 4).permute(0, 3, 2, 1, 4).reshape(rows, cols)
-
-
-def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of :func:`swizzle_128x4`: the compact ``(rows, cols)`` scale (padding dropped)."""
-    pr, pc = _round_up(rows, 128), _round_up(cols, 4)
-    flat = swizzled.reshape(-1)[: pr * pc]
-    out = flat.view(pr // 128, pc // 4, 32, 4, 4).permute(0, 3, 2, 1, 4).reshape(pr, pc)
-    return out[:rows, :cols]
-
-
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
-
-
-def _bits_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Reinterpret ``t``'s bytes as ``dtype`` when both are 1-byte types, else convert values."""
-    if t.dtype == dtype:
-        return t
-    if t.element_size() == 1 and torch.empty((), dtype=dtype).element_size() == 1:
-        return t.view(dtype)
-    return t.to(dtype)
-
-
-def _copy_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src``'s bytes into ``dst`` (both 1 byte per element), or values for wider dtypes."""
-    if dst.element_size() == 1 and src.element_size() == 1:
-        dst.view(torch.uint8).copy_(src.reshape(dst.shape).view(torch.uint8))
-    else:
-        dst.copy_(src.reshape(dst.shape))
-
-
-def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """float32 values of E2M1 codes (uint8 in 0..15)."""
-    lut = torch.tensor(_E2M1, dtype=torch.float32, device=codes.device)
-    return lut[codes.long()]
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """``(..., K/2)`` packed bytes -> ``(..., K)`` E2M1 codes; element 2k is the low nibble."""
-    p = _u8(packed)
-    return torch.stack([p & 0xF, p >> 4], dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
 
 
 def dequantize_fp8(data: torch.Tensor, fp8: str, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """TE Float8: ``fp8 * scale_inv`` in float32, then ``dtype`` (TE's CPU path, bit for bit)."""
-    return (_bits_as(data, _FP8_TORCH[fp8]).float() * scale_inv.float()).to(dtype)
+    return (bits_as(data, _FP8_TORCH[fp8]).float() * scale_inv.float()).to(dtype)
 
 
 def dequantize_mxfp8(data: torch.Tensor, fp8: str, scale: torch.Tensor, block_rows: int,
                      block_cols: int, dtype: torch.dtype) -> torch.Tensor:
     """MXFP8: ``fp8 * 2^(e-127)``, one E8M0 ``scale`` item per ``block_rows x block_cols`` block."""
-    x = _bits_as(data, _FP8_TORCH[fp8]).float()
-    s = _bits_as(scale, torch.float8_e8m0fnu).float()
+    x = bits_as(data, _FP8_TORCH[fp8]).float()
+    s = bits_as(scale, torch.float8_e8m0fnu).float()
     s = s.repeat_interleave(block_rows, dim=-2)[..., : x.shape[-2], :] if block_rows > 1 else s
     s = s.repeat_interleave(block_cols, dim=-1)[..., : x.shape[-1]] if block_cols > 1 else s
     return (x * s).to(dtype)
@@ -290,9 +215,9 @@ class TEFloat8TensorAdapter(TEAdapter):
             target._scale_inv.copy_(value.reshape(target._scale_inv.shape))
             return
         if target._data is not None:
-            _copy_bits(target._data, value)
+            copy_bits(target._data, value)
         if target._transpose is not None:
-            _copy_bits(target._transpose, _u8(value).movedim(-1, 0))
+            copy_bits(target._transpose, as_u8(value).movedim(-1, 0))
             target._transpose_invalid = False
 
     def _dequantize(self, attrs, shape, dtype, comps):
@@ -300,7 +225,7 @@ class TEFloat8TensorAdapter(TEAdapter):
 
     def _rebuild_te(self, attrs, shape, dtype, comps):
         te = _te_tensor_module()
-        data = _u8(comps["data"]).contiguous()
+        data = as_u8(comps["data"]).contiguous()
         return te.Float8Tensor(shape=shape, dtype=dtype, data=data, fp8_scale_inv=comps["scale_inv"],
                                fp8_dtype=_te_dtype(_FP8_CODES[attrs["fp8_dtype"]]),
                                device=data.device)
@@ -340,17 +265,17 @@ class TEMXFP8TensorAdapter(TEAdapter):
     def components(self, t):
         fp8 = _FP8_TORCH[_FP8_NAMES[int(t._fp8_dtype)]]
         shape = tuple(t.shape)
-        m, n = _rows(shape), shape[-1]
+        m, n = rows(shape), shape[-1]
         out = {}
         if t._rowwise_data is not None:
-            s = _u8(t._rowwise_scale_inv)
-            nb = _cdiv(n, 32)
+            s = as_u8(t._rowwise_scale_inv)
+            nb = ceil_div(n, 32)
             s = unswizzle_128x4(s, m, nb) if t._with_gemm_swizzled_scales else s[:m, :nb]
             out["rowwise_data"] = t._rowwise_data.view(fp8)
             out["rowwise_scale_inv"] = s.contiguous().view(torch.float8_e8m0fnu).reshape(*shape[:-1], nb)
         if t._columnwise_data is not None:
-            s = _u8(t._columnwise_scale_inv)
-            mb = _cdiv(m, 32)
+            s = as_u8(t._columnwise_scale_inv)
+            mb = ceil_div(m, 32)
             # Swizzled columnwise scales tile the transposed (N, M/32) matrix.
             s = unswizzle_128x4(s, n, mb).t() if t._with_gemm_swizzled_scales else s[:mb, :n]
             out["columnwise_data"] = t._columnwise_data.view(fp8)
@@ -369,25 +294,25 @@ class TEMXFP8TensorAdapter(TEAdapter):
     @staticmethod
     def native_scale(compact: torch.Tensor, columnwise: bool, swizzled: bool) -> torch.Tensor:
         """TE's padded (and optionally swizzled) scale buffer from a compact canonical one."""
-        c = _u8(compact.contiguous())
+        c = as_u8(compact.contiguous())
         c = c.reshape(-1, c.shape[-1])
         if columnwise:
-            rows, cols = _round_up(c.shape[0], 4), _round_up(c.shape[1], 128)
+            rows, cols = round_up(c.shape[0], 4), round_up(c.shape[1], 128)
             if swizzled:
                 return swizzle_128x4(c.t()).reshape(rows, cols)
-            return _pad2(c, rows, cols)
+            return pad2(c, rows, cols)
         if swizzled:
             return swizzle_128x4(c)
-        return _pad2(c, _round_up(c.shape[0], 128), _round_up(c.shape[1], 4))
+        return pad2(c, round_up(c.shape[0], 128), round_up(c.shape[1], 4))
 
     def _copy_component(self, target, name, value):
         buf = getattr(target, "_" + name)
         if name.endswith("_data"):
-            _copy_bits(buf, value)
+            copy_bits(buf, value)
         else:
             native = self.native_scale(value, name.startswith("columnwise"),
                                        target._with_gemm_swizzled_scales)
-            _copy_bits(buf, native)
+            copy_bits(buf, native)
 
     def _dequantize(self, attrs, shape, dtype, comps):
         fp8 = attrs["fp8_dtype"]
@@ -401,7 +326,7 @@ class TEMXFP8TensorAdapter(TEAdapter):
         kw = {}
         for d in ("rowwise", "columnwise"):
             data = comps.get(f"{d}_data")
-            kw[f"{d}_data"] = None if data is None else _u8(data).contiguous()
+            kw[f"{d}_data"] = None if data is None else as_u8(data).contiguous()
             scale = comps.get(f"{d}_scale_inv")
             kw[f"{d}_scale_inv"] = None if scale is None else self.native_scale(scale, d == "columnwise", False)
         device = next(v.device for v in comps.values())
@@ -431,8 +356,8 @@ class TEMXFP8TensorAdapter(TEAdapter):
     def raw_load(self, target, source_type, source_attrs, components):
         if source_type == self.type_names[0]:
             find_adapter(target).copy_into(target, {
-                "qdata": _bits_as(components["rowwise_data"], target.elem_dtype),
-                "scale": _bits_as(components["rowwise_scale_inv"], torch.float8_e8m0fnu)})
+                "qdata": bits_as(components["rowwise_data"], target.elem_dtype),
+                "scale": bits_as(components["rowwise_scale_inv"], torch.float8_e8m0fnu)})
         else:
             self.copy_into(target, {"rowwise_data": components["qdata"],
                                     "rowwise_scale_inv": components["scale"]})
@@ -476,7 +401,7 @@ class TEFloat8BlockwiseQTensorAdapter(TEAdapter):
         _check_2d(t.shape, self.cls_name, "blockwise FP8")
         fp8 = _FP8_TORCH[_FP8_NAMES[int(t._fp8_dtype)]]
         m, n = t.shape
-        tm, tn = _cdiv(m, 128), _cdiv(n, 128)
+        tm, tn = ceil_div(m, 128), ceil_div(n, 128)
         out = {}
         if t._is_2D_scaled:
             if t._rowwise_data is not None:
@@ -503,27 +428,27 @@ class TEFloat8BlockwiseQTensorAdapter(TEAdapter):
     def native_buffers(is_2d: bool, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         """TE buffers (by attribute) that canonical component ``name`` fills."""
         if name == "rowwise_data":
-            out = {"_rowwise_data": _u8(value)}
+            out = {"_rowwise_data": as_u8(value)}
             if is_2d:  # the 128x128 columnwise copy is the transpose of the rowwise one
-                out["_columnwise_data"] = _u8(value).t()
+                out["_columnwise_data"] = as_u8(value).t()
             return out
         if name == "columnwise_data":
-            return {"_columnwise_data": _u8(value).t()}
+            return {"_columnwise_data": as_u8(value).t()}
         if is_2d:  # rowwise_scale_inv (tm, tn)
             tm, tn = value.shape
-            return {"_rowwise_scale_inv": _pad2(value, tm, _round_up(tn, 4)),
-                    "_columnwise_scale_inv": _pad2(value.t(), tn, _round_up(tm, 4))}
+            return {"_rowwise_scale_inv": pad2(value, tm, round_up(tn, 4)),
+                    "_columnwise_scale_inv": pad2(value.t(), tn, round_up(tm, 4))}
         if name == "rowwise_scale_inv":  # (m, tn) -> (tn, roundup(m, 4))
             m, tn = value.shape
-            return {"_rowwise_scale_inv": _pad2(value.t(), tn, _round_up(m, 4))}
+            return {"_rowwise_scale_inv": pad2(value.t(), tn, round_up(m, 4))}
         tm, n = value.shape  # columnwise_scale_inv (tm, n) -> (tm, roundup(n, 4))
-        return {"_columnwise_scale_inv": _pad2(value, tm, _round_up(n, 4))}
+        return {"_columnwise_scale_inv": pad2(value, tm, round_up(n, 4))}
 
     def _copy_component(self, target, name, value):
         for attr, native in self.native_buffers(target._is_2D_scaled, name, value).items():
             buf = getattr(target, attr)
             if buf is not None:
-                _copy_bits(buf, native)
+                copy_bits(buf, native)
 
     def _dequantize(self, attrs, shape, dtype, comps):
         fp8 = _FP8_TORCH[attrs["fp8_dtype"]]
@@ -531,14 +456,14 @@ class TEFloat8BlockwiseQTensorAdapter(TEAdapter):
             q, s = comps["rowwise_data"], comps["rowwise_scale_inv"]
             m, n = q.shape
             s = s.repeat_interleave(128, 0)[:m].repeat_interleave(128, 1)[:, :n]
-            return (_bits_as(q, fp8).to(torch.float32) * s).to(dtype)
+            return (bits_as(q, fp8).to(torch.float32) * s).to(dtype)
         if "rowwise_data" in comps:
             q, s = comps["rowwise_data"], comps["rowwise_scale_inv"]
             s = s.repeat_interleave(128, 1)[:, : q.shape[1]]
         else:
             q, s = comps["columnwise_data"], comps["columnwise_scale_inv"]
             s = s.repeat_interleave(128, 0)[: q.shape[0]]
-        return (_bits_as(q, fp8).to(torch.float32) * s).to(dtype)
+        return (bits_as(q, fp8).to(torch.float32) * s).to(dtype)
 
     def _rebuild_te(self, attrs, shape, dtype, comps):
         te = _te_tensor_module()
@@ -598,22 +523,22 @@ class TENVFP4TensorAdapter(TEAdapter):
 
     def components(self, t):
         shape = tuple(t.shape)
-        m, n = _rows(shape), shape[-1]
+        m, n = rows(shape), shape[-1]
         swz = t._with_gemm_swizzled_scales
         out = {}
         if t._rowwise_data is not None:
-            nb = _cdiv(n, 16)
-            s = _u8(t._rowwise_scale_inv)
+            nb = ceil_div(n, 16)
+            s = as_u8(t._rowwise_scale_inv)
             s = unswizzle_128x4(s, m, nb) if swz else s[:m, :nb]
-            out["rowwise_data"] = _u8(t._rowwise_data)
+            out["rowwise_data"] = as_u8(t._rowwise_data)
             out["rowwise_scale_inv"] = s.contiguous().view(torch.float8_e4m3fn).reshape(*shape[:-1], nb)
             amax = t._amax_rowwise
             out["amax_rowwise"] = amax.reshape(*shape[:-1], 1) if t._row_scaled_nvfp4 else amax
         if t._columnwise_data is not None:
-            mb = _cdiv(m, 16)
-            s = _u8(t._columnwise_scale_inv)
+            mb = ceil_div(m, 16)
+            s = as_u8(t._columnwise_scale_inv)
             s = unswizzle_128x4(s, n, mb) if swz else s[:n, :mb]
-            out["columnwise_data"] = _u8(t._columnwise_data).t().contiguous()
+            out["columnwise_data"] = as_u8(t._columnwise_data).t().contiguous()
             out["columnwise_scale_inv"] = s.t().contiguous().view(torch.float8_e4m3fn)
             out["amax_columnwise"] = t._amax_columnwise
         return out
@@ -621,7 +546,7 @@ class TENVFP4TensorAdapter(TEAdapter):
     def native_components(self, t):
         out = {}
         if t._rowwise_data is not None:
-            out["rowwise_data"] = _u8(t._rowwise_data)
+            out["rowwise_data"] = as_u8(t._rowwise_data)
             if not t._row_scaled_nvfp4:
                 out["amax_rowwise"] = t._amax_rowwise
         if t._columnwise_data is not None:
@@ -630,22 +555,22 @@ class TENVFP4TensorAdapter(TEAdapter):
 
     @staticmethod
     def native_scale(compact: torch.Tensor, columnwise: bool, swizzled: bool) -> torch.Tensor:
-        c = _u8(compact.contiguous())
+        c = as_u8(compact.contiguous())
         c = c.reshape(-1, c.shape[-1])
         if columnwise:
             c = c.t()  # (N, M/16): TE keeps columnwise scales in the transposed orientation
         if swizzled:
             return swizzle_128x4(c)
-        return _pad2(c, _round_up(c.shape[0], 128), _round_up(c.shape[1], 4))
+        return pad2(c, round_up(c.shape[0], 128), round_up(c.shape[1], 4))
 
     def _copy_component(self, target, name, value):
         buf = getattr(target, "_" + name)
         if name == "rowwise_data":
-            _copy_bits(buf, value)
+            copy_bits(buf, value)
         elif name == "columnwise_data":
-            _copy_bits(buf, _u8(value).t())
+            copy_bits(buf, as_u8(value).t())
         elif name.endswith("_scale_inv"):
-            _copy_bits(buf, self.native_scale(value, name.startswith("columnwise"),
+            copy_bits(buf, self.native_scale(value, name.startswith("columnwise"),
                                               target._with_gemm_swizzled_scales))
         else:
             buf.copy_(value.reshape(buf.shape))
@@ -658,7 +583,7 @@ class TENVFP4TensorAdapter(TEAdapter):
         finv = torch.tensor(1.0 / (6.0 * float(attrs.get("e4m3_max", 448))), dtype=torch.float32)
         if "rowwise_data" in comps:
             codes = unpack_fp4(comps["rowwise_data"])[..., : shape[-1]]
-            scale = _bits_as(comps["rowwise_scale_inv"], torch.float8_e4m3fn).float()
+            scale = bits_as(comps["rowwise_scale_inv"], torch.float8_e4m3fn).float()
             amax = comps["amax_rowwise"].float()
             amax = amax.reshape(*shape[:-1], 1) if attrs.get("row_scaled") else amax.reshape(())
             final = (scale * amax) * finv  # TE's kernel: float(scale) * amax * (1 / (6 * e4m3_max))
@@ -669,9 +594,9 @@ class TENVFP4TensorAdapter(TEAdapter):
                 "NVFP4 columnwise-only tensor with random Hadamard transform: its values cannot be "
                 "recovered without the inverse transform; save or load the rowwise copy")
         packed = comps["columnwise_data"]  # (M/2, N), two logical rows per byte
-        p = _u8(packed)
+        p = as_u8(packed)
         codes = torch.stack([p & 0xF, p >> 4], dim=1).reshape(p.shape[0] * 2, p.shape[1])[: shape[0]]
-        scale = _bits_as(comps["columnwise_scale_inv"], torch.float8_e4m3fn).float()
+        scale = bits_as(comps["columnwise_scale_inv"], torch.float8_e4m3fn).float()
         final = (scale * comps["amax_columnwise"].float().reshape(-1)[0]) * finv
         final = final.repeat_interleave(16, dim=0)[: shape[0]]
         return (e2m1_to_float(codes) * final).to(dtype)
@@ -684,7 +609,7 @@ class TENVFP4TensorAdapter(TEAdapter):
             if data is None:
                 kw[f"{d}_data"] = kw[f"{d}_scale_inv"] = kw[f"amax_{d}"] = None
                 continue
-            kw[f"{d}_data"] = _u8(data).contiguous() if d == "rowwise" else _u8(data).t().contiguous()
+            kw[f"{d}_data"] = as_u8(data).contiguous() if d == "rowwise" else as_u8(data).t().contiguous()
             kw[f"{d}_scale_inv"] = self.native_scale(comps[f"{d}_scale_inv"], d == "columnwise", False)
             kw[f"amax_{d}"] = comps[f"amax_{d}"].reshape(-1).contiguous()
         device = next(v.device for v in comps.values())
@@ -722,8 +647,8 @@ class TENVFP4TensorAdapter(TEAdapter):
             amax = components["amax_rowwise"].float().reshape(())
             pts = amax / _TORCHAO_NVFP4_DIVISOR
             find_adapter(target).copy_into(target, {
-                "qdata": _u8(components["rowwise_data"]),
-                "scale": _bits_as(components["rowwise_scale_inv"], torch.float8_e4m3fn),
+                "qdata": as_u8(components["rowwise_data"]),
+                "scale": bits_as(components["rowwise_scale_inv"], torch.float8_e4m3fn),
                 "per_tensor_scale": pts.reshape(target.per_tensor_scale.shape)})
             return
         pts = components.get("per_tensor_scale")

@@ -1,0 +1,96 @@
+"""Plain-torch helpers for the low-precision formats several adapter families share.
+
+Nothing here knows a tensor class: these are the byte layouts themselves (128x4-tiled block
+scales, packed E2M1 nibbles, 1-byte reinterpretation), written once so that the torchao and
+TransformerEngine adapters agree on them bit for bit. The tiled layout is the one cuBLAS uses
+for block-scaled GEMMs; torchao's ``to_blocked`` / ``from_blocked`` and TE's swizzled scales are
+this layout (tests compare against torchao's own functions).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["ceil_div", "round_up", "rows", "pad2", "swizzle_128x4", "unswizzle_128x4", "as_u8",
+           "bits_as", "copy_bits", "e2m1_to_float", "unpack_fp4"]
+
+# E2M1 code -> value (codes 8-15 are the negatives of 0-7).
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative integers."""
+    return -(-a // b)
+
+
+def round_up(x: int, m: int) -> int:
+    """``x`` rounded up to a multiple of ``m``."""
+    return ceil_div(x, m) * m
+
+
+def rows(shape) -> int:
+    """Rows of ``shape`` seen as a 2-D matrix (all dims but the last; 1 for a scalar)."""
+    return math.prod(shape[:-1]) if len(shape) else 1
+
+
+def pad2(t: torch.Tensor, n_rows: int, n_cols: int) -> torch.Tensor:
+    """``t`` (2-D) in the top-left corner of a zero ``(n_rows, n_cols)`` tensor of its dtype."""
+    if tuple(t.shape) == (n_rows, n_cols):
+        return t.contiguous()
+    out = torch.zeros((n_rows, n_cols), dtype=t.dtype, device=t.device)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def swizzle_128x4(compact: torch.Tensor) -> torch.Tensor:
+    """128x4-tiled layout of a 2-D ``(rows, cols)`` scale, zero padded.
+
+    Returns ``(round_up(rows, 128), round_up(cols, 4))``: tiles row-major, and inside a tile the
+    byte for ``(r, c)`` sits at ``(r % 32) * 16 + (r // 32) * 4 + c``.
+    """
+    n_rows, n_cols = round_up(compact.shape[0], 128), round_up(compact.shape[1], 4)
+    p = pad2(compact, n_rows, n_cols)
+    return p.view(n_rows // 128, 4, 32, n_cols // 4, 4).permute(0, 3, 2, 1, 4).reshape(n_rows, n_cols)
+
+
+def unswizzle_128x4(swizzled: torch.Tensor, n_rows: int, n_cols: int) -> torch.Tensor:
+    """Inverse of :func:`swizzle_128x4`: the compact ``(n_rows, n_cols)`` scale (padding dropped)."""
+    pr, pc = round_up(n_rows, 128), round_up(n_cols, 4)
+    flat = swizzled.reshape(-1)[: pr * pc]
+    out = flat.view(pr // 128, pc // 4, 32, 4, 4).permute(0, 3, 2, 1, 4).reshape(pr, pc)
+    return out[:n_rows, :n_cols]
+
+
+def as_u8(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as uint8 (``t`` has 1-byte elements)."""
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def bits_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret ``t``'s bytes as ``dtype`` when both are 1-byte types, else convert values."""
+    if t.dtype == dtype:
+        return t
+    if t.element_size() == 1 and torch.empty((), dtype=dtype).element_size() == 1:
+        return t.view(dtype)
+    return t.to(dtype)
+
+
+def copy_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src``'s bytes into ``dst`` (both 1 byte per element), or values for wider dtypes."""
+    if dst.element_size() == 1 and src.element_size() == 1:
+        dst.view(torch.uint8).copy_(src.reshape(dst.shape).view(torch.uint8))
+    else:
+        dst.copy_(src.reshape(dst.shape))
+
+
+def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of E2M1 codes (uint8 in 0..15)."""
+    lut = torch.tensor(_E2M1, dtype=torch.float32, device=codes.device)
+    return lut[codes.long()]
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """``(..., K/2)`` packed bytes -> ``(..., K)`` E2M1 codes; element 2k is the low nibble."""
+    p = as_u8(packed)
+    return torch.stack([p & 0xF, p >> 4], dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
