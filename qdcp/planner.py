@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor
 
 from qdcp import checksums as sums
 from qdcp import spec as qspec
-from qdcp.adapters.base import Adapter, StoredEntry, adapter_for_type, find_adapter
+from qdcp.adapters.base import Adapter, RawConversion, StoredEntry, adapter_for_type, find_adapter, raw_conversion
 from qdcp.errors import (
     AlignmentError,
     CheckpointFormatError,
@@ -485,7 +485,7 @@ class _LoadEntry:
     needs: dict[str, tuple[TensorStorageMetadata, Chunk]]  # item fqn -> (checkpoint md, chunk)
     source_attrs: dict[str, Any] | None = None  # decoded attributes of a raw checkpoint entry
     pending: int = 0
-    raw_owner: Adapter | None = None    # mode "raw_copy": the adapter whose raw_load fills the target
+    raw_copy: RawConversion | None = None    # mode "raw_copy": how the read components fill the target
     storage: dict[str, str] = dataclasses.field(default_factory=dict)  # item fqn -> checkpoint item, if other
     group: _MembersLoad | None = None   # a member of a group target loaded by member
 
@@ -851,28 +851,29 @@ _SAFE_OBJECT_TYPES = (io.BytesIO, argparse.Namespace)
 
 
 def _plan_raw_copy(fqn, placed, adapter, source, source_adapter, source_attrs, layouts, md, src_items):
-    """A raw entry of another type that holds the target's bits (e.g. TE MXFP8 <-> torchao MXTensor):
-    read the components one of the two adapters names, for exactly the target's chunk, and let it
-    copy them in (no dequantize, no requantization). None when neither adapter offers it, or the
-    target's chunk is not aligned to those components' layouts."""
-    for owner in (adapter, source_adapter):
-        names = owner.raw_load_sources(placed.local, source.type, source_attrs)
-        if names is None:
-            continue
-        buffers, temps, needs = {}, {}, {}
-        try:
-            for name in names:
-                c = source.component(name)
-                item = qspec.component_fqn(fqn, name)
-                chunk = layouts[name].map_chunk(source.shape, placed.chunk)
-                buffers[item] = torch.empty(chunk[1], dtype=c.dtype)
-                temps[item] = name
-                needs[item] = (md[src_items[name]], chunk)
-        except (AlignmentError, KeyError):
-            return None
-        return _LoadEntry(fqn, placed, adapter, source, "raw_copy", placed.chunk, buffers, temps, needs,
-                          source_attrs, raw_owner=owner)
-    return None
+    """A raw entry of another type that holds the target's bits: read the components that carry
+    them (:func:`qdcp.adapters.base.raw_conversion`), for exactly the target's chunk. None when
+    there is no such path, or the target's chunk is not aligned to those components' layouts."""
+    how = raw_conversion(adapter, placed.local, source_adapter, source.type, source_attrs)
+    if how is None:
+        return None
+    return _raw_copy_entry(fqn, placed, adapter, source, source_attrs, layouts, md, src_items, how)
+
+
+def _raw_copy_entry(fqn, placed, adapter, source, source_attrs, layouts, md, src_items, how):
+    buffers, temps, needs = {}, {}, {}
+    try:
+        for name in how.names:
+            c = source.component(name)
+            item = qspec.component_fqn(fqn, name)
+            chunk = layouts[name].map_chunk(source.shape, placed.chunk)
+            buffers[item] = torch.empty(chunk[1], dtype=c.dtype)
+            temps[item] = name
+            needs[item] = (md[src_items[name]], chunk)
+    except (AlignmentError, KeyError):
+        return None
+    return _LoadEntry(fqn, placed, adapter, source, "raw_copy", placed.chunk, buffers, temps, needs,
+                      source_attrs, raw_copy=how)
 
 
 def _with_storage(entry: _LoadEntry, fqn: str, src_items: dict[str, str]) -> _LoadEntry:
@@ -957,7 +958,7 @@ def _finalize(entry: _LoadEntry) -> None:
         return
     if entry.mode == "raw_copy":
         comps = {c: entry.buffers[i] for i, c in entry.temps.items()}
-        entry.raw_owner.raw_load(target, entry.source.type, entry.source_attrs, comps)
+        entry.raw_copy.fill(target, comps)
         return
     if entry.mode == "quantize":
         read = next(iter(entry.buffers.values()))

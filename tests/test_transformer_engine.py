@@ -30,6 +30,7 @@ from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale  
 import qdcp  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, UnsupportedTensorError  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
+from qdcp.adapters.base import raw_conversion  # noqa: E402
 from qdcp.adapters.formats import swizzle_128x4, unpack_fp4, unswizzle_128x4  # noqa: E402
 from quantized_cases import bits, qdcp_load, qdcp_save  # noqa: E402
 
@@ -493,16 +494,15 @@ def test_blockwise_dequantize_equals_te_own_for_unaligned_shapes():
 # ----------------------------------------------------------------------------- raw conversion with torchao
 
 def _raw_convert(source, target):
-    """What the load planner does for a raw entry of another library holding the same bits."""
+    """The load planner's raw path for an entry of another library holding the same bits."""
     src_adapter = find_adapter(source)
     attrs = src_adapter.attributes(source)
     comps = src_adapter.components(source)
-    for adapter in (find_adapter(target), src_adapter):
-        names = adapter.raw_load_sources(target, src_adapter.type_name(source), attrs)
-        if names is not None:
-            adapter.raw_load(target, src_adapter.type_name(source), attrs, {n: comps[n] for n in names})
-            return True
-    return False
+    how = raw_conversion(find_adapter(target), target, src_adapter, src_adapter.type_name(source), attrs)
+    if how is None:
+        return False
+    how.fill(target, {n: comps[n] for n in how.names})
+    return True
 
 
 def test_te_mxfp8_to_torchao_mxtensor_and_back_bit_exact():

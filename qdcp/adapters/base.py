@@ -41,7 +41,9 @@ class Adapter:
     - the save planner: :meth:`type_name`, :meth:`attributes`, :meth:`info`, :meth:`components`,
       :meth:`layouts` (raw entries), :meth:`dequantize` (dequantized entries), :meth:`unwrap`;
     - the load planner: the same, plus :meth:`native_components`, :meth:`copy_into` (same type),
-      :meth:`raw_load_sources` / :meth:`raw_load` (another library's type, same bits),
+      :meth:`raw_load_sources` / :meth:`raw_load` (another type of the same family, same bits),
+      :meth:`raw_forms_in` / :meth:`from_raw_form` with the source's :meth:`raw_forms_out` /
+      :meth:`to_raw_form` (another family's type holding the same format, through a neutral form),
       :meth:`dequantize_stored` and :meth:`quantize_like` / :meth:`needs_global_amax` /
       :meth:`quantize_unsupported` (other types), :meth:`members` / :meth:`member_chunk` /
       :meth:`members_loaded` (groups);
@@ -154,15 +156,35 @@ class Adapter:
 
     def raw_load_sources(self, target: torch.Tensor, source_type: str,
                          source_attrs: dict[str, Any]) -> list[str] | None:
-        """For a raw checkpoint entry of *another* type: the source components from which
-        :meth:`raw_load` fills ``target`` exactly (the same bits in another library's layout), or
-        None (default) when it cannot. Asked of the target's adapter, then of the source's."""
+        """For a raw checkpoint entry of *another* type of this adapter's own family (or ``target``
+        of another type of it): the source components from which :meth:`raw_load` fills ``target``
+        exactly, or None (default) when it cannot. Asked of the target's adapter, then of the source's."""
         return None
 
     def raw_load(self, target: torch.Tensor, source_type: str, source_attrs: dict[str, Any],
                  components: Mapping[str, torch.Tensor]) -> None:
         """Fill ``target`` in place from the canonical ``components`` named by :meth:`raw_load_sources`
         (for the chunk ``target`` holds)."""
+        raise NotImplementedError
+
+    # Raw conversion across families through a neutral form (qdcp.adapters.formats). Optional.
+
+    def raw_forms_out(self, type_name: str, attrs: Mapping[str, Any]) -> Mapping[str, list[str]]:
+        """Forms a stored entry of ``type_name`` / ``attrs`` can be stated in exactly, each with the
+        canonical components it needs. Default: none."""
+        return {}
+
+    def to_raw_form(self, type_name: str, attrs: Mapping[str, Any], form: str,
+                    components: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors of ``form`` from the components :meth:`raw_forms_out` named (for one chunk)."""
+        raise NotImplementedError
+
+    def raw_forms_in(self, target: torch.Tensor) -> tuple[str, ...]:
+        """Forms from which :meth:`from_raw_form` fills ``target`` exactly, best first. Default: none."""
+        return ()
+
+    def from_raw_form(self, target: torch.Tensor, form: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Fill ``target`` in place from the tensors of ``form`` (for the chunk ``target`` holds)."""
         raise NotImplementedError
 
     # Op registration: filling aten ops a library lacks (DCP's default stager needs new_empty). Optional.
@@ -193,6 +215,46 @@ class Adapter:
     def members_loaded(self, t: torch.Tensor) -> None:
         """Called once after every member of ``t`` was loaded from its own checkpoint key: bring
         group-only state (buffers no member references) in line. Default: nothing."""
+
+
+# ----------------------------------------------------------------------------- raw conversion
+
+@dataclasses.dataclass(frozen=True)
+class RawConversion:
+    """How a raw entry of another type fills a target with the same bits: read ``names`` (canonical
+    components of the stored entry), then :meth:`fill`. Within one family ``owner.raw_load`` does it;
+    with a ``form``, the source's adapter states the bits in that neutral form and the target's
+    adapter takes them (:mod:`qdcp.adapters.formats`)."""
+
+    names: tuple[str, ...]
+    target_adapter: Adapter
+    owner: Adapter
+    source_type: str
+    source_attrs: Mapping[str, Any]
+    form: str | None = None
+
+    def fill(self, target: torch.Tensor, components: Mapping[str, torch.Tensor]) -> None:
+        """Fill ``target`` in place from the stored ``components`` (for the chunk it holds)."""
+        if self.form is None:
+            self.owner.raw_load(target, self.source_type, dict(self.source_attrs), components)
+            return
+        tensors = self.owner.to_raw_form(self.source_type, self.source_attrs, self.form, components)
+        self.target_adapter.from_raw_form(target, self.form, tensors)
+
+
+def raw_conversion(target_adapter: Adapter, target: torch.Tensor, source_adapter: Adapter, source_type: str,
+                   source_attrs: Mapping[str, Any]) -> RawConversion | None:
+    """The exact raw path from a stored entry of ``source_type`` into ``target``, or None: first a
+    conversion either adapter makes within its family, then a form both declare."""
+    for owner in (target_adapter, source_adapter):
+        names = owner.raw_load_sources(target, source_type, dict(source_attrs))
+        if names is not None:
+            return RawConversion(tuple(names), target_adapter, owner, source_type, source_attrs)
+    offered = source_adapter.raw_forms_out(source_type, source_attrs)
+    form = next((f for f in target_adapter.raw_forms_in(target) if f in offered), None)
+    if form is None:
+        return None
+    return RawConversion(tuple(offered[form]), target_adapter, source_adapter, source_type, source_attrs, form)
 
 
 # ----------------------------------------------------------------------------- registry

@@ -12,8 +12,35 @@ import math
 
 import torch
 
-__all__ = ["ceil_div", "round_up", "rows", "pad2", "swizzle_128x4", "unswizzle_128x4", "as_u8",
+__all__ = ["MXFP8_FORMS", "NVFP4_ROW16", "NVFP4_GLOBAL_DIVISOR", "mxfp8_form", "ceil_div", "round_up", "rows", "pad2", "swizzle_128x4", "unswizzle_128x4", "as_u8",
            "bits_as", "copy_bits", "e2m1_to_float", "unpack_fp4"]
+
+# ----------------------------------------------------------------------------- raw interchange forms
+#
+# A *form* is a library-neutral statement of the bits of a quantized tensor, so that two adapter
+# families that hold the same format can convert raw, each knowing only its own tensors: the source
+# adapter turns its stored components into the form's tensors (Adapter.to_raw_form), the target's
+# adapter fills its tensor from them (Adapter.from_raw_form). Tensors of a form cover the same
+# logical chunk as the components they came from.
+#
+# ``mxfp8_e4m3_row32`` / ``mxfp8_e5m2_row32`` (OCP MX, one E8M0 scale per 32 elements of a row):
+#   ``data``  uint8, the logical shape: the fp8 bytes;
+#   ``scale`` uint8, ``(..., ceil(K / 32))``: E8M0 exponents, plain (not tiled), no padding.
+# ``nvfp4_row16`` (NVIDIA FP4: E2M1 codes, one E4M3 scale per 16 elements of a row, one fp32 global):
+#   ``data``  uint8, ``(..., K / 2)``: two E2M1 codes a byte, element 2k in the low nibble;
+#   ``scale`` uint8, ``(..., K / 16)``: E4M3 bytes, plain, no padding;
+#   ``amax``  float32, shape ``()``: the tensor's global abs-max; the second-level decode scale is
+#             ``amax / (6 * 448)`` (:data:`NVFP4_GLOBAL_DIVISOR`).
+
+MXFP8_FORMS = {torch.float8_e4m3fn: "mxfp8_e4m3_row32", torch.float8_e5m2: "mxfp8_e5m2_row32"}
+NVFP4_ROW16 = "nvfp4_row16"
+NVFP4_GLOBAL_DIVISOR = 6.0 * 448.0
+
+
+def mxfp8_form(fp8_dtype: torch.dtype | None) -> str | None:
+    """The MXFP8 form name for elements of ``fp8_dtype`` (None for any other dtype)."""
+    return MXFP8_FORMS.get(fp8_dtype)
+
 
 # E2M1 code -> value (codes 8-15 are the negatives of 0-7).
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

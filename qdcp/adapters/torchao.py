@@ -17,7 +17,8 @@ from typing import Any, Mapping
 import torch
 
 from qdcp.adapters.base import Adapter, StoredEntry
-from qdcp.adapters.formats import swizzle_128x4, unswizzle_128x4
+from qdcp.adapters.formats import (NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, as_u8, mxfp8_form, swizzle_128x4,
+                                   unswizzle_128x4)
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Blocked, Flat, Layout, Replicated
 
@@ -365,6 +366,22 @@ class MXTensorAdapter(_BlockScaledAdapter):
             kernel_preference=target.kernel_preference, act_quant_kwargs=target.act_quant_kwargs,
             is_swizzled_scales=target.is_swizzled_scales)
 
+    # Raw interchange: fp8 elements with block 32 are OCP MXFP8.
+    def raw_forms_out(self, type_name, attrs):
+        form = mxfp8_form(attrs.get("elem_dtype")) if attrs.get("block_size") == 32 else None
+        return {form: ["qdata", "scale"]} if form else {}
+
+    def to_raw_form(self, type_name, attrs, form, components):
+        return {"data": as_u8(components["qdata"]), "scale": as_u8(components["scale"])}
+
+    def raw_forms_in(self, target):
+        form = mxfp8_form(target.elem_dtype) if target.block_size == 32 else None
+        return (form,) if form else ()
+
+    def from_raw_form(self, target, form, tensors):
+        self.copy_into(target, {"qdata": tensors["data"].view(target.elem_dtype),
+                                "scale": tensors["scale"].view(torch.float8_e8m0fnu)})
+
 
 class NVFP4TensorAdapter(_BlockScaledAdapter):
     """``torchao.prototype.mx_formats.NVFP4Tensor``: fp4 elements, e4m3 scale per 16, optional
@@ -389,6 +406,40 @@ class NVFP4TensorAdapter(_BlockScaledAdapter):
             per_tensor_scale=per_tensor_scale, act_per_tensor_scale=target.act_per_tensor_scale,
             is_swizzled_scales=target.is_swizzled_scales, use_triton_kernel=target.use_triton_kernel,
             act_quant_kwargs=target.act_quant_kwargs)
+
+    # Raw interchange: block 16 with a per-tensor scale is the NVFP4 row-16 form; torchao's
+    # per_tensor_scale is amax / (6 * 448) in fp32, so the form's amax is the fp32 value that
+    # division maps to it exactly.
+    def raw_forms_out(self, type_name, attrs):
+        return {NVFP4_ROW16: ["qdata", "scale", "per_tensor_scale"]} if attrs.get("block_size") == 16 else {}
+
+    def to_raw_form(self, type_name, attrs, form, components):
+        pts = components["per_tensor_scale"]
+        if pts.numel() != 1:
+            raise UnsupportedTensorError(f"NVFP4Tensor per_tensor_scale of {pts.numel()} values has no NVFP4 global")
+        return {"data": as_u8(components["qdata"]), "scale": as_u8(components["scale"]),
+                "amax": amax_for_torchao_scale(pts.float().reshape(()))}
+
+    def raw_forms_in(self, target):
+        ok = target.block_size == 16 and target.per_tensor_scale is not None and target.per_tensor_scale.numel() == 1
+        return (NVFP4_ROW16,) if ok else ()
+
+    def from_raw_form(self, target, form, tensors):
+        pts = tensors["amax"].float().reshape(()) / torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32)
+        self.copy_into(target, {"qdata": tensors["data"], "scale": tensors["scale"].view(torch.float8_e4m3fn),
+                                "per_tensor_scale": pts.reshape(target.per_tensor_scale.shape)})
+
+
+def amax_for_torchao_scale(pts: torch.Tensor) -> torch.Tensor:
+    """An fp32 amax whose torchao per-tensor scale ``amax / (6 * 448)`` is exactly ``pts``."""
+    div = torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32)
+    amax = (pts.float() * div).reshape(())
+    for _ in range(64):
+        got = amax / div
+        if got == pts:
+            return amax
+        amax = torch.nextafter(amax, torch.tensor(math.inf) if got < pts else torch.tensor(-math.inf))
+    raise UnsupportedTensorError(f"no fp32 amax maps to torchao per_tensor_scale {float(pts)!r}")
 
 
 # ----------------------------------------------------------------------------- NF4

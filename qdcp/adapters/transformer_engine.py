@@ -27,16 +27,16 @@ Canonical components per type (see docs/format.md):
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any
 
 import torch
 
-from qdcp.adapters.base import Adapter, find_adapter
+from qdcp.adapters.base import Adapter
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.adapters.formats import (as_u8, bits_as, ceil_div, copy_bits, e2m1_to_float, pad2, round_up,
-                                   rows, swizzle_128x4, unpack_fp4, unswizzle_128x4)
+                                   rows, swizzle_128x4, unpack_fp4, unswizzle_128x4,
+                                   NVFP4_ROW16, mxfp8_form)
 from qdcp.layouts import Blocked, Layout, Replicated
 
 _TE_TENSOR_MODULE = "transformer_engine.pytorch.tensor"
@@ -333,34 +333,21 @@ class TEMXFP8TensorAdapter(TEAdapter):
         return te.MXFP8Tensor(shape=shape, dtype=dtype, fp8_dtype=_te_dtype(_FP8_CODES[attrs["fp8_dtype"]]),
                               quantizer=None, with_gemm_swizzled_scales=False, device=device, **kw)
 
-    # TE MXFP8 <-> torchao MXTensor (same OCP format: fp8 elements, E8M0 per 32 along rows)
-    def raw_load_sources(self, target, source_type, source_attrs):
-        if source_type == self.type_names[0]:
-            # torchao target, TE source: rowwise copy only
-            ao = find_adapter(target)
-            if ao is None or ao.type_name(target) != "torchao.MXTensor":
-                return None
-            if target.block_size != 32 or target.elem_dtype != _FP8_TORCH.get(source_attrs.get("fp8_dtype")):
-                return None
-            return ["rowwise_data", "rowwise_scale_inv"]
-        if source_type == "torchao.MXTensor" and type(target).__name__ == self.cls_name and self.matches(type(target)):
-            if source_attrs.get("block_size") != 32:
-                return None
-            if source_attrs.get("elem_dtype") != _FP8_TORCH[_FP8_NAMES[int(target._fp8_dtype)]]:
-                return None
-            if target._rowwise_data is None or target._columnwise_data is not None:
-                return None  # a columnwise copy is a separate quantization: needs a GPU
-            return ["qdata", "scale"]
-        return None
+    # Raw interchange: the rowwise direction is OCP MXFP8 (E8M0 per 32 along rows).
+    def raw_forms_out(self, type_name, attrs):
+        form = mxfp8_form(_FP8_TORCH.get(attrs.get("fp8_dtype")))
+        return {form: ["rowwise_data", "rowwise_scale_inv"]} if form else {}
 
-    def raw_load(self, target, source_type, source_attrs, components):
-        if source_type == self.type_names[0]:
-            find_adapter(target).copy_into(target, {
-                "qdata": bits_as(components["rowwise_data"], target.elem_dtype),
-                "scale": bits_as(components["rowwise_scale_inv"], torch.float8_e8m0fnu)})
-        else:
-            self.copy_into(target, {"rowwise_data": components["qdata"],
-                                    "rowwise_scale_inv": components["scale"]})
+    def to_raw_form(self, type_name, attrs, form, components):
+        return {"data": as_u8(components["rowwise_data"]), "scale": as_u8(components["rowwise_scale_inv"])}
+
+    def raw_forms_in(self, target):
+        if target._rowwise_data is None or target._columnwise_data is not None:
+            return ()  # a columnwise copy is a separate quantization: needs a GPU
+        return (mxfp8_form(_FP8_TORCH[_FP8_NAMES[int(target._fp8_dtype)]]),)
+
+    def from_raw_form(self, target, form, tensors):
+        self.copy_into(target, {"rowwise_data": tensors["data"], "rowwise_scale_inv": tensors["scale"]})
 
 
 # ----------------------------------------------------------------------------- blockwise FP8
@@ -483,9 +470,6 @@ class TEFloat8BlockwiseQTensorAdapter(TEAdapter):
 
 
 # ----------------------------------------------------------------------------- NVFP4Tensor
-
-_TORCHAO_NVFP4_DIVISOR = 448.0 * 6.0  # torchao's per_tensor_amax_to_scale
-
 
 class TENVFP4TensorAdapter(TEAdapter):
     """TE ``NVFP4Tensor``: E2M1 data (two per byte), E4M3 scale per 16, fp32 amax."""
@@ -619,56 +603,26 @@ class TENVFP4TensorAdapter(TEAdapter):
             nvfp4_use_4over6=bool(attrs.get("use_4over6")), nvfp4_e4m3_max=int(attrs.get("e4m3_max", 448)),
             device=device, **kw)
 
-    # TE NVFP4 <-> torchao NVFP4Tensor: data and block scales bit for bit; the per-tensor factor is
-    # torchao's per_tensor_scale = amax / (6 * 448), exactly as torchao computes it from an amax.
-    def raw_load_sources(self, target, source_type, source_attrs):
-        if source_type == self.type_names[0]:
-            ao = find_adapter(target)
-            if ao is None or ao.type_name(target) != "torchao.NVFP4Tensor" or target.block_size != 16:
-                return None
-            if source_attrs.get("row_scaled") or source_attrs.get("use_4over6"):
-                return None
-            if target.per_tensor_scale is None or target.per_tensor_scale.numel() != 1:
-                return None
-            return ["rowwise_data", "rowwise_scale_inv", "amax_rowwise"]
-        if source_type == "torchao.NVFP4Tensor" and self.matches(type(target)) \
-                and type(target).__name__ == self.cls_name:
-            if source_attrs.get("block_size") != 16:
-                return None
-            if target._rowwise_data is None or target._columnwise_data is not None:
-                return None
-            if target._row_scaled_nvfp4 or target._nvfp4_use_4over6:
-                return None
-            return ["qdata", "scale", "per_tensor_scale"]
-        return None
+    # Raw interchange: the rowwise direction with one global amax is NVFP4's row-16 form.
+    def raw_forms_out(self, type_name, attrs):
+        if attrs.get("row_scaled") or attrs.get("use_4over6"):
+            return {}
+        return {NVFP4_ROW16: ["rowwise_data", "rowwise_scale_inv", "amax_rowwise"]}
 
-    def raw_load(self, target, source_type, source_attrs, components):
-        if source_type == self.type_names[0]:
-            amax = components["amax_rowwise"].float().reshape(())
-            pts = amax / _TORCHAO_NVFP4_DIVISOR
-            find_adapter(target).copy_into(target, {
-                "qdata": as_u8(components["rowwise_data"]),
-                "scale": bits_as(components["rowwise_scale_inv"], torch.float8_e4m3fn),
-                "per_tensor_scale": pts.reshape(target.per_tensor_scale.shape)})
-            return
-        pts = components.get("per_tensor_scale")
-        amax = (torch.tensor(_TORCHAO_NVFP4_DIVISOR) if pts is None
-                else amax_for_torchao_scale(pts.float().reshape(())))
-        self.copy_into(target, {"rowwise_data": components["qdata"],
-                                "rowwise_scale_inv": components["scale"],
-                                "amax_rowwise": amax.reshape(target._amax_rowwise.shape)})
+    def to_raw_form(self, type_name, attrs, form, components):
+        return {"data": as_u8(components["rowwise_data"]), "scale": as_u8(components["rowwise_scale_inv"]),
+                "amax": components["amax_rowwise"].float().reshape(())}
 
+    def raw_forms_in(self, target):
+        if target._rowwise_data is None or target._columnwise_data is not None:
+            return ()
+        if target._row_scaled_nvfp4 or target._nvfp4_use_4over6:
+            return ()
+        return (NVFP4_ROW16,)
 
-def amax_for_torchao_scale(pts: torch.Tensor) -> torch.Tensor:
-    """An fp32 amax whose torchao per-tensor scale ``amax / (6 * 448)`` is exactly ``pts``."""
-    div = torch.tensor(_TORCHAO_NVFP4_DIVISOR, dtype=torch.float32)
-    amax = (pts.float() * div).reshape(())
-    for _ in range(64):
-        got = amax / div
-        if got == pts:
-            return amax
-        amax = torch.nextafter(amax, torch.tensor(math.inf) if got < pts else torch.tensor(-math.inf))
-    raise UnsupportedTensorError(f"no fp32 amax maps to torchao per_tensor_scale {float(pts)!r}")
+    def from_raw_form(self, target, form, tensors):
+        self.copy_into(target, {"rowwise_data": tensors["data"], "rowwise_scale_inv": tensors["scale"],
+                                "amax_rowwise": tensors["amax"].reshape(target._amax_rowwise.shape)})
 
 
 def builtin_adapters() -> list[Adapter]:
