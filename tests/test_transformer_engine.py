@@ -546,10 +546,6 @@ def test_te_nvfp4_to_torchao_nvfp4_and_back():
     assert torch.equal(back._amax_rowwise, src._amax_rowwise)
 
 
-_PLANNER_HAS_RAW_COPY = hasattr(sys.modules.get("qdcp.planner"), "_plan_raw_copy")
-
-
-@pytest.mark.skipif(not _PLANNER_HAS_RAW_COPY, reason="the load planner does not call raw_load yet")
 def test_dcp_raw_conversion_te_and_torchao_both_ways(tmp_path):
     hp = torch.randn(M, N, dtype=torch.bfloat16, generator=_gen(9))
     te_mx, te_nv = BY_NAME["mxfp8_rowwise"].build(0), BY_NAME["nvfp4_rowwise"].build(0)

@@ -1,0 +1,166 @@
+"""How one checkpoint entry is loaded into one target: a small frozen class per way.
+
+The load planner decides, for every target it handles, one action; the action says which items
+it reads (:class:`ItemRead`: checkpoint item, chunk, destination buffer) and how it finishes once
+they are all in (:meth:`LoadAction.finish`), updating the target in place.
+
+- :class:`InPlace`: raw, same type and config; components land in the target's native buffers
+  (temporaries, where the canonical form is not the native one, are copied in by the adapter).
+- :class:`RawCopy`: raw, another type holding the same bits; the adapters' raw conversion.
+- :class:`Requantize`: raw, another format or config; dequantized, then quantized like the target.
+- :class:`IntoPlain`: raw into a plain tensor; dequantized (in the target's precision if wider).
+- :class:`FromPlain`: plain into a quantized tensor, quantized like it (or into a plain member of
+  a group stored under another key).
+
+A plain entry into a plain target is not an action: DCP's own path loads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from qdcp.adapters.base import Adapter, RawConversion, StoredEntry, adapter_for_type, find_adapter
+from qdcp.layouts import Chunk
+from qdcp.placement import Placed, narrow, relative
+
+__all__ = ["ItemRead", "StoredSource", "LoadAction", "InPlace", "RawCopy", "Requantize", "IntoPlain",
+           "FromPlain"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemRead:
+    """One checkpoint item, or the chunk of it an action needs, and where it lands."""
+
+    item: str                        #: name the read is planned under (the target key's item)
+    stored: str                      #: checkpoint item read (another key's, for a member of a group)
+    md: TensorStorageMetadata        #: the checkpoint's metadata of ``stored``
+    chunk: Chunk                     #: chunk of ``stored`` needed
+    buffer: torch.Tensor             #: destination: the target's own buffer or a temporary
+    component: str | None = None     #: canonical component a temporary holds (None: already in place)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredSource:
+    """What the finish step needs of a raw checkpoint entry: its type, decoded attributes, dtype."""
+
+    type_name: str
+    attrs: Mapping[str, Any]
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadAction:
+    """Base of the actions: the target key, where the target sits, and the reads it needs."""
+
+    fqn: str
+    placed: Placed
+    reads: tuple[ItemRead, ...]
+
+    def components(self) -> dict[str, torch.Tensor]:
+        """The temporaries read, by component name."""
+        return {r.component: r.buffer for r in self.reads if r.component is not None}
+
+    def finish(self) -> None:
+        """Turn what was read into the target's values, in place (all reads are in)."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class InPlace(LoadAction):
+    """Same type and config: components were read straight into the target's buffers where their
+    canonical form is the native one; the others are copied in by the adapter."""
+
+    adapter: Adapter
+
+    def finish(self) -> None:
+        temps = self.components()
+        if temps:
+            self.adapter.copy_into(self.placed.local, temps)
+
+
+@dataclasses.dataclass(frozen=True)
+class RawCopy(LoadAction):
+    """Another type with the same bits: the components that carry them, converted raw."""
+
+    conversion: RawConversion
+
+    def finish(self) -> None:
+        self.conversion.fill(self.placed.local, self.components())
+
+
+@dataclasses.dataclass(frozen=True)
+class Requantize(LoadAction):
+    """Another format or config: the covering chunk (``read_chunk``) dequantized, then quantized
+    like the target."""
+
+    adapter: Adapter
+    source: StoredSource
+    read_chunk: Chunk
+
+    def finish(self) -> None:
+        values = _dequantized(self, self.source, self.read_chunk)
+        _quantize_into(self.adapter, self.placed, values, self.read_chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class IntoPlain(LoadAction):
+    """A raw entry into a plain target: dequantized, in the target's precision where it is wider."""
+
+    source: StoredSource
+    read_chunk: Chunk
+
+    def finish(self) -> None:
+        values = _dequantized(self, self.source, self.read_chunk)
+        with torch.no_grad():
+            self.placed.local.copy_(_target_part(self.placed, values, self.read_chunk))
+
+
+@dataclasses.dataclass(frozen=True)
+class FromPlain(LoadAction):
+    """A plain stored tensor into a quantized target, quantized like it; or, with no ``adapter``,
+    into a plain target that DCP cannot fill itself (a member of a group stored under another key)."""
+
+    adapter: Adapter | None
+    read_chunk: Chunk
+
+    def finish(self) -> None:
+        if self.adapter is None:
+            with torch.no_grad():
+                self.placed.local.copy_(_target_part(self.placed, self.reads[0].buffer, self.read_chunk))
+            return
+        _quantize_into(self.adapter, self.placed, self.reads[0].buffer, self.read_chunk)
+
+
+def _dequantized(action: LoadAction, source: StoredSource, read_chunk: Chunk) -> torch.Tensor:
+    stored = StoredEntry(source.type_name, source.attrs, read_chunk[1], source.dtype, action.components())
+    adapter = adapter_for_type(source.type_name, action.fqn)
+    return adapter.dequantize_stored(stored, _wider(action.placed.local, source.dtype))
+
+
+def _target_part(placed: Placed, values: torch.Tensor, read_chunk: Chunk) -> torch.Tensor:
+    part = narrow(values, relative(placed.chunk, read_chunk))
+    if tuple(part.shape) != tuple(placed.local.shape):  # one member of a group: [1, M, N] -> [M, N]
+        part = part.reshape(placed.local.shape)
+    return part
+
+
+def _quantize_into(adapter: Adapter, placed: Placed, values: torch.Tensor, read_chunk: Chunk) -> None:
+    target = placed.local
+    global_amax = None
+    if adapter.needs_global_amax(target):  # read_chunk is then the whole tensor
+        global_amax = values.abs().amax()
+    part = _target_part(placed, values, read_chunk)
+    new = adapter.quantize_like(target, part.to(target.device), global_amax=global_amax)
+    adapter.copy_into(target, adapter.components(new))
+
+
+def _wider(target: torch.Tensor, logical: torch.dtype) -> torch.dtype | None:
+    """A plain floating target wider than the stored entry's logical dtype gets its values computed
+    in its own precision (never rounded through the logical dtype); None otherwise."""
+    if find_adapter(target) is None and target.dtype.is_floating_point and target.dtype.itemsize > logical.itemsize:
+        return target.dtype
+    return None

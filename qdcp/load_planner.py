@@ -1,0 +1,230 @@
+"""The load planner: DCP's default load planner, with quantized targets and entries loaded by actions."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import math
+import pickle
+import re
+import threading
+
+import torch
+from torch.distributed.checkpoint import _version
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from qdcp import checksums as sums
+from qdcp import spec as qspec
+from qdcp.errors import CheckpointFormatError, LoadMismatchError
+from qdcp.layouts import Chunk
+from qdcp.load_actions import ItemRead, LoadAction
+from qdcp.load_planning import KeyPlan, KeyPlanner
+from qdcp.placement import narrow, planning
+
+__all__ = ["QuantizedLoadPlanner"]
+
+# Objects whose unpickling runs no code, allowed beside torch's weights-only types: what trainers
+# checkpoint as non-tensor state (torchtitan's TrainState keeps its losses in a BytesIO).
+_SAFE_OBJECT_TYPES = (io.BytesIO, argparse.Namespace)
+
+
+class QuantizedLoadPlanner(DefaultLoadPlanner):
+    """A :class:`~torch.distributed.checkpoint.DefaultLoadPlanner` that fills whatever the target holds.
+
+    Quantized or plain targets, from raw, dequantized or plain checkpoint entries, at any sharding,
+    updated in place (their objects are kept). ``weights_only`` (default True) loads non-tensor
+    objects with ``torch.load(weights_only=True)``, so a checkpoint cannot run code; pass False only
+    for checkpoints you trust. ``checksums`` (default True): every item read whole is checked
+    against the checksum the save recorded (:class:`~qdcp.ChecksumError`); items read in part are
+    checked by :class:`~qdcp.CheckpointReader`.
+
+    DCP calls, in order, on every rank: ``set_up_planner`` (plans every target key against the
+    checkpoint's metadata: ``_actions`` holds the :mod:`qdcp.load_actions` by target key, ``_by_item``
+    the action each planned item name feeds, ``_handled`` the checkpoint keys they account for;
+    keys left in ``state_dict`` go DCP's own way); ``create_local_plan`` (DCP's reads, plus each
+    action's); ``finish_plan`` (``_pending`` counts the reads each action still waits for); then,
+    per read, ``resolve_tensor`` (the action's buffer) and ``commit_tensor`` (checksum; the
+    action's ``finish`` once its last read is in, and a group's ``members_loaded`` after its
+    last member), or ``load_bytes`` for objects.
+    """
+
+    def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
+                 allow_partial_load: bool = False, weights_only: bool = True, checksums: bool = True) -> None:
+        super().__init__(flatten_state_dict=flatten_state_dict, flatten_sharded_tensors=flatten_sharded_tensors,
+                         allow_partial_load=allow_partial_load)
+        self.weights_only = weights_only
+        self.checksums = bool(checksums)
+        self._actions: dict[str, LoadAction] = {}
+        self._by_item: dict[str, tuple[LoadAction, ItemRead]] = {}
+        self._handled: set[str] = set()
+        self._pending: dict[str, int] = {}
+        self._groups: dict[str, _Group] = {}  # action key -> its group, where filled member by member
+        self._lock = threading.Lock()
+        self._verify = sums.ReadVerifier(None)
+
+    @property
+    def verifies_whole_items(self) -> bool:
+        """Whether this planner checks every item it reads whole against the checkpoint's checksums
+        (a storage reader then needs to check only the items read in part)."""
+        return self._verify.record is not None
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        self._verify = sums.ReadVerifier(sums.record(metadata) if self.checksums else None)
+        self._actions, self._by_item, self._handled, self._groups = {}, {}, set(), {}
+        keys = KeyPlanner(metadata, allow_partial_load=self.allow_partial_load)
+        with planning():
+            for fqn, target in list(self.state_dict.items()):
+                plan = keys.plan_key(fqn, target)
+                if plan is not None:
+                    self._take(fqn, plan)
+        self._specs = keys.specs
+
+    def _take(self, fqn: str, plan: KeyPlan) -> None:
+        del self.state_dict[fqn]
+        self.state_dict.update(plan.to_dcp)
+        self._handled.update(plan.handled)
+        if fqn not in plan.to_dcp:
+            self._handled.add(fqn)
+        group = _Group(*plan.group, len(plan.actions)) if plan.group is not None else None
+        for action in plan.actions:
+            self._actions[action.fqn] = action
+            self._by_item.update({r.item: (action, r) for r in action.reads})
+            if group is not None:
+                self._groups[action.fqn] = group
+
+    def create_local_plan(self) -> LoadPlan:
+        with planning():
+            if self.flatten_state_dict:
+                self._detect_pre_2_4_keys()
+            plan = create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+            items = list(plan.items)
+            for action in self._actions.values():
+                for read in action.reads:
+                    items.extend(_reads_of(action.fqn, read))
+            return dataclasses.replace(plan, items=items)
+
+    def _detect_pre_2_4_keys(self) -> None:
+        """DCP's fallback for checkpoints saved before torch 2.4 (other flattened key names), as in
+        ``DefaultLoadPlanner.create_local_plan``, with the keys qdcp plans counted as present."""
+        owned = {qspec.component_fqn(f, c.name) for f, e in self._specs.items() for c in e.components}
+        missing = set(self.metadata.state_dict_metadata) - set(self.state_dict) - self._handled - owned
+        if not missing:
+            return
+        _version._derived_version = "2_3"
+        try:
+            old_state_dict, old_mappings = flatten_state_dict(self.original_state_dict)
+        finally:
+            _version._derived_version = None
+        if set(old_state_dict) & missing:
+            self.state_dict = {k: v for k, v in old_state_dict.items() if k not in self._handled}
+            self.mappings = old_mappings
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        self._pending = dict.fromkeys(self._actions, 0)
+        for item in new_plan.items:
+            hit = self._by_item.get(item.dest_index.fqn)
+            if hit is not None:
+                self._pending[hit[0].fqn] += 1
+        self._verify.plan(new_plan.items)
+        return super().finish_plan(new_plan)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        return self._verify.buffer(read_item, self._destination(read_item))
+
+    def _destination(self, read_item: ReadItem) -> torch.Tensor:
+        hit = self._by_item.get(read_item.dest_index.fqn)
+        if hit is None:
+            return super().resolve_tensor(read_item)
+        return narrow(hit[1].buffer, (tuple(read_item.dest_offsets), tuple(read_item.lengths)))
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        hit = self._by_item.get(read_item.dest_index.fqn)
+        if self._verify.check(read_item, tensor, hit[0].fqn if hit else read_item.dest_index.fqn):
+            self._destination(read_item).copy_(tensor)  # it was read into a host buffer to check it
+            tensor = self._destination(read_item)
+        if hit is None:
+            return super().commit_tensor(read_item, tensor)
+        action = hit[0]
+        if self._count_down(self._pending, action.fqn):
+            action.finish()
+            group = self._groups.get(action.fqn)
+            if group is not None and group.one_done(self._lock):
+                group.adapter.members_loaded(group.target)
+
+    def _count_down(self, counts: dict[str, int], key: str) -> bool:
+        with self._lock:
+            counts[key] -= 1
+            return counts[key] == 0
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self._verify.check_bytes(read_item, value.getbuffer(), read_item.dest_index.fqn)
+        obj = _load_object(value, read_item.dest_index.fqn, self.weights_only)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+@dataclasses.dataclass
+class _Group:
+    """A group target filled member by member, and how many member actions are still to finish."""
+
+    adapter: object
+    target: torch.Tensor
+    pending: int
+
+    def one_done(self, lock: threading.Lock) -> bool:
+        with lock:
+            self.pending -= 1
+            return self.pending == 0
+
+
+def _load_object(value: io.BytesIO, fqn: str, weights_only: bool):
+    """A non-tensor object, unpickled without running code unless ``weights_only`` is False."""
+    try:
+        with torch.serialization.safe_globals(list(_SAFE_OBJECT_TYPES)):
+            return torch.load(value, weights_only=weights_only)
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        raise LoadMismatchError(
+            f"key {fqn!r}: the checkpoint stores a pickled object that refers to "
+            f"{refused.group(1) if refused else 'a global'}, which loading with weights_only=True "
+            f"refuses (a pickle can run code). If you trust this checkpoint, pass "
+            f"QuantizedLoadPlanner(weights_only=False), or allow that type with "
+            f"torch.serialization.add_safe_globals.") from e
+
+
+def _reads_of(key: str, read: ItemRead) -> list[ReadItem]:
+    """DCP's reads for one :class:`ItemRead`, under its planned item name; refuses saved chunks
+    that leave holes in (or overlap) what is needed."""
+    reads = _read_items(read.stored, read.md, read.chunk)
+    if read.stored != read.item:  # another key's item: this action's own destination name
+        reads = [dataclasses.replace(r, dest_index=MetadataIndex(read.item, r.dest_index.offset, r.dest_index.index))
+                 for r in reads]
+    covered = sum(math.prod(r.lengths) for r in reads)
+    if covered != math.prod(read.chunk[1]):
+        raise CheckpointFormatError(
+            f"key {key!r}: the checkpoint's chunks of {read.item!r} cover {covered} of the "
+            f"{math.prod(read.chunk[1])} elements this rank needs (holes or overlaps).")
+    return reads
+
+
+def _read_items(fqn: str, item_md: TensorStorageMetadata, chunk: Chunk) -> list[ReadItem]:
+    """DCP's reads of ``chunk`` of item ``fqn``; the common case -- one saved chunk that is exactly
+    the one needed -- without DCP's general overlap sweep."""
+    saved = item_md.chunks
+    if len(saved) == 1 and tuple(saved[0].offsets) == chunk[0] and tuple(saved[0].sizes) == chunk[1]:
+        offsets = torch.Size(chunk[0])
+        zeros = torch.Size([0] * len(chunk[0]))
+        return [ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets, 0),
+                         dest_offsets=zeros, storage_index=MetadataIndex(fqn, offsets, 0),
+                         storage_offsets=zeros, lengths=torch.Size(chunk[1]))]
+    return create_read_items_for_chunk_list(
+        fqn, item_md, [ChunkStorageMetadata(torch.Size(chunk[0]), torch.Size(chunk[1]))])

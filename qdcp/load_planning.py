@@ -1,0 +1,291 @@
+"""Choosing the load action for each target key, from the checkpoint's metadata alone.
+
+:class:`KeyPlanner` is built once per load from the checkpoint's metadata and asked, per target
+key, for a :class:`KeyPlan`: the :mod:`qdcp.load_actions` to run, and what (if anything) it leaves
+to DCP's own path. Every check that metadata allows is made here, before anything is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from qdcp import spec as qspec
+from qdcp.adapters.base import Adapter, adapter_for_type, find_adapter, raw_conversion
+from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorError
+from qdcp.layouts import Chunk
+from qdcp.load_actions import (FromPlain, InPlace, IntoPlain, ItemRead, LoadAction, RawCopy, Requantize,
+                               StoredSource)
+from qdcp.placement import Placed, describe_tensor, expand, is_empty, place, with_local
+
+__all__ = ["KeyPlan", "KeyPlanner"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyPlan:
+    """What one target key became: ``actions`` to run; ``to_dcp`` (keys and tensors) for DCP's own
+    path in its place; ``handled``, other keys of the checkpoint it accounts for; ``group``, the
+    (adapter, target) of a group filled member by member (``members_loaded`` once all are in)."""
+
+    actions: tuple[LoadAction, ...] = ()
+    to_dcp: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    handled: tuple[str, ...] = ()
+    group: tuple[Adapter, torch.Tensor] | None = None
+
+
+class KeyPlanner:
+    """Plans target keys against one checkpoint's metadata; caches work shared by entries of one
+    structure (a model's layers)."""
+
+    def __init__(self, metadata: Metadata, *, allow_partial_load: bool) -> None:
+        self.md = metadata.state_dict_metadata
+        self.specs = qspec.read_specs(metadata)
+        self.allow_partial_load = allow_partial_load
+        self._stored = qspec.stored_components(self.md)
+        self._structures: dict[tuple, tuple] = {}  # structure -> (decoded attrs, layouts)
+        self._configs: dict[tuple, bool] = {}      # (structure, target structure) -> same config?
+
+    def plan_key(self, fqn: str, target: Any) -> KeyPlan | None:
+        """The plan for target key ``fqn``, or None where DCP's own path loads it as it is."""
+        placed = place(target)
+        adapter = find_adapter(placed.local) if placed is not None else None
+        inner = adapter.unwrap(placed.local) if adapter is not None else None
+        unwrapped = None
+        if inner is not None:  # a wrapper around a high-precision tensor: load into that, in place
+            unwrapped = with_local(target, inner)
+            placed, adapter = place(unwrapped), None
+        source = self.specs.get(fqn)
+        if source is None and fqn not in self.md and placed is not None:
+            grouped = self._member_of_group(fqn, placed, adapter) or self._group_by_member(fqn, placed, adapter)
+            if grouped is not None:
+                return grouped
+        if source is not None and source.storage == qspec.DEQUANTIZED:
+            source = None  # stored as a plain tensor under fqn
+        if source is None and adapter is None:
+            return None if unwrapped is None else KeyPlan(to_dcp={fqn: unwrapped})
+        if placed is None:
+            raise LoadMismatchError(
+                f"key {fqn!r}: the checkpoint stores a quantized tensor but the target holds "
+                f"{type(target).__name__}; give a tensor (plain or quantized) as the target.")
+        action = self.plan_entry(fqn, placed, adapter, source)
+        return KeyPlan(actions=(action,) if action is not None else ())
+
+    # ------------------------------------------------------------------ one entry
+    def plan_entry(self, fqn: str, placed: Placed, adapter: Adapter | None, source: qspec.EntrySpec | None,
+                   *, src_fqn: str | None = None) -> LoadAction | None:
+        """The action that fills ``placed`` from ``source`` (None: a plain entry), stored under
+        ``src_fqn`` (default ``fqn``); None when there is nothing to read."""
+        src_fqn = src_fqn or fqn
+        if source is None:
+            return self._from_plain(fqn, placed, adapter, src_fqn)
+        if source.shape != placed.global_shape:
+            raise LoadMismatchError(
+                f"key {fqn!r}: checkpoint shape {source.shape} != target shape {placed.global_shape}")
+        source_adapter = adapter_for_type(source.type, fqn)
+        attrs, _ = self.decoded(source, source_adapter, fqn)
+        qspec.check_items(source, self.md, self._stored.get(src_fqn, set()), key=fqn)
+        if is_empty(placed.chunk):
+            return None
+        if adapter is not None and self._same_config(adapter, placed.local, source, fqn):
+            return self._in_place(fqn, placed, adapter, source, src_fqn)
+        if adapter is not None:
+            conversion = raw_conversion(adapter, placed.local, source_adapter, source.type, attrs)
+            action = self._raw_copy(fqn, placed, source, src_fqn, conversion) if conversion else None
+            if action is not None:
+                return action
+        return self._dequantizing(fqn, placed, adapter, source, src_fqn)
+
+    def decoded(self, source: qspec.EntrySpec, source_adapter: Adapter, fqn: str) -> tuple:
+        """A stored entry's decoded attributes and layouts, checked once per structure."""
+        structure = _structure_key(source)
+        known = self._structures.get(structure)
+        if known is None:
+            attrs = {k: qspec.decode_value(v, source_adapter.attribute_classes(), f"key {fqn!r}: ")
+                     for k, v in source.attrs.items()}
+            layouts = qspec.layouts_of(source)
+            qspec.check_component_bytes(source)
+            known = self._structures[structure] = (attrs, layouts)
+        return known
+
+    def _same_config(self, adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, fqn: str) -> bool:
+        key = (_structure_key(source), type(t), repr(adapter.attributes(t)),
+               tuple((n, tuple(v.shape), v.dtype) for n, v in adapter.components(t).items()))
+        same = self._configs.get(key)
+        if same is None:
+            same = self._configs[key] = _same_config(adapter, t, source, fqn)
+        return same
+
+    def _read(self, src_fqn: str, source: qspec.EntrySpec, name: str, chunk: Chunk, *, fqn: str,
+              buffer: torch.Tensor | None = None) -> ItemRead:
+        """A read of ``chunk`` of component ``name``, into ``buffer`` or a new temporary."""
+        stored = qspec.component_fqn(src_fqn, name)
+        temp = buffer is None
+        if temp:
+            buffer = torch.empty(chunk[1], dtype=source.component(name).dtype)
+        return ItemRead(qspec.component_fqn(fqn, name), stored, self.md[stored], chunk, buffer,
+                        name if temp else None)
+
+    def _in_place(self, fqn, placed, adapter, source, src_fqn) -> InPlace:
+        native = adapter.native_components(placed.local)
+        _, layouts = self.decoded(source, adapter_for_type(source.type, fqn), fqn)
+        reads = []
+        for c in source.components:
+            try:
+                chunk = layouts[c.name].map_chunk(source.shape, placed.chunk)
+            except AlignmentError as e:
+                raise AlignmentError(f"key {fqn!r}: component {c.name!r}: the target shard "
+                                     f"{placed.chunk} {e}") from None
+            dest = native.get(c.name)
+            direct = dest is not None and dest.is_contiguous() and tuple(dest.shape) == chunk[1]
+            reads.append(self._read(src_fqn, source, c.name, chunk, fqn=fqn, buffer=dest if direct else None))
+        return InPlace(fqn, placed, tuple(reads), adapter)
+
+    def _raw_copy(self, fqn, placed, source, src_fqn, conversion) -> RawCopy | None:
+        """The components that carry the bits, for exactly the target's chunk; None when the
+        chunk is not aligned to their layouts (or the entry lacks one)."""
+        _, layouts = self.decoded(source, adapter_for_type(source.type, fqn), fqn)
+        try:
+            reads = tuple(self._read(src_fqn, source, name, layouts[name].map_chunk(source.shape, placed.chunk),
+                                     fqn=fqn) for name in conversion.names)
+        except (AlignmentError, KeyError):
+            return None
+        return RawCopy(fqn, placed, reads, conversion)
+
+    def _dequantizing(self, fqn, placed, adapter, source, src_fqn) -> LoadAction:
+        """The aligned chunk covering the target's (the whole tensor where a per-tensor scale
+        needs the global amax), dequantized; quantized like a quantized target."""
+        _check_can_quantize(fqn, adapter, placed.local, f"a {source.type} entry")
+        attrs, layouts = self.decoded(source, adapter_for_type(source.type, fqn), fqn)
+        read_chunk = _amax_chunk(adapter, placed) or expand(layouts, source.shape, placed.chunk)
+        reads = []
+        for c in source.components:
+            try:
+                chunk = layouts[c.name].map_chunk(source.shape, read_chunk)
+            except AlignmentError as e:
+                raise AlignmentError(f"key {fqn!r}: component {c.name!r}: {e}") from None
+            reads.append(self._read(src_fqn, source, c.name, chunk, fqn=fqn))
+        stored = StoredSource(source.type, attrs, source.dtype)
+        if adapter is None:
+            return IntoPlain(fqn, placed, tuple(reads), stored, read_chunk)
+        return Requantize(fqn, placed, tuple(reads), adapter, stored, read_chunk)
+
+    def _from_plain(self, fqn, placed, adapter, src_fqn) -> FromPlain | None:
+        plain_md = self.md.get(src_fqn)
+        if plain_md is None:
+            if self.allow_partial_load:
+                return None
+            raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
+        if not isinstance(plain_md, TensorStorageMetadata):
+            raise LoadMismatchError(f"key {fqn!r}: the checkpoint holds a non-tensor object here")
+        if tuple(plain_md.size) != placed.global_shape:
+            raise LoadMismatchError(
+                f"key {fqn!r}: checkpoint shape {tuple(plain_md.size)} != target shape {placed.global_shape}")
+        _check_can_quantize(fqn, adapter, placed.local, "a plain tensor")
+        read_chunk = _amax_chunk(adapter, placed) or placed.chunk
+        temp = torch.empty(read_chunk[1], dtype=plain_md.properties.dtype)
+        return FromPlain(fqn, placed, (ItemRead(fqn, src_fqn, plain_md, read_chunk, temp),), adapter, read_chunk)
+
+    # ------------------------------------------------------------------ groups
+    def _member_of_group(self, fqn: str, placed: Placed, adapter: Adapter | None) -> KeyPlan | None:
+        """A target ``<key><i>`` (plain, quantized, or a DTensor of either) is member ``i`` of a
+        group stored under ``<key>`` (raw, or dequantized: a plain tensor of the group's logical
+        shape): the logical chunk the group's adapter names for it."""
+        m = re.fullmatch(r"(.*\D)(\d+)", fqn)
+        group = self.specs.get(m.group(1)) if m else None
+        if group is None:
+            return None
+        g_adapter = adapter_for_type(group.type, m.group(1))
+        attrs, _ = self.decoded(group, g_adapter, fqn)
+        chunk = g_adapter.member_chunk(attrs, group.shape, int(m.group(2)))
+        if chunk is None:
+            return None
+        if chunk[1][0] != 1 or tuple(chunk[1][1:]) != placed.global_shape:
+            raise LoadMismatchError(f"key {fqn!r}: member {m.group(2)} of {m.group(1)!r} has shape "
+                                    f"{tuple(chunk[1][1:])}, the target {placed.global_shape}")
+        within = (chunk[0][0], *(c + o for c, o in zip(chunk[0][1:], placed.chunk[0])))
+        member = Placed(placed.local, (within, (1, *placed.chunk[1])), group.shape, placed.is_dtensor,
+                        whole=chunk)
+        source = group if group.storage == qspec.RAW else None
+        action = self.plan_entry(fqn, member, adapter, source, src_fqn=m.group(1))
+        return KeyPlan(actions=(action,) if action is not None else ())
+
+    def _group_by_member(self, fqn: str, placed: Placed, adapter: Adapter | None) -> KeyPlan | None:
+        """A group target ``<key>`` (a group type, or a plain ``[n, ...]`` stack; a DTensor of either
+        sharded on dim 0 only: expert parallelism) whose members are stored as ``<key><i>``: local
+        member ``j`` is global member ``i = offset + j``, loaded into the target in place."""
+        if fqn[-1:].isdigit():
+            return None  # "<key>1" + "0" would read as "<key>10"
+        members = adapter.members(placed.local) if adapter is not None else None
+        if adapter is None and placed.local.ndim >= 2:
+            members = list(placed.local.unbind(0))
+        first = placed.chunk[0][0] if placed.chunk[0] else 0
+        if members is None or (f"{fqn}{first}" not in self.md and f"{fqn}{first}" not in self.specs):
+            return None
+        if placed.is_dtensor and (any(placed.chunk[0][1:]) or placed.chunk[1][1:] != placed.global_shape[1:]
+                                  or len(members) != placed.chunk[1][0]):
+            raise LoadMismatchError(
+                f"key {fqn!r}: the checkpoint stores this group by member ({fqn}0, {fqn}1, ...); a "
+                f"sharded target must split whole members (Shard(0) of a stacked [n, ...] tensor), "
+                f"but this rank holds the chunk {placed.chunk} of {placed.global_shape}")
+        actions, to_dcp, handled = [], {}, []
+        for j, member in enumerate(members):
+            key = f"{fqn}{first + j}"
+            source = self.specs.get(key)
+            if source is not None and source.storage == qspec.DEQUANTIZED:
+                source = None
+            m_adapter = find_adapter(member)
+            if source is None and m_adapter is None:
+                to_dcp[key] = member  # plain member view <- plain entry: DCP's own path
+                continue
+            handled.append(key)
+            action = self.plan_entry(key, place(member), m_adapter, source)
+            if action is not None:
+                actions.append(action)
+        group = (adapter, placed.local) if adapter is not None else None
+        return KeyPlan(tuple(actions), to_dcp, tuple(handled), group)
+
+
+def _structure_key(entry: qspec.EntrySpec) -> tuple:
+    """A hashable summary of everything in an entry's spec but its key (entries of one model's
+    layers share it, and so the planning work done for it)."""
+    if entry.structure:  # parsed from JSON: its text already is that summary
+        return (entry.structure,)
+    return (entry.storage, entry.type, entry.shape, entry.dtype, repr(entry.attrs),
+            tuple((c.name, c.shape, c.dtype, repr(c.layout)) for c in entry.components))
+
+
+def _same_config(adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, fqn: str) -> bool:
+    """Whether a target instance has the checkpoint entry's exact type, config and components."""
+    if adapter.type_name(t) != source.type:
+        return False
+    attrs, layouts = describe_tensor(t, adapter, fqn)
+    if attrs != source.attrs or set(layouts) != {c.name for c in source.components}:
+        return False
+    comps = adapter.components(t)
+    for c in source.components:
+        if layouts[c.name].to_json() != c.layout or comps[c.name].dtype != c.dtype:
+            return False
+    return True
+
+
+def _check_can_quantize(fqn: str, adapter: Adapter | None, target: torch.Tensor, stored: str) -> None:
+    """Refuse, at planning, a load that must quantize into a target whose adapter cannot here."""
+    why = adapter.quantize_unsupported(target) if adapter is not None else None
+    if why:
+        raise UnsupportedTensorError(
+            f"key {fqn!r}: the checkpoint holds {stored} whose bits this {adapter.type_name(target)} "
+            f"target cannot take as they are (another format or config, or a shard that cuts its "
+            f"blocks), so it would have to be quantized: {why}")
+
+
+def _amax_chunk(adapter: Adapter | None, placed: Placed) -> Chunk | None:
+    """The whole tensor, for a shard of a target whose per-tensor scale needs the global amax:
+    every rank reads it all and computes the same amax, with no collective."""
+    if adapter is None or not adapter.needs_global_amax(placed.local):
+        return None
+    whole = placed.whole_chunk()
+    return whole if placed.chunk != whole else None

@@ -1,0 +1,117 @@
+"""Where a state-dict value's data sits: its local tensor and that tensor's chunk of the global one.
+
+Shared by the save and load planners: DTensors are seen through their local tensor and chunk, plain
+tensors as the whole of themselves. Chunks are ``(offsets, sizes)`` tuples (:mod:`qdcp.layouts`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import math
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from qdcp import spec as qspec
+from qdcp.adapters.base import Adapter
+from qdcp.errors import AlignmentError, UnsupportedTensorError
+from qdcp.layouts import Chunk, Layout, full_chunk
+
+__all__ = ["Placed", "place", "with_local", "planning", "is_empty", "relative", "narrow", "expand",
+           "describe_tensor"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A state-dict value seen as (local tensor, its chunk of the global tensor)."""
+
+    local: torch.Tensor
+    chunk: Chunk
+    global_shape: tuple[int, ...]
+    is_dtensor: bool
+    whole: Chunk | None = None  # the target's whole logical tensor, where it is one member of a group
+
+    def whole_chunk(self) -> Chunk:
+        """The logical chunk of the whole target tensor (one member's, for a member of a group)."""
+        return self.whole if self.whole is not None else full_chunk(self.global_shape)
+
+
+def place(value: Any) -> Placed | None:
+    """Where ``value``'s data sits in its global tensor; None for non-tensors and off-mesh DTensors."""
+    if isinstance(value, DTensor):
+        if value.device_mesh.get_coordinate() is None:
+            return None
+        chunk = value.__create_chunk_list__()[0]
+        return Placed(value._local_tensor, (tuple(chunk.offsets), tuple(chunk.sizes)),
+                       tuple(value.shape), True)
+    if isinstance(value, torch.Tensor):
+        return Placed(value, full_chunk(value.shape), tuple(value.shape), False)
+    return None
+
+
+def with_local(value: Any, local: torch.Tensor) -> torch.Tensor:
+    """``local`` in ``value``'s place: bare, or as the local tensor of a DTensor like ``value``."""
+    if not isinstance(value, DTensor):
+        return local
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
+
+
+@contextlib.contextmanager
+def planning():
+    """Plan without routing every ``.shape``/``.dtype`` of a tensor subclass through its
+    ``__torch_function__`` (planning reads metadata only), and without cyclic GC passes over the
+    model's live objects every few hundred small allocations; both made planning 2-4x slower."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            yield
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def is_empty(chunk: Chunk) -> bool:
+    """Whether ``chunk`` holds no element."""
+    return math.prod(chunk[1]) == 0
+
+
+def relative(inner: Chunk, outer: Chunk) -> Chunk:
+    """``inner`` with offsets relative to ``outer``'s (``inner`` lies within ``outer``)."""
+    return tuple(i - o for i, o in zip(inner[0], outer[0])), inner[1]
+
+
+def narrow(t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    """The view of ``t`` that is ``chunk``."""
+    for dim, (o, s) in enumerate(zip(*chunk)):
+        t = t.narrow(dim, o, s)
+    return t
+
+
+def expand(layouts: dict[str, Layout], shape: tuple[int, ...], chunk: Chunk) -> Chunk:
+    """Smallest chunk containing ``chunk`` that is aligned to every layout."""
+    for _ in range(8):
+        grown = chunk
+        for layout in layouts.values():
+            grown = layout.expand(shape, grown)
+        if grown == chunk:
+            return chunk
+        chunk = grown
+    raise AlignmentError(f"no aligned chunk covers {chunk} in a tensor of shape {shape}")
+
+
+def describe_tensor(t: torch.Tensor, adapter: Adapter, fqn: str) -> tuple[dict, dict[str, Layout]]:
+    """JSON attrs and layouts of a live instance, with a clear error for unstorable attributes."""
+    try:
+        attrs = {k: qspec.encode_value(v) for k, v in adapter.attributes(t).items()}
+    except TypeError as e:
+        raise UnsupportedTensorError(
+            f"key {fqn!r}: {adapter.type_name(t)} has an attribute qdcp cannot store ({e}); "
+            f"save this entry dequantized (QuantizedSavePlanner(dequantize=...)).") from None
+    return attrs, adapter.layouts(t)
+
+
