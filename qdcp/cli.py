@@ -219,6 +219,24 @@ def _tensor_plan(entries: _Entries, dequantize: bool, dtype: torch.dtype | None)
     return plan, skipped
 
 
+def _safetensors_header(entries: _Entries, plan: list, dequantize: bool) -> tuple[bytes, int]:
+    """The safetensors header (length-prefixed JSON, 8-byte aligned) for ``plan``'s rows, and the
+    data size it announces."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, shape, dt, _, _ in plan:
+        n = math.prod(shape) * dt.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dt], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    meta = {"format": "pt", "producer": "qdcp"}
+    raw = {k: e for k, e in entries.specs.items() if e.storage == qspec.RAW}
+    if raw and not dequantize:
+        meta["qdcp"] = qspec.dumps(raw)
+    header["__metadata__"] = meta
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    return blob + b" " * (-len(blob) % 8), offset
+
+
 def _to_safetensors(entries: _Entries, out: str, dequantize: bool, dtype: torch.dtype | None) -> int:
     """Stream entries into one safetensors file; memory holds one entry at a time.
 
@@ -230,22 +248,11 @@ def _to_safetensors(entries: _Entries, out: str, dequantize: bool, dtype: torch.
     from qdcp.reader import read_entry, read_stored
 
     plan, skipped = _tensor_plan(entries, dequantize, dtype)
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, shape, dt, _, _ in plan:
-        if dt not in _SAFETENSORS_DTYPES:
-            print(f"qdcp: {name}: dtype {dt} has no safetensors name", file=sys.stderr)
-            return EXIT_FAILED
-        n = math.prod(shape) * dt.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dt], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    meta = {"format": "pt", "producer": "qdcp"}
-    raw = {k: e for k, e in entries.specs.items() if e.storage == qspec.RAW}
-    if raw and not dequantize:
-        meta["qdcp"] = qspec.dumps(raw)
-    header["__metadata__"] = meta
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    bad = next((row for row in plan if row[2] not in _SAFETENSORS_DTYPES), None)
+    if bad is not None:
+        print(f"qdcp: {bad[0]}: dtype {bad[2]} has no safetensors name", file=sys.stderr)
+        return EXIT_FAILED
+    blob, offset = _safetensors_header(entries, plan, dequantize)
     by_key: dict[str, list] = {}
     for row in plan:
         by_key.setdefault(row[3], []).append(row)

@@ -496,6 +496,24 @@ class _SafeReading:
             return _verified_view(data, where, version)
         return memoryview(self.transforms.transform_load_stream(req, descriptors, io.BytesIO(data)).read(-1))
 
+    def _requested_part(self, tensor, req, where: str) -> torch.Tensor:
+        """The part of a loaded stored chunk that ``req`` reads, after checking the chunk is the one
+        the metadata records and the read lies within it."""
+        expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        if not isinstance(tensor, torch.Tensor) or expected is None \
+                or (tuple(tensor.shape), tensor.dtype) != expected:
+            got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            want = f"{expected[0]} {expected[1]}" if expected is not None else "no such chunk"
+            raise CheckpointFormatError(
+                f"{where}: the stored chunk at {tuple(req.storage_index.offset or ())} is {got} but the "
+                f"metadata records {want}; the data does not belong to this entry")
+        if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, tensor.shape)):
+            raise CheckpointFormatError(f"{where}: a read of {tuple(req.lengths)} at {tuple(req.storage_offsets)} "
+                                        f"falls outside its stored chunk {tuple(tensor.shape)}")
+        for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+            tensor = tensor.narrow(dim, o, n)
+        return tensor
+
     def _read_item(self, stream, size: int, rel: str, req, planner) -> None:
         where = describe_item(req.storage_index.fqn)
         info = self.storage_data[req.storage_index]
@@ -532,19 +550,7 @@ class _SafeReading:
             raise
         except Exception as e:
             raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
-        expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
-        if not isinstance(tensor, torch.Tensor) or expected is None \
-                or (tuple(tensor.shape), tensor.dtype) != expected:
-            got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            want = f"{expected[0]} {expected[1]}" if expected is not None else "no such chunk"
-            raise CheckpointFormatError(
-                f"{where}: the stored chunk at {tuple(req.storage_index.offset or ())} is {got} but the "
-                f"metadata records {want}; the data does not belong to this entry")
-        if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, tensor.shape)):
-            raise CheckpointFormatError(f"{where}: a read of {tuple(req.lengths)} at {tuple(req.storage_offsets)} "
-                                        f"falls outside its stored chunk {tuple(tensor.shape)}")
-        for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
-            tensor = tensor.narrow(dim, o, n)
+        tensor = self._requested_part(tensor, req, where)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise CheckpointFormatError(f"{where}: a read of {tuple(tensor.shape)} goes to a buffer of "
