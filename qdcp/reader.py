@@ -162,35 +162,7 @@ def _load_quietly(state: dict, path) -> None:
 
 def check_chunks(metadata: Metadata) -> list[str]:
     """Problems with the chunks of every tensor item: out of bounds, overlapping, or holes."""
-    problems = []
-    for fqn, item in metadata.state_dict_metadata.items():
-        if not isinstance(item, TensorStorageMetadata):
-            continue
-        size = tuple(item.size)
-        total = 1
-        for s in size:
-            total *= s
-        covered = 0
-        boxes = []
-        for ch in item.chunks:
-            o, n = tuple(ch.offsets), tuple(ch.sizes)
-            if len(o) != len(size) or any(a < 0 or b < 0 or a + b > d for a, b, d in zip(o, n, size)):
-                problems.append(f"{fqn}: chunk at {o} of size {n} is outside {size}")
-                continue
-            vol = 1
-            for b in n:
-                vol *= b
-            covered += vol
-            boxes.append((o, n))
-        for i in range(len(boxes)):
-            for j in range(i + 1, len(boxes)):
-                (oa, na), (ob, nb) = boxes[i], boxes[j]
-                if all(a < c + e and c < a + b for a, b, c, e in zip(oa, na, ob, nb)) and \
-                        all(b > 0 for b in na) and all(e > 0 for e in nb):
-                    problems.append(f"{fqn}: chunks at {oa} and {ob} overlap")
-        if covered != total and not any("overlap" in p and p.startswith(fqn) for p in problems):
-            problems.append(f"{fqn}: chunks cover {covered} of {total} elements")
-    return problems
+    return [f"{fqn}: {problem}" for fqn, problem in qspec.chunk_problems(metadata.state_dict_metadata)]
 
 
 def check_storage(metadata: Metadata, path: str | os.PathLike | None = None) -> list[str]:

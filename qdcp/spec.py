@@ -406,3 +406,53 @@ def check_items(entry: EntrySpec, state_dict_metadata: Mapping[str, Any], stored
         raise CheckpointFormatError(
             f"key {key!r}: the checkpoint stores components {sorted(unlisted)} that its spec does "
             f"not list; the spec is damaged")
+
+
+# ----------------------------------------------------------------------------- chunk geometry
+
+def chunk_problems(state_dict_metadata: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(item fqn, problem)`` for every tensor item whose chunks do not tile it exactly: a bad
+    size, a chunk of the wrong rank or outside its bounds, overlapping chunks, holes. DCP's planners
+    trust these numbers (an overlap can hide a hole, and a hole leaves target elements unread)."""
+    problems = []
+    for fqn, item in state_dict_metadata.items():
+        chunks = getattr(item, "chunks", None)
+        if chunks is not None:
+            problems.extend((fqn, p) for p in _tiling_problems(tuple(item.size), chunks))
+    return problems
+
+
+def _tiling_problems(size: tuple, chunks) -> list[str]:
+    if any(not isinstance(d, int) or d < 0 for d in size):
+        return [f"bad size {size} in the checkpoint's metadata"]
+    boxes, problems, covered = [], [], 0
+    for ch in chunks:
+        o, n = tuple(ch.offsets), tuple(ch.sizes)
+        if len(o) != len(size) or len(n) != len(size) or any(
+                not isinstance(a, int) or not isinstance(b, int) or a < 0 or b < 0 or a + b > d
+                for a, b, d in zip(o, n, size)):
+            problems.append(f"a chunk at {o} of size {n} does not fit in its tensor of size {size}")
+        elif math.prod(n):
+            covered += math.prod(n)
+            boxes.append((o, n))
+    problems += _overlaps(boxes)
+    if not problems and covered != math.prod(size):
+        problems.append(f"chunks cover {covered} of its {math.prod(size)} elements (holes or overlaps)")
+    return problems
+
+
+def _overlaps(boxes: list) -> list[str]:
+    """Overlapping pairs among non-empty boxes: a sweep along dim 0 (cheap for real shardings)."""
+    boxes.sort()
+    active: list = []
+    budget = 10_000_000
+    for o, n in boxes:
+        active = [(ao, an) for ao, an in active if not o or ao[0] + an[0] > o[0]]
+        for ao, an in active:
+            budget -= 1
+            if all(a < c + e and c < a + b for a, b, c, e in zip(o, n, ao, an)):
+                return [f"chunks at {ao} and {o} overlap"]
+        if budget < 0:
+            return ["too many overlapping chunks to check"]
+        active.append((o, n))
+    return []

@@ -47,7 +47,7 @@ except ImportError:
 
 from qdcp import checksums
 from qdcp.errors import CheckpointFormatError, ChecksumError, QdcpError
-from qdcp.spec import describe_item
+from qdcp.spec import chunk_problems, describe_item
 
 MAX_METADATA_BYTES = 1 << 30
 METADATA_FILE = ".metadata"
@@ -126,51 +126,11 @@ def safe_load_metadata(stream: IO[bytes]) -> Metadata:
 
 
 def check_chunk_geometry(md: Metadata) -> None:
-    """Every tensor item's chunks must tile it exactly: right rank, inside its bounds, pairwise
-    disjoint, covering every element. DCP's planners trust these numbers (an overlap can hide a
-    hole, and a hole leaves target elements unread), so a reader refuses metadata that breaks them."""
-    for fqn, item in (md.state_dict_metadata or {}).items():
-        if not isinstance(item, TensorStorageMetadata):
-            continue
-        where = describe_item(fqn)
-        size = tuple(item.size)
-        if any(not isinstance(s, int) or s < 0 for s in size):
-            raise CheckpointFormatError(f"{where}: bad size {size} in the checkpoint's metadata")
-        total = 1
-        for s in size:
-            total *= s
-        boxes, covered = [], 0
-        for ch in item.chunks:
-            o, n = tuple(ch.offsets), tuple(ch.sizes)
-            if len(o) != len(size) or len(n) != len(size) or any(
-                    not isinstance(a, int) or not isinstance(b, int) or a < 0 or b < 0 or a + b > d
-                    for a, b, d in zip(o, n, size)):
-                raise CheckpointFormatError(
-                    f"{where}: a chunk at {o} of size {n} does not fit in its tensor of size {size}")
-            vol = 1
-            for b in n:
-                vol *= b
-            if vol:
-                covered += vol
-                boxes.append((o, n))
-        if covered != total:
-            raise CheckpointFormatError(
-                f"{where}: its chunks cover {covered} of its {total} elements (holes or overlaps); "
-                f"the checkpoint's metadata is corrupt")
-        # equal volumes: any overlap implies a hole. Sweep along dim 0 (cheap for real shardings).
-        boxes.sort()
-        active: list = []
-        budget = 10_000_000
-        for o, n in boxes:
-            active = [(ao, an) for ao, an in active if not size or ao[0] + an[0] > o[0]]
-            for ao, an in active:
-                budget -= 1
-                if all(a < c + e and c < a + b for a, b, c, e in zip(o, n, ao, an)):
-                    raise CheckpointFormatError(
-                        f"{where}: its chunks at {ao} and {o} overlap; the checkpoint's metadata is corrupt")
-            if budget < 0:
-                raise CheckpointFormatError(f"{where}: too many overlapping chunks to check")
-            active.append((o, n))
+    """Refuse metadata whose chunks do not tile their items exactly (:func:`qdcp.spec.chunk_problems`)."""
+    problems = chunk_problems(md.state_dict_metadata or {})
+    if problems:
+        fqn, problem = problems[0]
+        raise CheckpointFormatError(f"{describe_item(fqn)}: {problem}; the checkpoint's metadata is corrupt")
 
 
 # ----------------------------------------------------------------------------- checksums

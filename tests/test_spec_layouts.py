@@ -130,3 +130,20 @@ def test_spec_rejects_huge_and_deep_input():
         qspec.loads(_doc({"w": {"storage": "dequantized", "type": "t", "shape": [2**60], "dtype": "int8"}}))
     with pytest.raises(CheckpointFormatError):
         qspec.loads("[" * 100000 + "]" * 100000)
+
+
+def _tiling(size, chunks):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+    item = TensorStorageMetadata(TensorProperties(), torch.Size(size),
+                                 [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in chunks])
+    return qspec.chunk_problems({"w": item})
+
+
+def test_chunk_problems_one_checker_for_every_defect():
+    assert _tiling((8, 4), [((0, 0), (4, 4)), ((4, 0), (4, 4))]) == []
+    assert _tiling((8, 4), [((0, 0), (4, 4))]) == [("w", "chunks cover 16 of its 32 elements (holes or overlaps)")]
+    # an overlap that hides a hole: the element count is right, the tiling is not
+    assert _tiling((8, 4), [((0, 0), (5, 4)), ((4, 0), (3, 4))]) == [("w", "chunks at (0, 0) and (4, 0) overlap")]
+    assert _tiling((8, 4), [((6, 0), (4, 4))])[0][1].startswith("a chunk at (6, 0) of size (4, 4) does not fit")
+    assert _tiling((8, 4), [((0,), (8,))])[0][1].startswith("a chunk at (0,) of size (8,) does not fit")
+    assert _tiling((), [((), ())]) == []
