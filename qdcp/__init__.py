@@ -23,7 +23,7 @@ from qdcp.errors import (
 )
 from qdcp.new_empty import enable_new_empty, register_new_empty, unregister_new_empty
 from qdcp.offload import to_device
-from qdcp.reader import describe, read_entry, read_metadata
+from qdcp.reader import describe, read_entry, read_metadata, read_stored
 from qdcp.storage import (
     CheckpointReader,
     CheckpointWriter,
@@ -43,7 +43,7 @@ register_new_empty()  # for torchao classes already imported; QuantizedSavePlann
 __version__ = "0.1.0"
 
 __all__ = [
-    "QuantizedSavePlanner", "QuantizedLoadPlanner", "QuantizedStager", "describe", "read_metadata", "read_entry",
+    "QuantizedSavePlanner", "QuantizedLoadPlanner", "QuantizedStager", "describe", "read_metadata", "read_entry", "read_stored",
     "CheckpointReader", "CheckpointWriter", "storage_reader",
     "storage_writer", "to_device", "register_new_empty", "unregister_new_empty", "enable_new_empty",
     "Adapter", "StoredEntry", "register_adapter", "find_adapter", "registered_type_names",

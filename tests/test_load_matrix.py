@@ -1,4 +1,4 @@
-"""The core issue's load matrix, every cell, for every torchao type and config qdcp covers.
+"""The load matrix (stored raw, dequantized or plain -> same type, other type, plain), every cell, for every torchao type and config qdcp covers.
 
 | checkpoint entry \\ target | same type and config | other type or config | plain tensor |
 | raw                       | buffers bit-identical | dequantize, quantize like target | == source's dequantize |
@@ -7,6 +7,8 @@
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -168,13 +170,21 @@ def test_dequantize_callable_chooses_per_entry(tmp_path):
     assert d["keep"]["stored_as"] == "raw" and d["plain"]["stored_as"] == "dequantized"
 
 
-def test_raw_bytes_equal_component_bytes(tmp_path):
-    source = CASES[0].make(0)
-    path = _save(tmp_path, {"w": source})
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_describe_reports_the_bytes_really_stored(tmp_path, case):
+    """``describe()``'s byte count is the checkpoint's own: the items DCP recorded for the entry
+    (and, raw, the source's inner buffers, every one of them stored)."""
     import qdcp
+    from torch.distributed.checkpoint import FileSystemReader
+    source = case.make(0)
+    path = _save(tmp_path, {"w": source})
+    items = {k: v for k, v in FileSystemReader(path).read_metadata().state_dict_metadata.items()
+             if k.startswith("w.__qdcp__.")}
     info = qdcp.describe(path)["w"]
-    assert info["bytes"] == sum(t.numel() * t.element_size() for t in inner(source).values())
-    assert set(info["components"]) == set(inner(source))
+    assert info["bytes"] == sum(math.prod(v.size) * v.properties.dtype.itemsize for v in items.values())
+    assert set(info["components"]) == {k.split(".__qdcp__.")[1] for k in items}
+    stored = qdcp.read_stored(path, "w").components
+    assert info["bytes"] == sum(t.numel() * t.element_size() for t in stored.values())
 
 
 def test_same_attributes_other_mapping_is_a_raw_copy(tmp_path):

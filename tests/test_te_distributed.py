@@ -1,4 +1,4 @@
-"""Multi-process resharding of TransformerEngine tensors (issue 9): Shard(0) DTensors saved at N ranks,
+"""Multi-process resharding of TransformerEngine tensors: Shard(0) DTensors saved at N ranks,
 loaded at M ranks, on TE's real classes on CPU (``te_cpu`` stands in for TE's compiled module).
 
 Formats (``te_dist_worker.py`` builds each rank's rows from deterministic global buffers, 512 x 256):

@@ -218,7 +218,7 @@ def test_eight_experts_from_one_rank_load_as_rank1_of_2x4(tmp_path, fake_rank1_o
         for n in m4.__tensor_flatten__()[0]:
             assert torch.equal(bits(getattr(m4, n)), bits(getattr(m8, n))), n
     # saving rank 1's experts back as its shard of [8, M, N] needs rank 0 too (a checkpoint with
-    # half the chunks is refused): a real 2-process run, see the report of issue 10
+    # half the chunks is refused): a real 2-process run, tests/test_te_grouped_distributed.py
 
 
 def test_member_keys_into_a_group_sharded_within_experts_are_refused(tmp_path, fake_rank1_of_2):

@@ -1,4 +1,4 @@
-"""Expert parallelism with TE GroupedTensors (issue 10): 8 experts saved at N ranks load at M ranks.
+"""Expert parallelism with TE GroupedTensors: 8 experts saved at N ranks load at M ranks.
 
 Real ``torchrun`` jobs (gloo) on TE's real classes on CPU; ``te_grouped_dist_worker.py`` builds the
 groups (one per recipe: MXFP8, FP8 current and delayed scaling, blockwise 1x128 and 128x128, NVFP4,
