@@ -15,6 +15,7 @@ Exit status: 0 success, 1 a check failed, 2 bad usage / missing or unreadable ch
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import math
@@ -299,6 +300,9 @@ def _to_dcp_dequantized(entries: _Entries, out: str, dtype: torch.dtype | None) 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qdcp", description="Inspect, verify and convert qdcp/DCP checkpoints.")
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="import MODULE first, to register adapters of your own (repeatable); "
+                             "nothing is ever imported because a checkpoint names it")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="table of entries: storage, type, shape, bytes")
     p.add_argument("path")
@@ -325,6 +329,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``qdcp`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     _quiet()
+    for module in args.imports:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # `--import mymodule` from the directory holding it
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            print(f"qdcp: --import {module}: {e}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         return args.func(args)
     except FileNotFoundError as e:

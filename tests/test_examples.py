@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,3 +62,38 @@ def test_demo(tmp_path):
     assert "losses identical to the uninterrupted 2-rank run: True" in out
     assert "stored raw (inner buffers + JSON spec): torchao.NF4Tensor, torchao.OptimState8bit" in out
     assert "raw checkpoint reloaded into a quantized model bit-identically: True" in out
+
+
+def test_custom_adapter_example_through_every_door(tmp_path):
+    """examples/custom_adapter.py: the adapter of docs/adapters.md with the planners (same type and
+    plain targets), QuantizedStager, to_device, and the CLI with ``--import``."""
+    example = os.path.join(ROOT, "examples", "custom_adapter.py")
+    proc = subprocess.run([sys.executable, example, "--dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[:4] == [
+        "same type, bit-exact: True", "plain float32 target = dequantize: True",
+        "async save with QuantizedStager holds the values at the call: True",
+        "to_device keeps the parameter and its type: True BlockInt8Tensor"]
+    ckpt = str(tmp_path / "sync")
+    cli = [sys.executable, "-m", "qdcp", "--import", "custom_adapter"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "examples"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(cli + ["verify", ckpt, "--quiet"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and "OK: 2 entries, 0 problems" in run.stdout, run.stdout + run.stderr
+    without = subprocess.run([sys.executable, "-m", "qdcp", "verify", ckpt, "--quiet"], capture_output=True,
+                             text=True, env=env, timeout=300)
+    assert without.returncode == 1 and "example.BlockInt8Tensor" in without.stdout
+    out = str(tmp_path / "w.safetensors")
+    run = subprocess.run(cli + ["convert", ckpt, out, "--to", "safetensors", "--dequantize", "--dtype", "fp32",
+                                "--quiet"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import custom_adapter
+    finally:
+        sys.path.pop(0)
+    from safetensors.torch import load_file
+    hp = torch.randn(64, 128, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    want = custom_adapter.BlockInt8Tensor.quantize(hp, 32).dequantize(torch.float32)
+    assert torch.equal(load_file(out)["w"], want)

@@ -1,4 +1,5 @@
-"""The load matrix (stored raw, dequantized or plain -> same type, other type, plain), every cell, for every torchao type and config qdcp covers.
+"""The load matrix (stored raw, dequantized or plain -> same type, other type, plain), every cell,
+for every torchao type and config qdcp covers.
 
 | checkpoint entry \\ target | same type and config | other type or config | plain tensor |
 | raw                       | buffers bit-identical | dequantize, quantize like target | == source's dequantize |
