@@ -38,7 +38,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
+from dist_helpers import dtensor_from_local, row_chunks  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,17 +75,9 @@ def init() -> torch.distributed.DeviceMesh:
 
 # ----------------------------------------------------------------------------- DTensors
 
-def row_chunks(rows: int, world: int) -> list[tuple[int, int]]:
-    """(offset, size) of each rank's rows for Shard(0): torch.chunk sizes, as DTensor does."""
-    size = -(-rows // world)
-    return [(min(r * size, rows), max(0, min(size, rows - r * size))) for r in range(world)]
-
-
 def make_dtensor(local: torch.Tensor, mesh, placement, shape, dtype) -> DTensor:
-    """A DTensor over ``local`` built without view ops (as FSDP2's ``_from_local_no_grad``)."""
-    stride = torch.empty(shape, device="meta").stride()
-    spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
-    return DTensor(local, spec, requires_grad=False)
+    """A DTensor over ``local`` with one ``placement``."""
+    return dtensor_from_local(local, mesh, (placement,), shape, dtype)
 
 
 def nf4_ok(case, world: int, rows: int = SHAPE[0]) -> bool:

@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
+from dist_helpers import dtensor_from_local, row_chunks  # noqa: E402
 from transformer_engine.pytorch import utils as te_utils  # noqa: E402
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 
@@ -177,12 +177,6 @@ def build(fmt: str, g: dict[str, torch.Tensor], o: int, s: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- DTensors
 
-def row_chunks(rows: int, world: int) -> list[tuple[int, int]]:
-    """(offset, size) of each rank's rows for Shard(0): torch.chunk sizes, as DTensor does."""
-    size = -(-rows // world)
-    return [(min(r * size, rows), max(0, min(size, rows - r * size))) for r in range(world)]
-
-
 def my_chunk(world: int = WORLD, rank: int = RANK) -> tuple[int, int]:
     return row_chunks(ROWS, world)[rank]
 
@@ -192,10 +186,8 @@ def aligned(world: int) -> bool:
 
 
 def make_dtensor(local: torch.Tensor, mesh) -> DTensor:
-    """A Shard(0) DTensor over ``local`` built without view ops (as FSDP2's ``_from_local_no_grad``)."""
-    stride = torch.empty(SHAPE, device="meta").stride()
-    spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=TensorMeta(torch.Size(SHAPE), stride, DTYPE))
-    return DTensor(local, spec, requires_grad=False)
+    """A Shard(0) DTensor of the test's global shape over ``local``."""
+    return dtensor_from_local(local, mesh, (Shard(0),), SHAPE, DTYPE)
 
 
 def derived_diff(fmt: str, t: torch.Tensor) -> str | None:

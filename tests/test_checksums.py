@@ -237,8 +237,9 @@ def _reshard_worker(rank: int, root: str, reader: str, results) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, "store"), 2), rank=rank, world_size=2)
+    from dist_helpers import init_file_store_group
+
+    init_file_store_group(root, rank, 2)
     mesh = init_device_mesh("cpu", (2,))
     target = {"w": distribute_tensor(torch.zeros(64, 32), mesh, [Shard(0)])}
     storage = CheckpointReader(os.path.join(root, "ckpt")) if reader == "qdcp" else \

@@ -98,7 +98,9 @@ def _sharded_tensor_worker(rank: int, root: str) -> None:
     from torch.distributed._shard import sharded_tensor
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, "store"), 2), rank=rank, world_size=2)
+    from dist_helpers import init_file_store_group
+
+    init_file_store_group(root, rank, 2)
     full = torch.arange(48.0).reshape(8, 6)
 
     def sharded(dim: int, fill: torch.Tensor | None):

@@ -142,14 +142,13 @@ _PROCESS_SCRIPT = textwrap.dedent(r'''
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[2])))
     import test_stager as T
+    from dist_helpers import init_file_store_group
     from qdcp import QuantizedSavePlanner
 
 
     def main():
         root = sys.argv[1]
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, "store"), 1),
-                                rank=0, world_size=1)
+        init_file_store_group(root, 0, 1)
         live = T._mixed(0)
         for i in range(2):  # the second save finds the checkpoint daemon already running
             before = T._snapshot(live)

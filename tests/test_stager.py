@@ -412,15 +412,14 @@ _PROCESS_SCRIPT = textwrap.dedent(r'''
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[2])))
     import test_stager as T
+    from dist_helpers import init_file_store_group
     from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
     from qdcp.stager import QuantizedStager
 
 
     def main():
         root = sys.argv[1]
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, "store"), 1),
-                                rank=0, world_size=1)
+        init_file_store_group(root, 0, 1)
         mesh = init_device_mesh("cpu", (1,))
 
         def shard(t):  # a DTensor over a quantized local tensor, built as FSDP2 would (no view_as)

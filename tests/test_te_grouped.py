@@ -186,13 +186,11 @@ def fake_rank1_of_2():
 
 
 def _shard0(local, mesh, global_shape):
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor import Shard
+    from dist_helpers import dtensor_from_local
 
-    # DTensor.from_local calls view_as, which GroupedTensor forbids: build the spec directly
-    stride = torch.empty(global_shape, device="meta").stride()
-    spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size(global_shape), stride, torch.bfloat16))
-    return DTensor(local, spec, requires_grad=False)
+    # DTensor.from_local calls view_as, which GroupedTensor forbids
+    return dtensor_from_local(local, mesh, (Shard(0),), global_shape, torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", ["mxfp8_both", "current_both_hopper", "nvfp4_both", "block1_both"])

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 import qdcp
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, QuantizedStager, StagingError
-from quantized_cases import bits, gated_save_planner, raise_inner
+from quantized_cases import bits_diff, gated_save_planner, raise_inner
 from test_stager import _files, _mutate, _snapshot
 from training_cases import CASE_BY_NAME, CASES, unavailable, values
 
@@ -36,7 +36,7 @@ INT8 = CASE_BY_NAME["int8_quantized"]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+    return bits_diff(a, b) is None
 
 
 def test_every_case_builds_its_wrapper_class():
@@ -154,15 +154,14 @@ _PROCESS_SCRIPT = textwrap.dedent(r'''
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[2])))
     import test_stager as T
+    from dist_helpers import init_file_store_group
     from training_cases import CASE_BY_NAME, unavailable
     from qdcp import QuantizedSavePlanner
 
 
     def main():
         root = sys.argv[1]
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, "store"), 1),
-                                rank=0, world_size=1)
+        init_file_store_group(root, 0, 1)
         for name in (n for n in ("float8", "moe_mxfp8", "int8_quantized") if not unavailable(CASE_BY_NAME[n])):
             live = CASE_BY_NAME[name].model(0).state_dict()
             before = T._snapshot(live)
