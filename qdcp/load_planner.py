@@ -132,7 +132,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             hit = self._by_item.get(item.dest_index.fqn)
             if hit is not None:
                 self._pending[hit[0].fqn] += 1
-        self._verify.plan(new_plan.items)
+        with planning():
+            self._verify.plan(new_plan.items)
         return super().finish_plan(new_plan)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:

@@ -177,6 +177,10 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         return entry
 
     def create_local_plan(self) -> SavePlan:
+        with planning():
+            return self._create_local_plan()
+
+    def _create_local_plan(self) -> SavePlan:
         plan = create_default_local_save_plan(self.state_dict, self.is_coordinator)
         items = list(plan.items)
         planner_data: dict[str, Any] = dict(self.mappings) if self.flatten_state_dict else {}
@@ -214,12 +218,13 @@ class QuantizedSavePlanner(DefaultSavePlanner):
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         # take the per-save hashes out of the plans (in place: DCP's plan caching keeps the plans
         # it is given and compares later ones with them)
-        per_rank = [(plan.planner_data or {}).pop(_SUMS_KEY, None) or {"hashes": {}, "shared": []}
-                    for plan in all_plans]
-        _check_shared(per_rank)
-        plans, metadata = super().create_global_plan(all_plans)
-        self._sums_record = _checksum_record(self.global_plan, per_rank, metadata) if self.checksums else None
-        return plans, metadata
+        with planning():
+            per_rank = [(plan.planner_data or {}).pop(_SUMS_KEY, None) or {"hashes": {}, "shared": []}
+                        for plan in all_plans]
+            _check_shared(per_rank)
+            plans, metadata = super().create_global_plan(all_plans)
+            self._sums_record = _checksum_record(self.global_plan, per_rank, metadata) if self.checksums else None
+            return plans, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         # On the coordinator: the checksums join the Metadata that finish() writes. Added here, not
