@@ -36,11 +36,14 @@ class StoredEntry:
 class Adapter:
     """One family of quantized tensors. Subclass and register an instance with :func:`register_adapter`.
 
-    Who calls what:
+    Who calls what (this is the whole contract: no qdcp module calls anything else of an adapter):
 
-    - the save planner: :meth:`type_name`, :meth:`attributes`, :meth:`info`, :meth:`components`,
-      :meth:`layouts` (raw entries), :meth:`dequantize` (dequantized entries), :meth:`unwrap`;
-    - the load planner: the same, plus :meth:`native_components`, :meth:`copy_into` (same type),
+    - the registry (:func:`find_adapter`): :attr:`type_names`, :meth:`matches`;
+    - the save planner: :meth:`type_name`, :meth:`attributes`, :meth:`info`, :meth:`components`
+      (through :meth:`component_names` by default), :meth:`layouts` (raw entries),
+      :meth:`dequantize` (dequantized entries), :meth:`unwrap` (wrappers stored as their tensor);
+    - the load planner: the same, plus :meth:`attribute_classes` (decoding stored attributes),
+      :meth:`native_components`, :meth:`copy_into` (same type),
       :meth:`raw_load_sources` / :meth:`raw_load` (another type of the same family, same bits),
       :meth:`raw_forms_in` / :meth:`from_raw_form` with the source's :meth:`raw_forms_out` /
       :meth:`to_raw_form` (another family's type holding the same format, through a neutral form),
@@ -49,8 +52,11 @@ class Adapter:
       :meth:`members_loaded` (groups);
     - the stager and :func:`qdcp.to_device`: :meth:`inner_buffers`, :meth:`from_inner_buffers`;
     - DCP's default stager (through qdcp.new_empty): :meth:`loaded_classes`, :meth:`add_op`;
-    - ``qdcp.read_entry`` and the CLI: :meth:`rebuild` (a live instance; needs the library) and
-      :meth:`dequantize_stored` (values; works without the library where the adapter can).
+    - ``qdcp.read_entry`` and the CLI: :meth:`rebuild` (a live instance; needs the library),
+      :meth:`dequantize_stored` (values; works without the library where the adapter can) and
+      :meth:`attribute_classes` (``qdcp inspect`` shows what the save recorded of :meth:`info`).
+
+    ``examples/custom_adapter.py`` is a complete adapter exercised through all of these.
 
     Required: :attr:`type_names`, :meth:`matches`, :meth:`type_name`, :meth:`component_names`,
     :meth:`layouts`, :meth:`attributes`, :meth:`dequantize`, :meth:`rebuild`, :meth:`quantize_like`,
