@@ -8,14 +8,13 @@ to DCP's own path. Every check that metadata allows is made here, before anythin
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from qdcp import spec as qspec
-from qdcp.adapters.base import Adapter, adapter_for_type, find_adapter, raw_conversion
+from qdcp.adapters.base import Adapter, adapter_for_type, find_adapter, find_type_adapter, raw_conversion
 from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Chunk
 from qdcp.load_actions import (FromPlain, InPlace, IntoPlain, ItemRead, LoadAction, RawCopy, Requantize,
@@ -48,6 +47,7 @@ class KeyPlanner:
         self._stored = qspec.stored_components(self.md)
         self._structures: dict[tuple, tuple] = {}  # structure -> (decoded attrs, layouts)
         self._configs: dict[tuple, bool] = {}      # (structure, target structure) -> same config?
+        self._members: dict[str, tuple[str, int]] | None = None
 
     def plan_key(self, fqn: str, target: Any) -> KeyPlan | None:
         """The plan for target key ``fqn``, or None where DCP's own path loads it as it is."""
@@ -191,27 +191,39 @@ class KeyPlanner:
 
     # ------------------------------------------------------------------ groups
     def _member_of_group(self, fqn: str, placed: Placed, adapter: Adapter | None) -> KeyPlan | None:
-        """A target ``<key><i>`` (plain, quantized, or a DTensor of either) is member ``i`` of a
-        group stored under ``<key>`` (raw, or dequantized: a plain tensor of the group's logical
-        shape): the logical chunk the group's adapter names for it."""
-        m = re.fullmatch(r"(.*\D)(\d+)", fqn)
-        group = self.specs.get(m.group(1)) if m else None
-        if group is None:
+        """A target key that the group adapter of a stored entry names as one of its members
+        (plain, quantized, or a DTensor of either): the logical chunk that adapter names for it,
+        from the group stored raw, or dequantized (a plain tensor of the group's logical shape)."""
+        found = self._member_keys().get(fqn)
+        if found is None:
             return None
-        g_adapter = adapter_for_type(group.type, m.group(1))
+        group_key, index = found
+        group = self.specs[group_key]
+        g_adapter = adapter_for_type(group.type, group_key)
         attrs, _ = self.decoded(group, g_adapter, fqn)
-        chunk = g_adapter.member_chunk(attrs, group.shape, int(m.group(2)))
+        chunk = g_adapter.member_chunk(attrs, group.shape, index)
         if chunk is None:
             return None
         if chunk[1][0] != 1 or tuple(chunk[1][1:]) != placed.global_shape:
-            raise LoadMismatchError(f"key {fqn!r}: member {m.group(2)} of {m.group(1)!r} has shape "
+            raise LoadMismatchError(f"key {fqn!r}: member {index} of {group_key!r} has shape "
                                     f"{tuple(chunk[1][1:])}, the target {placed.global_shape}")
         within = (chunk[0][0], *(c + o for c, o in zip(chunk[0][1:], placed.chunk[0])))
         member = Placed(placed.local, (within, (1, *placed.chunk[1])), group.shape, placed.is_dtensor,
                         whole=chunk)
         source = group if group.storage == qspec.RAW else None
-        action = self.plan_entry(fqn, member, adapter, source, src_fqn=m.group(1))
+        action = self.plan_entry(fqn, member, adapter, source, src_fqn=group_key)
         return KeyPlan(actions=(action,) if action is not None else ())
+
+    def _member_keys(self) -> dict[str, tuple[str, int]]:
+        """Member key -> (group key, index), for every stored entry of a group family, as its
+        adapter names the members (built on first use: only loads with missing keys need it)."""
+        if self._members is None:
+            self._members = {}
+            for key, spec in self.specs.items():
+                g_adapter = find_type_adapter(spec.type)
+                if g_adapter is not None and g_adapter.groups and spec.shape:
+                    self._members.update({g_adapter.member_key(key, i): (key, i) for i in range(spec.shape[0])})
+        return self._members
 
     def _group_by_member(self, fqn: str, placed: Placed, adapter: Adapter | None) -> KeyPlan | None:
         """A group target ``<key>`` (a group type, or a plain ``[n, ...]`` stack; a DTensor of either
@@ -221,19 +233,22 @@ class KeyPlanner:
             return None  # "<key>1" + "0" would read as "<key>10"
         members = adapter.members(placed.local) if adapter is not None else None
         if adapter is None and placed.local.ndim >= 2:
-            members = list(placed.local.unbind(0))
+            members = list(placed.local.unbind(0))  # a plain [n, ...] stack
+        naming = adapter if adapter is not None else _PLAIN_STACK
         first = placed.chunk[0][0] if placed.chunk[0] else 0
-        if members is None or (f"{fqn}{first}" not in self.md and f"{fqn}{first}" not in self.specs):
+        first_key = naming.member_key(fqn, first)
+        if members is None or (first_key not in self.md and first_key not in self.specs):
             return None
         if placed.is_dtensor and (any(placed.chunk[0][1:]) or placed.chunk[1][1:] != placed.global_shape[1:]
                                   or len(members) != placed.chunk[1][0]):
             raise LoadMismatchError(
-                f"key {fqn!r}: the checkpoint stores this group by member ({fqn}0, {fqn}1, ...); a "
+                f"key {fqn!r}: the checkpoint stores this group by member ({naming.member_key(fqn, 0)}, "
+                f"{naming.member_key(fqn, 1)}, ...); a "
                 f"sharded target must split whole members (Shard(0) of a stacked [n, ...] tensor), "
                 f"but this rank holds the chunk {placed.chunk} of {placed.global_shape}")
         actions, to_dcp, handled = [], {}, []
         for j, member in enumerate(members):
-            key = f"{fqn}{first + j}"
+            key = naming.member_key(fqn, first + j)
             source = self.specs.get(key)
             if source is not None and source.storage == qspec.DEQUANTIZED:
                 source = None
@@ -247,6 +262,9 @@ class KeyPlanner:
                 actions.append(action)
         group = (adapter, placed.local) if adapter is not None else None
         return KeyPlan(tuple(actions), to_dcp, tuple(handled), group)
+
+
+_PLAIN_STACK = Adapter()  # the default member naming, for plain [n, ...] stacks
 
 
 def _structure_key(entry: qspec.EntrySpec) -> tuple:

@@ -208,6 +208,15 @@ class Adapter:
 
     # Groups: one tensor that packs several members (MoE experts), checkpointed by member. Optional.
 
+    #: whether this family has group types (their stored entries name members: :meth:`member_chunk`)
+    groups: bool = False
+
+    def member_key(self, key: str, index: int) -> str:
+        """The state-dict key of member ``index`` of the group under ``key``: where a group stored by
+        member keeps it, and the target key that stands for it. Default ``f"{key}{index}"`` (TE
+        GroupedLinear's ``weight0..weight{n-1}``); plain ``[n, ...]`` stacks use the default too."""
+        return f"{key}{index}"
+
     def members(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """For a group: its members, as tensors that share ``t``'s buffers (loading into them fills
         ``t`` in place), in order; None (default) for types that are not groups."""
@@ -319,10 +328,15 @@ def find_adapter(t: torch.Tensor | type) -> Adapter | None:
     return found
 
 
-def adapter_for_type(type_name: str, fqn: str = "") -> Adapter:
-    """The adapter registered for a type name read from a checkpoint."""
+def find_type_adapter(type_name: str) -> Adapter | None:
+    """The adapter registered for a type name read from a checkpoint, or None."""
     with _lock:
-        adapter = _by_type_name.get(type_name)
+        return _by_type_name.get(type_name)
+
+
+def adapter_for_type(type_name: str, fqn: str = "") -> Adapter:
+    """The adapter registered for a type name read from a checkpoint (a clear error if none is)."""
+    adapter = find_type_adapter(type_name)
     if adapter is None:
         raise CheckpointFormatError(
             f"key {fqn!r}: the checkpoint stores type {type_name!r}, which no registered qdcp adapter "

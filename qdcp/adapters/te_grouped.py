@@ -147,6 +147,7 @@ class TEGroupedTensorAdapter(Adapter):
     """TE ``GroupedTensor`` and ``GroupedTensorStorage``, stored by member (see module docstring)."""
 
     type_names = (TYPE_NAME,)
+    groups = True  # members keyed <key><i> (Adapter.member_key), as TE GroupedLinear names them
     _cls_names = ("GroupedTensor", "GroupedTensorStorage")
 
     def matches(self, cls):
