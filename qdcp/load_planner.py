@@ -11,18 +11,15 @@ import re
 import threading
 
 import torch
-from torch.distributed.checkpoint import _version
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from qdcp import checksums as sums
 from qdcp import spec as qspec
+from qdcp.dcp_copies import pre_2_4_state_dict, read_items
 from qdcp.errors import CheckpointFormatError, LoadMismatchError
-from qdcp.layouts import Chunk
 from qdcp.load_actions import ItemRead, LoadAction
 from qdcp.load_planning import KeyPlan, KeyPlanner
 from qdcp.placement import narrow, planning
@@ -111,20 +108,12 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             return dataclasses.replace(plan, items=items)
 
     def _detect_pre_2_4_keys(self) -> None:
-        """DCP's fallback for checkpoints saved before torch 2.4 (other flattened key names), as in
-        ``DefaultLoadPlanner.create_local_plan``, with the keys qdcp plans counted as present."""
+        """DCP's fallback for checkpoints saved before torch 2.4, with the keys qdcp plans counted as present."""
         owned = {qspec.component_fqn(f, c.name) for f, e in self._specs.items() for c in e.components}
-        missing = set(self.metadata.state_dict_metadata) - set(self.state_dict) - self._handled - owned
-        if not missing:
-            return
-        _version._derived_version = "2_3"
-        try:
-            old_state_dict, old_mappings = flatten_state_dict(self.original_state_dict)
-        finally:
-            _version._derived_version = None
-        if set(old_state_dict) & missing:
-            self.state_dict = {k: v for k, v in old_state_dict.items() if k not in self._handled}
-            self.mappings = old_mappings
+        found = pre_2_4_state_dict(self.metadata, self.state_dict, self.original_state_dict, self._handled | owned)
+        if found is not None:
+            self.state_dict = {k: v for k, v in found[0].items() if k not in self._handled}
+            self.mappings = found[1]
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
         self._pending = dict.fromkeys(self._actions, 0)
@@ -205,7 +194,7 @@ def _load_object(value: io.BytesIO, fqn: str, weights_only: bool):
 def _reads_of(key: str, read: ItemRead) -> list[ReadItem]:
     """DCP's reads for one :class:`ItemRead`, under its planned item name; refuses saved chunks
     that leave holes in (or overlap) what is needed."""
-    reads = _read_items(read.stored, read.md, read.chunk)
+    reads = read_items(read.stored, read.md, read.chunk)
     if read.stored != read.item:  # another key's item: this action's own destination name
         reads = [dataclasses.replace(r, dest_index=MetadataIndex(read.item, r.dest_index.offset, r.dest_index.index))
                  for r in reads]
@@ -215,17 +204,3 @@ def _reads_of(key: str, read: ItemRead) -> list[ReadItem]:
             f"key {key!r}: the checkpoint's chunks of {read.item!r} cover {covered} of the "
             f"{math.prod(read.chunk[1])} elements this rank needs (holes or overlaps).")
     return reads
-
-
-def _read_items(fqn: str, item_md: TensorStorageMetadata, chunk: Chunk) -> list[ReadItem]:
-    """DCP's reads of ``chunk`` of item ``fqn``; the common case -- one saved chunk that is exactly
-    the one needed -- without DCP's general overlap sweep."""
-    saved = item_md.chunks
-    if len(saved) == 1 and tuple(saved[0].offsets) == chunk[0] and tuple(saved[0].sizes) == chunk[1]:
-        offsets = torch.Size(chunk[0])
-        zeros = torch.Size([0] * len(chunk[0]))
-        return [ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets, 0),
-                         dest_offsets=zeros, storage_index=MetadataIndex(fqn, offsets, 0),
-                         storage_offsets=zeros, lengths=torch.Size(chunk[1]))]
-    return create_read_items_for_chunk_list(
-        fqn, item_md, [ChunkStorageMetadata(torch.Size(chunk[0]), torch.Size(chunk[1]))])
