@@ -96,12 +96,29 @@ def hash_many(items: Iterable[tuple[Any, Any]]) -> dict[Any, int]:
     return out
 
 
-def encode(hashes: Mapping[str, list[int | None]]) -> dict:
-    """The metadata record of ``{item_fqn: [hash per chunk, metadata order]}`` (items with a
-    missing hash are left out: nothing to verify them against)."""
-    items = {fqn: b"".join(_U64.pack(h) for h in hs) for fqn, hs in hashes.items()
-             if hs and all(h is not None for h in hs)}
-    return {"algorithm": ALGORITHM, "items": items}
+class RecordBuilder:
+    """Builds the metadata record chunk by chunk, straight into each item's packed bytes (the
+    coordinator of a large job sets one hash per chunk of every rank: no per-chunk Python objects)."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, bytearray] = {}
+        self._missing: dict[str, int] = {}
+
+    def item(self, fqn: str, chunks: int) -> None:
+        """Declare item ``fqn`` with ``chunks`` chunks, none of them hashed yet."""
+        self._items[fqn] = bytearray(8 * chunks)
+        self._missing[fqn] = chunks
+
+    def set(self, fqn: str, index: int, h: int | None) -> None:
+        """The hash of chunk ``index`` of ``fqn`` (None: unknown, the item is left out)."""
+        if h is not None and fqn in self._items:
+            _U64.pack_into(self._items[fqn], 8 * index, h)
+            self._missing[fqn] -= 1
+
+    def record(self) -> dict:
+        """The record: items every chunk of which was hashed."""
+        items = {fqn: bytes(b) for fqn, b in self._items.items() if self._missing[fqn] == 0 and b}
+        return {"algorithm": ALGORITHM, "items": items}
 
 
 @dataclasses.dataclass

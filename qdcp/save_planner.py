@@ -235,14 +235,19 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         return super().finish_plan(new_plan)
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        texts, stripped = [], []
-        for plan in all_plans:
-            data = dict(plan.planner_data or {})
-            texts.append(data.pop(qspec.PLANNER_DATA_KEY, None) or qspec.dumps({}))
-            stripped.append(dataclasses.replace(plan, planner_data=data))
-        plans, metadata = super()._create_global_plan(stripped)
+        # DCP merges the plans' planner_data into the metadata's: the spec texts are merged here
+        # instead. Taken out of the plans for the call and put back (no copy per rank; DCP's plan
+        # caching keeps these plans and compares later ones with them).
+        texts = [(plan.planner_data or {}).pop(qspec.PLANNER_DATA_KEY, None) for plan in all_plans]
+        try:
+            plans, metadata = super()._create_global_plan(all_plans)
+        finally:
+            for plan, text in zip(all_plans, texts):
+                if text is not None:
+                    plan.planner_data[qspec.PLANNER_DATA_KEY] = text
+        texts = [t or qspec.dumps({}) for t in texts]
         planner_data = dict(metadata.planner_data or {})
-        planner_data[qspec.PLANNER_DATA_KEY] = texts[0] if len(set(texts)) == 1 else _merge_specs(texts)
+        planner_data[qspec.PLANNER_DATA_KEY] = texts[0] if all(t == texts[0] for t in texts) else _merge_specs(texts)
         return plans, dataclasses.replace(metadata, planner_data=planner_data)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
@@ -289,18 +294,16 @@ def _check_shared(per_rank: list[dict]) -> None:
 
 def _checksum_record(global_plan: list[SavePlan], per_rank: list[dict], metadata: Metadata) -> dict:
     """The metadata's checksum record: for each item, the hash of the copy the rank that writes
-    it computed (DCP writes one rank's copy of a replicated item), in the metadata's chunk order."""
-    written = {}
+    it computed (DCP writes one rank's copy of a replicated item), in the metadata's chunk order
+    (DCP's global plan gives each item's chunk index)."""
+    builder = sums.RecordBuilder()
+    for fqn, md in metadata.state_dict_metadata.items():
+        builder.item(fqn, len(md.chunks) if isinstance(md, TensorStorageMetadata) else 1)
     for rank, plan in enumerate(global_plan):
         hashes = per_rank[rank]["hashes"]
         for item in plan.items:
-            key = _item_key(item)
-            written[key] = hashes.get(key)
-    out = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        offsets = [tuple(c.offsets) for c in md.chunks] if isinstance(md, TensorStorageMetadata) else [()]
-        out[fqn] = [written.get((fqn, o)) for o in offsets]
-    return sums.encode(out)
+            builder.set(item.index.fqn, item.index.index or 0, hashes.get(_item_key(item)))
+    return builder.record()
 
 
 def _merge_specs(texts: list[str]) -> str:

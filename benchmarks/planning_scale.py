@@ -1,0 +1,265 @@
+"""Coordinator planning at cluster scale: N simulated ranks, qdcp's planners vs DCP's default ones.
+
+Builds, in one process, the local save plans that N ranks send for a 70B-like layer stack (hidden
+8192, FFN 28672, 8 KV heads; ``--layers`` of them) under FSDP2 ``Shard(0)`` over all N ranks:
+torchao ``Int8Tensor`` (or ``--weights nvfp4``) weights, torchao ``OptimState8bit`` exp_avg and
+exp_avg_sq, bf16 norms. Each rank's plan is made by the real planner on that rank's own DTensors (a
+fake process group seen from that rank; local tensors of one shard shape share one stand-in, built
+through torchao). Then, on the coordinator, it times ``create_global_plan`` + ``finish_plan``, and
+on load the ``.metadata`` unpickle plus one rank's ``set_up_planner`` + ``create_local_plan``. The
+baseline is DCP's default planners on the same plain components (each one a ``Shard(0)`` DTensor,
+or a plain tensor where the component is replicated). Coordinator peak memory is measured with
+tracemalloc in separate runs.
+
+    python benchmarks/planning_scale.py [--ranks 8,64,1024,8192] [--layers 2] [--weights int8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import pickle
+import time
+import tracemalloc
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import qdcp
+from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
+from qdcp.adapters.base import StoredEntry
+
+warnings.filterwarnings("ignore")
+
+HIDDEN, FFN, KV = 8192, 28672, 1024
+LINEARS = {"q_proj": (HIDDEN, HIDDEN), "k_proj": (KV, HIDDEN), "v_proj": (KV, HIDDEN), "o_proj": (HIDDEN, HIDDEN),
+           "gate_proj": (FFN, HIDDEN), "up_proj": (FFN, HIDDEN), "down_proj": (HIDDEN, FFN)}
+NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def rank_rows(rows: int, world: int, rank: int) -> int:
+    """How many rows rank ``rank`` holds under Shard(0): torch.chunk sizes, as DTensor does."""
+    size = -(-rows // world)
+    return max(0, min(size, rows - rank * size))
+
+
+def dtensor(local: torch.Tensor, mesh, shape, dtype):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor(local, DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size(shape), stride, dtype)),
+                   requires_grad=False)
+
+
+class Shards:
+    """Local shards by (kind, global shape, rows): one stand-in per shard shape, built by torchao
+    for the largest shard and cut to fewer rows through the adapter's own layouts and rebuild."""
+
+    def __init__(self, weights: str) -> None:
+        self.weights = weights
+        self._full: dict = {}
+        self._cut: dict = {}
+        self._plain: dict = {}
+
+    def quantized(self, kind: str, shape, rows: int, world: int) -> torch.Tensor:
+        most = -(-shape[0] // world)
+        key = (kind, tuple(shape), most)
+        if key not in self._full:
+            self._full[key] = self._build(kind, (most, shape[1]))
+        if rows == most:
+            return self._full[key]
+        cut = (key, rows)
+        if cut not in self._cut:
+            t = self._full[key]
+            adapter = qdcp.find_adapter(t)
+            chunk = ((0, 0), (rows, shape[1]))
+            comps = {n: _narrow(c, layout.map_chunk(tuple(t.shape), chunk))
+                     for (n, c), layout in zip(adapter.components(t).items(), adapter.layouts(t).values())}
+            self._cut[cut] = adapter.rebuild(StoredEntry(adapter.type_name(t), adapter.attributes(t), (rows, shape[1]),
+                                                         t.dtype, {n: c.clone() for n, c in comps.items()}))
+        return self._cut[cut]
+
+    def plain(self, shape, dtype) -> torch.Tensor:
+        key = (tuple(shape), dtype)
+        if key not in self._plain:
+            self._plain[key] = torch.zeros(shape, dtype=dtype)
+        return self._plain[key]
+
+    def _build(self, kind: str, shape) -> torch.Tensor:
+        g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+        if kind == "optim":
+            from torchao.optim.subclass_8bit import OptimState8bit
+            t = OptimState8bit.zeros(shape, signed=True, block_size=256)
+            t.codes.copy_(torch.randint(0, 256, shape, generator=g, dtype=torch.uint8))
+            return t
+        hp = torch.randn(shape, generator=g, dtype=torch.bfloat16)
+        if self.weights == "nvfp4":
+            from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+            return NVFP4Tensor.to_nvfp4(hp)
+        from torchao.quantization import Int8Tensor, PerRow
+        return Int8Tensor.from_hp(hp, PerRow())
+
+
+def _narrow(t, chunk):
+    for dim, (o, s) in enumerate(zip(*chunk)):
+        t = t.narrow(dim, o, s)
+    return t
+
+
+def rank_states(world: int, rank: int, mesh, layers: int, shards: Shards) -> tuple[dict, dict]:
+    """Rank ``rank``'s quantized state dict and DCP's plain-components twin of it."""
+    state, twin = {}, {}
+    for i in range(layers):
+        for name, shape in LINEARS.items():
+            rows = rank_rows(shape[0], world, rank)
+            fqn = f"model.layers.{i}.{name}.weight"
+            for key, kind in ((fqn, "weight"), (f"optim.{fqn}.exp_avg", "optim"), (f"optim.{fqn}.exp_avg_sq", "optim")):
+                local = shards.quantized(kind, shape, rows, world)
+                state[key] = dtensor(local, mesh, shape, local.dtype)
+                twin.update(_twin(key, local, shape, mesh, world, rank, shards))
+        for name in NORMS:
+            key = f"model.layers.{i}.{name}.weight"
+            rows = rank_rows(HIDDEN, world, rank)
+            state[key] = twin[key] = dtensor(shards.plain((rows,), torch.bfloat16), mesh, (HIDDEN,), torch.bfloat16)
+    return state, twin
+
+
+def _twin(key, local, shape, mesh, world, rank, shards) -> dict:
+    """The same components as plain tensors: a Shard(0) DTensor of the component's global shape
+    (DCP's own even split), or a plain tensor where the component is the same on every rank."""
+    adapter = qdcp.find_adapter(local)
+    out = {}
+    for (name, comp), layout in zip(adapter.components(local).items(), adapter.layouts(local).values()):
+        full = layout.map_chunk(tuple(shape), ((0,) * len(shape), tuple(shape)))[1]
+        if tuple(full) == tuple(comp.shape) and world > 1 and layout.map_chunk(
+                tuple(shape), ((0, 0), (1, shape[1])))[1] == tuple(full):
+            out[f"{key}.{name}"] = shards.plain(full, comp.dtype)  # replicated (qmap, per-tensor scale)
+        else:
+            rows = rank_rows(full[0], world, rank)
+            out[f"{key}.{name}"] = dtensor(shards.plain((rows, *full[1:]), comp.dtype), mesh, full, comp.dtype)
+    return out
+
+
+def local_plans(world: int, layers: int, shards: Shards):
+    """Every rank's local plan, qdcp's and DCP's, each made on that rank (a fake process group)."""
+    q_plans, d_plans, q0, d0 = [], [], None, None
+    for rank in range(world):
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+        try:
+            mesh = init_device_mesh("cpu", (world,))
+            state, twin = rank_states(world, rank, mesh, layers, shards)
+            qp, dp = QuantizedSavePlanner(), DefaultSavePlanner()
+            qp.set_up_planner(state, None, rank == 0)
+            dp.set_up_planner(twin, None, rank == 0)
+            q_plans.append(qp.create_local_plan())
+            d_plans.append(dp.create_local_plan())
+            if rank == 0:
+                q0, d0 = (qp, state), (dp, twin)
+        finally:
+            dist.destroy_process_group()
+    return q_plans, d_plans, q0, d0
+
+
+def coordinator(planner_cls, plans, state):
+    """A fresh coordinator planner, set up on rank 0's state; its global plan and finish timed."""
+    planner = planner_cls()
+    planner.set_up_planner(state, None, True)
+    planner.create_local_plan()
+    gc.collect()
+    t0 = time.perf_counter()
+    central, metadata = planner.create_global_plan(list(plans))
+    planner.finish_plan(central[0])
+    gc.collect()
+    return time.perf_counter() - t0, getattr(planner, "metadata", metadata)
+
+
+def peak_memory(planner_cls, plans, state) -> int:
+    planner = planner_cls()
+    planner.set_up_planner(state, None, True)
+    planner.create_local_plan()
+    gc.collect()
+    tracemalloc.start()
+    central, _ = planner.create_global_plan(list(plans))
+    planner.finish_plan(central[0])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
+def load_side(planner_cls, blob: bytes, state) -> float:
+    """Unpickle ``.metadata`` and plan one rank's load (rank 0's state as the target)."""
+    gc.collect()
+    t0 = time.perf_counter()
+    md = pickle.load(io.BytesIO(blob))
+    planner = planner_cls()
+    planner.set_up_planner(state, md, False)
+    planner.create_local_plan()
+    gc.collect()
+    return time.perf_counter() - t0
+
+
+def measure(world: int, layers: int, shards: Shards, repeat: int) -> dict:
+    t0 = time.perf_counter()
+    q_plans, d_plans, (qp0, q_state), (dp0, d_state) = local_plans(world, layers, shards)
+    local_s = time.perf_counter() - t0
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        init_device_mesh("cpu", (world,))
+        q_times, d_times = [], []
+        for _ in range(repeat):
+            qt, q_md = coordinator(QuantizedSavePlanner, q_plans, q_state)
+            dt, d_md = coordinator(DefaultSavePlanner, d_plans, d_state)
+            q_times.append(qt)
+            d_times.append(dt)
+        q_blob, d_blob = pickle.dumps(q_md), pickle.dumps(d_md)
+        q_mem = peak_memory(QuantizedSavePlanner, q_plans, q_state)
+        d_mem = peak_memory(DefaultSavePlanner, d_plans, d_state)
+        q_load = min(load_side(QuantizedLoadPlanner, q_blob, q_state) for _ in range(repeat))
+        d_load = min(load_side(DefaultLoadPlanner, d_blob, d_state) for _ in range(repeat))
+    finally:
+        dist.destroy_process_group()
+    return {"ranks": world, "items": sum(len(p.items) for p in q_plans),
+            "dcp_items": sum(len(p.items) for p in d_plans), "local_plans_s": local_s,
+            "qdcp_global_s": min(q_times), "dcp_global_s": min(d_times), "qdcp_md_bytes": len(q_blob),
+            "dcp_md_bytes": len(d_blob), "qdcp_peak_mib": q_mem / 2**20, "dcp_peak_mib": d_mem / 2**20,
+            "qdcp_load_s": q_load, "dcp_load_s": d_load}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="8,64,1024,8192")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--weights", choices=["int8", "nvfp4"], default="int8")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    shards = Shards(args.weights)
+    rows = []
+    cols = ["ranks", "items", "dcp_items", "qdcp_global_s", "dcp_global_s", "time_ratio", "qdcp_md_bytes", "dcp_md_bytes",
+            "md_ratio", "qdcp_peak_mib", "dcp_peak_mib", "mem_ratio", "qdcp_load_s", "dcp_load_s", "load_ratio"]
+    print(" | ".join(cols))
+    for world in (int(x) for x in args.ranks.split(",")):
+        r = measure(world, args.layers, shards, args.repeat)
+        r["time_ratio"] = r["qdcp_global_s"] / r["dcp_global_s"]
+        r["md_ratio"] = r["qdcp_md_bytes"] / r["dcp_md_bytes"]
+        r["mem_ratio"] = r["qdcp_peak_mib"] / r["dcp_peak_mib"]
+        r["load_ratio"] = r["qdcp_load_s"] / r["dcp_load_s"]
+        rows.append(r)
+        print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols), flush=True)
+    by = {r["ranks"]: r for r in rows}
+    if 1024 in by and 8192 in by:
+        a, b = by[1024], by[8192]
+        print("growth 1024 -> 8192 (8x the ranks):")
+        for name in ("qdcp_global_s", "dcp_global_s", "qdcp_md_bytes", "dcp_md_bytes", "qdcp_peak_mib",
+                     "dcp_peak_mib", "qdcp_load_s", "dcp_load_s"):
+            print(f"  {name}: x{b[name] / a[name]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
