@@ -3,7 +3,8 @@
 Builds, in one process, the local save plans that N ranks send for a 70B-like layer stack (hidden
 8192, FFN 28672, 8 KV heads; ``--layers`` of them) under FSDP2 ``Shard(0)`` over all N ranks:
 torchao ``Int8Tensor`` (or ``--weights nvfp4``) weights, torchao ``OptimState8bit`` exp_avg and
-exp_avg_sq, bf16 norms. Each rank's plan is made by the real planner on that rank's own DTensors (a
+exp_avg_sq (none on a rank that holds no rows of the weight: torchao's state cannot be empty), bf16
+norms. Each rank's plan is made by the real planner on that rank's own DTensors (a
 fake process group seen from that rank; local tensors of one shard shape share one stand-in, built
 through torchao). Then, on the coordinator, it times ``create_global_plan`` + ``finish_plan``, and
 on load the ``.metadata`` unpickle plus one rank's ``set_up_planner`` + ``create_local_plan``. The
@@ -121,6 +122,8 @@ def rank_states(world: int, rank: int, mesh, layers: int, shards: Shards) -> tup
             rows = rank_rows(shape[0], world, rank)
             fqn = f"model.layers.{i}.{name}.weight"
             for key, kind in ((fqn, "weight"), (f"optim.{fqn}.exp_avg", "optim"), (f"optim.{fqn}.exp_avg_sq", "optim")):
+                if kind == "optim" and rows == 0:
+                    continue  # torchao's 8-bit state cannot be empty: a rank with no rows has none
                 local = shards.quantized(kind, shape, rows, world)
                 state[key] = dtensor(local, mesh, shape, local.dtype)
                 twin.update(_twin(key, local, shape, mesh, world, rank, shards))

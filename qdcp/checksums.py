@@ -238,7 +238,7 @@ class ReadVerifier:
                 with self._lock:
                     self._pending.append((_hash_pool().submit(of_data, data), found[0], read_item, key, untouched))
             else:
-                self._compare(read_item, of_data(data), found[0], key, untouched)
+                self._compare(read_item, of_data(data), found[0], key=key, untouched=untouched)
         with self._lock:
             self._filled.add(key)
             self._remaining -= 1
@@ -252,9 +252,9 @@ class ReadVerifier:
                 if not self._pending or not (wait or self._pending[0][0].done()):
                     return
                 fut, expected, read_item, key, untouched = self._pending.popleft()
-            self._compare(read_item, fut.result(), expected, key, untouched)
+            self._compare(read_item, fut.result(), expected, key=key, untouched=untouched)
 
-    def _compare(self, read_item, got: int, expected: int, key: str, untouched: bool) -> None:
+    def _compare(self, read_item, got: int, expected: int, *, key: str, untouched: bool) -> None:
         if got == expected:
             return
         with self._lock:

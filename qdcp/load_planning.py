@@ -91,13 +91,14 @@ class KeyPlanner:
         if is_empty(placed.chunk):
             return None
         if adapter is not None and self._same_config(adapter, placed.local, source, fqn):
-            return self._in_place(fqn, placed, adapter, source, src_fqn)
+            return self._in_place(fqn, placed, adapter, source, src_fqn=src_fqn)
         if adapter is not None:
-            conversion = raw_conversion(adapter, placed.local, source_adapter, source.type, attrs)
-            action = self._raw_copy(fqn, placed, source, src_fqn, conversion) if conversion else None
+            conversion = raw_conversion(adapter, placed.local, source_adapter, source_type=source.type,
+                                        source_attrs=attrs)
+            action = self._raw_copy(fqn, placed, source, src_fqn=src_fqn, conversion=conversion) if conversion else None
             if action is not None:
                 return action
-        return self._dequantizing(fqn, placed, adapter, source, src_fqn)
+        return self._dequantizing(fqn, placed, adapter, source, src_fqn=src_fqn)
 
     def decoded(self, source: qspec.EntrySpec, source_adapter: Adapter, fqn: str) -> tuple:
         """A stored entry's decoded attributes and layouts, checked once per structure."""
@@ -129,7 +130,7 @@ class KeyPlanner:
         return ItemRead(qspec.component_fqn(fqn, name), stored, self.md[stored], chunk, buffer,
                         name if temp else None)
 
-    def _in_place(self, fqn, placed, adapter, source, src_fqn) -> InPlace:
+    def _in_place(self, fqn, placed, adapter, source, *, src_fqn) -> InPlace:
         native = adapter.native_components(placed.local)
         _, layouts = self.decoded(source, adapter_for_type(source.type, fqn), fqn)
         reads = []
@@ -144,7 +145,7 @@ class KeyPlanner:
             reads.append(self._read(src_fqn, source, c.name, chunk, fqn=fqn, buffer=dest if direct else None))
         return InPlace(fqn, placed, tuple(reads), adapter)
 
-    def _raw_copy(self, fqn, placed, source, src_fqn, conversion) -> RawCopy | None:
+    def _raw_copy(self, fqn, placed, source, *, src_fqn, conversion) -> RawCopy | None:
         """The components that carry the bits, for exactly the target's chunk; None when the
         chunk is not aligned to their layouts (or the entry lacks one)."""
         _, layouts = self.decoded(source, adapter_for_type(source.type, fqn), fqn)
@@ -155,7 +156,7 @@ class KeyPlanner:
             return None
         return RawCopy(fqn, placed, reads, conversion)
 
-    def _dequantizing(self, fqn, placed, adapter, source, src_fqn) -> LoadAction:
+    def _dequantizing(self, fqn, placed, adapter, source, *, src_fqn) -> LoadAction:
         """The aligned chunk covering the target's (the whole tensor where a per-tensor scale
         needs the global amax), dequantized; quantized like a quantized target."""
         _check_can_quantize(fqn, adapter, placed.local, f"a {source.type} entry")

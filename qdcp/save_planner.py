@@ -156,7 +156,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                     f"not own whole blocks. Save this entry dequantized.")
             specs.append(qspec.ComponentSpec(name, tuple(global_shape), value.dtype, layout.to_json()))
             if chunk is not None:
-                item = _write_item(name, chunk, global_shape, value.dtype, placed.is_dtensor)
+                item = _write_item(name, chunk, global_shape, value.dtype, sharded=placed.is_dtensor)
                 writes.append((name, item.type, item.tensor_data))
                 if layout.shared(placed.global_shape, placed.chunk):
                     shared.append((name, chunk[0]))
@@ -170,7 +170,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         entry_spec = qspec.EntrySpec(fqn, qspec.DEQUANTIZED, adapter.type_name(t), placed.global_shape,
                                      t.dtype, attrs, (), dtype, _info(adapter, t))
         items = [] if is_empty(placed.chunk) else [
-            _write_item(fqn, placed.chunk, placed.global_shape, dtype, placed.is_dtensor)]
+            _write_item(fqn, placed.chunk, placed.global_shape, dtype, sharded=placed.is_dtensor)]
         entry = _SaveEntry(fqn, entry_spec, placed, adapter, items)
         if items:
             self._sources[fqn] = (entry, None)
@@ -327,7 +327,7 @@ def _info(adapter: Adapter, t: torch.Tensor) -> dict:
         return {}
 
 
-def _write_item(fqn: str, chunk: Chunk, global_shape, dtype: torch.dtype, sharded: bool) -> WriteItem:
+def _write_item(fqn: str, chunk: Chunk, global_shape, dtype: torch.dtype, *, sharded: bool) -> WriteItem:
     offsets, sizes = chunk
     return WriteItem(
         index=MetadataIndex(fqn, torch.Size(offsets)),

@@ -406,7 +406,7 @@ class _SafeReading:
             try:
                 size = stream.seek(0, io.SEEK_END)
                 for req in reqs:
-                    self._read_item(stream, size, rel, req, planner)
+                    self._read_item(stream, size, rel, req, planner=planner)
             finally:
                 stream_cm.__exit__(None, None, None)
         fut: Future = Future()
@@ -443,7 +443,7 @@ class _SafeReading:
             buf = self._qdcp_buffer = bytearray(max(length, 1 << 20))
         return memoryview(buf)[:length]
 
-    def _payload(self, stream, offset: int, length: int, rel: str, where: str, descriptors, version, req):
+    def _payload(self, stream, offset: int, length: int, rel: str, *, where: str, descriptors, version, req):
         """The item's stored bytes, read into a reused buffer, trailer checked and transforms undone."""
         stream.seek(offset)
         data = self._read_buffer(length)  # reused: items are copied out before the next read
@@ -474,7 +474,7 @@ class _SafeReading:
             tensor = tensor.narrow(dim, o, n)
         return tensor
 
-    def _read_item(self, stream, size: int, rel: str, req, planner) -> None:
+    def _read_item(self, stream, size: int, rel: str, req, *, planner) -> None:
         where = describe_item(req.storage_index.fqn)
         info = self.storage_data[req.storage_index]
         offset, length = info.offset, info.length
@@ -493,7 +493,8 @@ class _SafeReading:
                 # checked after loading, by this reader or the planner: load straight from the file
                 tensor = torch.load(_FileSlice(stream, offset, length), map_location="cpu", weights_only=True)
             else:
-                payload = self._payload(stream, offset, length, rel, where, descriptors, version, req)
+                payload = self._payload(stream, offset, length, rel, where=where, descriptors=descriptors,
+                                        version=version, req=req)
                 if req.type == LoadItemType.BYTE_IO:
                     if recorded is not None:
                         self._compare(req, checksums.of_bytes(payload), recorded)

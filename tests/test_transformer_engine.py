@@ -498,7 +498,8 @@ def _raw_convert(source, target):
     src_adapter = find_adapter(source)
     attrs = src_adapter.attributes(source)
     comps = src_adapter.components(source)
-    how = raw_conversion(find_adapter(target), target, src_adapter, src_adapter.type_name(source), attrs)
+    how = raw_conversion(find_adapter(target), target, src_adapter, source_type=src_adapter.type_name(source),
+                         source_attrs=attrs)
     if how is None:
         return False
     how.fill(target, {n: comps[n] for n in how.names})

@@ -257,7 +257,7 @@ class RawConversion:
         self.target_adapter.from_raw_form(target, self.form, tensors)
 
 
-def raw_conversion(target_adapter: Adapter, target: torch.Tensor, source_adapter: Adapter, source_type: str,
+def raw_conversion(target_adapter: Adapter, target: torch.Tensor, source_adapter: Adapter, *, source_type: str,
                    source_attrs: Mapping[str, Any]) -> RawConversion | None:
     """The exact raw path from a stored entry of ``source_type`` into ``target``, or None: first a
     conversion either adapter makes within its family, then a form both declare."""

@@ -54,7 +54,7 @@ def dequantize_fp8(data: torch.Tensor, fp8: str, scale_inv: torch.Tensor, dtype:
     return (bits_as(data, _FP8_TORCH[fp8]).float() * scale_inv.float()).to(dtype)
 
 
-def dequantize_mxfp8(data: torch.Tensor, fp8: str, scale: torch.Tensor, block_rows: int,
+def dequantize_mxfp8(data: torch.Tensor, fp8: str, scale: torch.Tensor, *, block_rows: int,
                      block_cols: int, dtype: torch.dtype) -> torch.Tensor:
     """MXFP8: ``fp8 * 2^(e-127)``, one E8M0 ``scale`` item per ``block_rows x block_cols`` block."""
     x = bits_as(data, _FP8_TORCH[fp8]).float()
@@ -318,8 +318,9 @@ class TEMXFP8TensorAdapter(TEAdapter):
         fp8 = attrs["fp8_dtype"]
         if "rowwise_data" in comps:
             data, scale = comps["rowwise_data"], comps["rowwise_scale_inv"]
-            return dequantize_mxfp8(data, fp8, scale, 1, 32, dtype)
-        return dequantize_mxfp8(comps["columnwise_data"], fp8, comps["columnwise_scale_inv"], 32, 1, dtype)
+            return dequantize_mxfp8(data, fp8, scale, block_rows=1, block_cols=32, dtype=dtype)
+        return dequantize_mxfp8(comps["columnwise_data"], fp8, comps["columnwise_scale_inv"], block_rows=32,
+                                block_cols=1, dtype=dtype)
 
     def _rebuild_te(self, attrs, shape, dtype, comps):
         te = _te_tensor_module()
