@@ -8,8 +8,8 @@ norms. Each rank's plan is made by the real planner on that rank's own DTensors 
 fake process group seen from that rank; local tensors of one shard shape share one stand-in, built
 through torchao). Then, on the coordinator, it times ``create_global_plan`` + ``finish_plan``, and
 on load the ``.metadata`` unpickle plus one rank's ``set_up_planner`` + ``create_local_plan``. The
-baseline is DCP's default planners on the same plain components (each one a ``Shard(0)`` DTensor,
-or a plain tensor where the component is replicated). Coordinator peak memory is measured with
+baseline is DCP's default planners on the same plain components (each one a ``Shard(0)`` DTensor of
+the same chunks, or a plain tensor where the component is replicated). Coordinator peak memory is measured with
 tracemalloc in separate runs.
 
     python benchmarks/planning_scale.py [--ranks 8,64,1024,8192] [--layers 2] [--weights int8]
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import io
+import math
 import pickle
 import time
 import tracemalloc
@@ -135,18 +136,20 @@ def rank_states(world: int, rank: int, mesh, layers: int, shards: Shards) -> tup
 
 
 def _twin(key, local, shape, mesh, world, rank, shards) -> dict:
-    """The same components as plain tensors: a Shard(0) DTensor of the component's global shape
-    (DCP's own even split), or a plain tensor where the component is the same on every rank."""
+    """The same components as plain tensors: each row-sharded component seen as a
+    ``[logical rows, n]`` matrix (the same bytes and the same chunks as qdcp's items), a Shard(0)
+    DTensor; a plain tensor where the component is the same on every rank."""
     adapter = qdcp.find_adapter(local)
     out = {}
     for (name, comp), layout in zip(adapter.components(local).items(), adapter.layouts(local).values()):
         full = layout.map_chunk(tuple(shape), ((0,) * len(shape), tuple(shape)))[1]
-        if tuple(full) == tuple(comp.shape) and world > 1 and layout.map_chunk(
-                tuple(shape), ((0, 0), (1, shape[1])))[1] == tuple(full):
+        if layout.map_chunk(tuple(shape), ((0, 0), (1, shape[1])))[1] == tuple(full):
             out[f"{key}.{name}"] = shards.plain(full, comp.dtype)  # replicated (qmap, per-tensor scale)
-        else:
-            rows = rank_rows(full[0], world, rank)
-            out[f"{key}.{name}"] = dtensor(shards.plain((rows, *full[1:]), comp.dtype), mesh, full, comp.dtype)
+            continue
+        per_row = math.prod(full) // shape[0]
+        rows = rank_rows(shape[0], world, rank)
+        out[f"{key}.{name}"] = dtensor(shards.plain((rows, per_row), comp.dtype), mesh, (shape[0], per_row),
+                                       comp.dtype)
     return out
 
 
