@@ -40,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
+from dist_helpers import dtensor_from_local  # noqa: E402
 
 from qdcp import QuantizedSavePlanner, QuantizedStager  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
@@ -92,9 +92,7 @@ def lone_member(name: str, rows: int, seed: int):
 
 def shard0(local: torch.Tensor, mesh, global_shape) -> DTensor:
     """A Shard(0) DTensor over ``local`` built from its spec (GroupedTensor forbids view ops)."""
-    stride = torch.empty(global_shape, device="meta").stride()
-    spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size(global_shape), stride, torch.bfloat16))
-    return DTensor(local, spec, requires_grad=False)
+    return dtensor_from_local(local, mesh, (Shard(0),), global_shape, torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------- comparing
