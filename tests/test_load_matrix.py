@@ -9,8 +9,6 @@ for every torchao type and config qdcp covers.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -161,31 +159,6 @@ def test_module_parameters_keep_identity(tmp_path):
     assert_same_buffers(dst[0].weight, src[0].weight)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     assert torch.equal(dst(x), src(x))
-
-
-def test_dequantize_callable_chooses_per_entry(tmp_path):
-    a, b = CASES[0].make(0), CASES[0].make(1)
-    path = _save(tmp_path, {"keep": a, "plain": b}, dequantize=lambda fqn, t: fqn == "plain")
-    import qdcp
-    d = qdcp.describe(path)
-    assert d["keep"]["stored_as"] == "raw" and d["plain"]["stored_as"] == "dequantized"
-
-
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_describe_reports_the_bytes_really_stored(tmp_path, case):
-    """``describe()``'s byte count is the checkpoint's own: the items DCP recorded for the entry
-    (and, raw, the source's inner buffers, every one of them stored)."""
-    import qdcp
-    from torch.distributed.checkpoint import FileSystemReader
-    source = case.make(0)
-    path = _save(tmp_path, {"w": source})
-    items = {k: v for k, v in FileSystemReader(path).read_metadata().state_dict_metadata.items()
-             if k.startswith("w.__qdcp__.")}
-    info = qdcp.describe(path)["w"]
-    assert info["bytes"] == sum(math.prod(v.size) * v.properties.dtype.itemsize for v in items.values())
-    assert set(info["components"]) == {k.split(".__qdcp__.")[1] for k in items}
-    stored = qdcp.read_stored(path, "w").components
-    assert info["bytes"] == sum(t.numel() * t.element_size() for t in stored.values())
 
 
 def test_same_attributes_other_mapping_is_a_raw_copy(tmp_path):
