@@ -21,7 +21,7 @@ from qdcp import spec as qspec
 from qdcp.dcp_copies import pre_2_4_state_dict, read_items
 from qdcp.errors import CheckpointFormatError, LoadMismatchError
 from qdcp.load_actions import ItemRead, LoadAction
-from qdcp.load_planning import KeyPlan, KeyPlanner
+from qdcp.load_planning import GroupTarget, KeyPlan, KeyPlanner
 from qdcp.placement import narrow, planning
 
 __all__ = ["QuantizedLoadPlanner"]
@@ -58,7 +58,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self.weights_only = weights_only
         self.checksums = bool(checksums)
         self._actions: dict[str, LoadAction] = {}
-        self._by_item: dict[str, tuple[LoadAction, ItemRead]] = {}
+        self._by_item: dict[str, _Dest] = {}
         self._handled: set[str] = set()
         self._pending: dict[str, int] = {}
         self._groups: dict[str, _Group] = {}  # action key -> its group, where filled member by member
@@ -89,10 +89,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self._handled.update(plan.handled)
         if fqn not in plan.to_dcp:
             self._handled.add(fqn)
-        group = _Group(*plan.group, len(plan.actions)) if plan.group is not None else None
+        group = _Group(plan.group, len(plan.actions)) if plan.group is not None else None
         for action in plan.actions:
             self._actions[action.fqn] = action
-            self._by_item.update({r.item: (action, r) for r in action.reads})
+            self._by_item.update({r.item: _Dest(action, r) for r in action.reads})
             if group is not None:
                 self._groups[action.fqn] = group
 
@@ -120,7 +120,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         for item in new_plan.items:
             hit = self._by_item.get(item.dest_index.fqn)
             if hit is not None:
-                self._pending[hit[0].fqn] += 1
+                self._pending[hit.action.fqn] += 1
         with planning():
             self._verify.plan(new_plan.items)
         return super().finish_plan(new_plan)
@@ -132,21 +132,21 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         hit = self._by_item.get(read_item.dest_index.fqn)
         if hit is None:
             return super().resolve_tensor(read_item)
-        return narrow(hit[1].buffer, (tuple(read_item.dest_offsets), tuple(read_item.lengths)))
+        return narrow(hit.read.buffer, (tuple(read_item.dest_offsets), tuple(read_item.lengths)))
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         hit = self._by_item.get(read_item.dest_index.fqn)
-        if self._verify.check(read_item, tensor, hit[0].fqn if hit else read_item.dest_index.fqn):
+        if self._verify.check(read_item, tensor, hit.action.fqn if hit else read_item.dest_index.fqn):
             self._destination(read_item).copy_(tensor)  # it was read into a host buffer to check it
             tensor = self._destination(read_item)
         if hit is None:
             return super().commit_tensor(read_item, tensor)
-        action = hit[0]
+        action = hit.action
         if self._count_down(self._pending, action.fqn):
             action.finish()
             group = self._groups.get(action.fqn)
             if group is not None and group.one_done(self._lock):
-                group.adapter.members_loaded(group.target)
+                group.target.adapter.members_loaded(group.target.target)
 
     def _count_down(self, counts: dict[str, int], key: str) -> bool:
         with self._lock:
@@ -162,12 +162,19 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+@dataclasses.dataclass(frozen=True)
+class _Dest:
+    """Where a planned item name's reads go: the action and its read."""
+
+    action: LoadAction
+    read: ItemRead
+
+
 @dataclasses.dataclass
 class _Group:
     """A group target filled member by member, and how many member actions are still to finish."""
 
-    adapter: object
-    target: torch.Tensor
+    target: GroupTarget
     pending: int
 
     def one_done(self, lock: threading.Lock) -> bool:

@@ -21,19 +21,35 @@ from qdcp.load_actions import (FromPlain, InPlace, IntoPlain, ItemRead, LoadActi
                                StoredSource)
 from qdcp.placement import Placed, describe_tensor, expand, is_empty, place, with_local
 
-__all__ = ["KeyPlan", "KeyPlanner"]
+__all__ = ["KeyPlan", "KeyPlanner", "GroupTarget", "Decoded"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+    """A stored entry's attributes (decoded with its adapter's classes) and component layouts."""
+
+    attrs: dict[str, Any]
+    layouts: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupTarget:
+    """A group target filled member by member: ``adapter.members_loaded(target)`` once all are in."""
+
+    adapter: Adapter
+    target: torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
 class KeyPlan:
     """What one target key became: ``actions`` to run; ``to_dcp`` (keys and tensors) for DCP's own
     path in its place; ``handled``, other keys of the checkpoint it accounts for; ``group``, the
-    (adapter, target) of a group filled member by member (``members_loaded`` once all are in)."""
+    group target whose members these actions fill."""
 
     actions: tuple[LoadAction, ...] = ()
     to_dcp: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     handled: tuple[str, ...] = ()
-    group: tuple[Adapter, torch.Tensor] | None = None
+    group: GroupTarget | None = None
 
 
 class KeyPlanner:
@@ -45,7 +61,7 @@ class KeyPlanner:
         self.specs = qspec.read_specs(metadata)
         self.allow_partial_load = allow_partial_load
         self._stored = qspec.stored_components(self.md)
-        self._structures: dict[tuple, tuple] = {}  # structure -> (decoded attrs, layouts)
+        self._structures: dict[tuple, Decoded] = {}  # structure -> decoded attrs and layouts
         self._configs: dict[tuple, bool] = {}      # (structure, target structure) -> same config?
         self._members: dict[str, tuple[str, int]] | None = None
 
@@ -86,7 +102,7 @@ class KeyPlanner:
             raise LoadMismatchError(
                 f"key {fqn!r}: checkpoint shape {source.shape} != target shape {placed.global_shape}")
         source_adapter = adapter_for_type(source.type, fqn)
-        attrs, _ = self.decoded(source, source_adapter, fqn)
+        attrs = self.decoded(source, source_adapter, fqn).attrs
         qspec.check_items(source, self.md, self._stored.get(src_fqn, set()), key=fqn)
         if is_empty(placed.chunk):
             return None
@@ -100,7 +116,7 @@ class KeyPlanner:
                 return action
         return self._dequantizing(fqn, placed, adapter, source, src_fqn=src_fqn)
 
-    def decoded(self, source: qspec.EntrySpec, source_adapter: Adapter, fqn: str) -> tuple:
+    def decoded(self, source: qspec.EntrySpec, source_adapter: Adapter, fqn: str) -> Decoded:
         """A stored entry's decoded attributes and layouts, checked once per structure."""
         structure = _structure_key(source)
         known = self._structures.get(structure)
@@ -109,7 +125,7 @@ class KeyPlanner:
                      for k, v in source.attrs.items()}
             layouts = qspec.layouts_of(source)
             qspec.check_component_bytes(source)
-            known = self._structures[structure] = (attrs, layouts)
+            known = self._structures[structure] = Decoded(attrs, layouts)
         return known
 
     def _same_config(self, adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, fqn: str) -> bool:
@@ -132,7 +148,7 @@ class KeyPlanner:
 
     def _in_place(self, fqn, placed, adapter, source, *, src_fqn) -> InPlace:
         native = adapter.native_components(placed.local)
-        _, layouts = self.decoded(source, adapter_for_type(source.type, fqn), fqn)
+        layouts = self.decoded(source, adapter_for_type(source.type, fqn), fqn).layouts
         reads = []
         for c in source.components:
             try:
@@ -148,7 +164,7 @@ class KeyPlanner:
     def _raw_copy(self, fqn, placed, source, *, src_fqn, conversion) -> RawCopy | None:
         """The components that carry the bits, for exactly the target's chunk; None when the
         chunk is not aligned to their layouts (or the entry lacks one)."""
-        _, layouts = self.decoded(source, adapter_for_type(source.type, fqn), fqn)
+        layouts = self.decoded(source, adapter_for_type(source.type, fqn), fqn).layouts
         try:
             reads = tuple(self._read(src_fqn, source, name, layouts[name].map_chunk(source.shape, placed.chunk),
                                      fqn=fqn) for name in conversion.names)
@@ -160,7 +176,8 @@ class KeyPlanner:
         """The aligned chunk covering the target's (the whole tensor where a per-tensor scale
         needs the global amax), dequantized; quantized like a quantized target."""
         _check_can_quantize(fqn, adapter, placed.local, f"a {source.type} entry")
-        attrs, layouts = self.decoded(source, adapter_for_type(source.type, fqn), fqn)
+        decoded = self.decoded(source, adapter_for_type(source.type, fqn), fqn)
+        attrs, layouts = decoded.attrs, decoded.layouts
         read_chunk = _amax_chunk(adapter, placed) or expand(layouts, source.shape, placed.chunk)
         reads = []
         for c in source.components:
@@ -201,7 +218,7 @@ class KeyPlanner:
         group_key, index = found
         group = self.specs[group_key]
         g_adapter = adapter_for_type(group.type, group_key)
-        attrs, _ = self.decoded(group, g_adapter, fqn)
+        attrs = self.decoded(group, g_adapter, fqn).attrs
         chunk = g_adapter.member_chunk(attrs, group.shape, index)
         if chunk is None:
             return None
@@ -261,7 +278,7 @@ class KeyPlanner:
             action = self.plan_entry(key, place(member), m_adapter, source)
             if action is not None:
                 actions.append(action)
-        group = (adapter, placed.local) if adapter is not None else None
+        group = GroupTarget(adapter, placed.local) if adapter is not None else None
         return KeyPlan(tuple(actions), to_dcp, tuple(handled), group)
 
 
