@@ -37,10 +37,7 @@ _NO_TE = ("import sys; sys.modules['transformer_engine'] = None; from qdcp.cli i
           "sys.exit(main(sys.argv[1:]))")
 
 
-@pytest.fixture(autouse=True)
-def _arch():
-    with te_cpu.simulate_gpu(te_cpu.HOPPER):  # what TE asks torch.cuda when it splits groups
-        yield
+pytestmark = pytest.mark.usefixtures("hopper")
 
 
 def cli(*args, ok=True) -> subprocess.CompletedProcess:

@@ -45,10 +45,6 @@ def _job(shared: Path, root_name: str, command: str, nproc: int) -> dict:
 _sections = torchrun_jobs.check_sections
 
 
-@pytest.fixture(scope="session")
-def shared_dir(tmp_path_factory) -> Path:
-    return torchrun_jobs.shared_dir(tmp_path_factory, "qdcp_distributed")
-
 def _reshard_saved(shared: Path, first: int = 1) -> dict[int, dict]:
     """The save jobs at every world size (each once per session), starting from ``first``."""
     order = RESHARD_WORLDS[RESHARD_WORLDS.index(first):] + RESHARD_WORLDS[:RESHARD_WORLDS.index(first)]

@@ -51,10 +51,6 @@ def _job(shared: Path, command: str, nproc: int) -> dict:
 _sections = torchrun_jobs.check_sections
 
 
-@pytest.fixture(scope="session")
-def shared_dir(tmp_path_factory) -> Path:
-    return torchrun_jobs.shared_dir(tmp_path_factory, "qdcp_te_distributed")
-
 def _saved(shared: Path, first: int = 1) -> None:
     """Every save job (each once per session), starting from ``first`` (xdist workers spread out)."""
     i = WORLDS.index(first)

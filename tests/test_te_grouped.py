@@ -31,10 +31,7 @@ from transformer_engine.pytorch.tensor.grouped_tensor import GroupedTensor  # no
 from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _arch():
-    with te_cpu.simulate_gpu(te_cpu.HOPPER):
-        yield
+pytestmark = pytest.mark.usefixtures("hopper")
 
 
 _save, _load = qdcp_save, qdcp_load

@@ -40,11 +40,6 @@ RECIPES = ("mxfp8_both", "current_both_hopper", "delayed_both_e5m2", "block1_bot
 TARGETS = ("grouped_target", "plain_stack", "member_keys", "member_plain", "member_rows_plain")
 
 
-@pytest.fixture(scope="session")
-def shared_dir(tmp_path_factory) -> Path:
-    return torchrun_jobs.shared_dir(tmp_path_factory, "qdcp_te_grouped_distributed")
-
-
 def _job(shared: Path, command: str, nproc: int) -> dict:
     return torchrun_jobs.job(shared, WORKER, command, nproc, JOB_TIMEOUT_S)
 

@@ -25,11 +25,6 @@ WORKER = Path(__file__).with_name("training_dist_worker.py")
 JOB_TIMEOUT_S = 300
 
 
-@pytest.fixture(scope="session")
-def shared_dir(tmp_path_factory) -> Path:
-    return torchrun_jobs.shared_dir(tmp_path_factory, "qdcp_training_distributed")
-
-
 def _job(shared: Path, command: str, nproc: int) -> dict:
     return torchrun_jobs.job(shared, WORKER, command, nproc, JOB_TIMEOUT_S)
 

@@ -41,11 +41,7 @@ E4M3, E5M2 = DType.kFloat8E4M3, DType.kFloat8E5M2
 GARBAGE = 0xAB
 
 
-@pytest.fixture(autouse=True)
-def _arch():
-    """Default: Hopper. Tests that build for Blackwell enter te_cpu.simulate_gpu themselves."""
-    with te_cpu.simulate_gpu(te_cpu.HOPPER):
-        yield
+pytestmark = pytest.mark.usefixtures("hopper")
 
 
 # ----------------------------------------------------------------------------- buffer makers
