@@ -102,19 +102,20 @@ class KeyPlanner:
             raise LoadMismatchError(
                 f"key {fqn!r}: checkpoint shape {source.shape} != target shape {placed.global_shape}")
         source_adapter = adapter_for_type(source.type, fqn)
-        attrs = self.decoded(source, source_adapter, fqn).attrs
+        decoded = self.decoded(source, source_adapter, fqn)
         qspec.check_items(source, self.md, self._stored.get(src_fqn, set()), key=fqn)
         if is_empty(placed.chunk):
             return None
         if adapter is not None and self._same_config(adapter, placed.local, source, fqn):
-            return self._in_place(fqn, placed, adapter, source, src_fqn=src_fqn)
+            return self._in_place(fqn, placed, adapter, source, src_fqn=src_fqn, layouts=decoded.layouts)
         if adapter is not None:
             conversion = raw_conversion(adapter, placed.local, source_adapter, source_type=source.type,
-                                        source_attrs=attrs)
-            action = self._raw_copy(fqn, placed, source, src_fqn=src_fqn, conversion=conversion) if conversion else None
+                                        source_attrs=decoded.attrs)
+            action = (self._raw_copy(fqn, placed, source, src_fqn=src_fqn, conversion=conversion,
+                                     layouts=decoded.layouts) if conversion else None)
             if action is not None:
                 return action
-        return self._dequantizing(fqn, placed, adapter, source, src_fqn=src_fqn)
+        return self._dequantizing(fqn, placed, adapter, source, src_fqn=src_fqn, decoded=decoded)
 
     def decoded(self, source: qspec.EntrySpec, source_adapter: Adapter, fqn: str) -> Decoded:
         """A stored entry's decoded attributes and layouts, checked once per structure."""
@@ -146,9 +147,8 @@ class KeyPlanner:
         return ItemRead(qspec.component_fqn(fqn, name), stored, self.md[stored], chunk, buffer,
                         name if temp else None)
 
-    def _in_place(self, fqn, placed, adapter, source, *, src_fqn) -> InPlace:
+    def _in_place(self, fqn, placed, adapter, source, *, src_fqn, layouts) -> InPlace:
         native = adapter.native_components(placed.local)
-        layouts = self.decoded(source, adapter_for_type(source.type, fqn), fqn).layouts
         reads = []
         for c in source.components:
             try:
@@ -161,10 +161,9 @@ class KeyPlanner:
             reads.append(self._read(src_fqn, source, c.name, chunk, fqn=fqn, buffer=dest if direct else None))
         return InPlace(fqn, placed, tuple(reads), adapter)
 
-    def _raw_copy(self, fqn, placed, source, *, src_fqn, conversion) -> RawCopy | None:
+    def _raw_copy(self, fqn, placed, source, *, src_fqn, conversion, layouts) -> RawCopy | None:
         """The components that carry the bits, for exactly the target's chunk; None when the
         chunk is not aligned to their layouts (or the entry lacks one)."""
-        layouts = self.decoded(source, adapter_for_type(source.type, fqn), fqn).layouts
         try:
             reads = tuple(self._read(src_fqn, source, name, layouts[name].map_chunk(source.shape, placed.chunk),
                                      fqn=fqn) for name in conversion.names)
@@ -172,11 +171,10 @@ class KeyPlanner:
             return None
         return RawCopy(fqn, placed, reads, conversion)
 
-    def _dequantizing(self, fqn, placed, adapter, source, *, src_fqn) -> LoadAction:
+    def _dequantizing(self, fqn, placed, adapter, source, *, src_fqn, decoded) -> LoadAction:
         """The aligned chunk covering the target's (the whole tensor where a per-tensor scale
         needs the global amax), dequantized; quantized like a quantized target."""
         _check_can_quantize(fqn, adapter, placed.local, f"a {source.type} entry")
-        decoded = self.decoded(source, adapter_for_type(source.type, fqn), fqn)
         attrs, layouts = decoded.attrs, decoded.layouts
         read_chunk = _amax_chunk(adapter, placed) or expand(layouts, source.shape, placed.chunk)
         reads = []
