@@ -4,7 +4,9 @@ Builds, in one process, the local save plans that N ranks send for a 70B-like la
 8192, FFN 28672, 8 KV heads; ``--layers`` of them) under FSDP2 ``Shard(0)`` over all N ranks:
 torchao ``Int8Tensor`` (or ``--weights nvfp4``) weights, torchao ``OptimState8bit`` exp_avg and
 exp_avg_sq (none on a rank that holds no rows of the weight: torchao's state cannot be empty), bf16
-norms. Each rank's plan is made by the real planner on that rank's own DTensors (a
+norms, and one MoE layer of ``--experts`` TE MXFP8 experts in a ``GroupedTensor``, split over
+``min(N, experts)`` expert-parallel ranks and replicated over the others (TE's real classes on CPU,
+through the tests' stand-in for its compiled module; left out where TE is not installed). Each rank's plan is made by the real planner on that rank's own DTensors (a
 fake process group seen from that rank; local tensors of one shard shape share one stand-in, built
 through torchao). Then, on the coordinator, it times ``create_global_plan`` + ``finish_plan``, and
 on load the ``.metadata`` unpickle plus one rank's ``set_up_planner`` + ``create_local_plan``. The
@@ -12,16 +14,19 @@ baseline is DCP's default planners on the same plain components (each one a ``Sh
 the same chunks, or a plain tensor where the component is replicated). Coordinator peak memory is measured with
 tracemalloc in separate runs.
 
-    python benchmarks/planning_scale.py [--ranks 8,64,1024,8192] [--layers 2] [--weights int8]
+    python benchmarks/planning_scale.py [--ranks 8,64,1024,8192] [--layers 1] [--weights int8] [--experts 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import io
 import math
+import os
 import pickle
+import sys
 import time
 import tracemalloc
 import warnings
@@ -30,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import qdcp
@@ -51,12 +56,13 @@ def rank_rows(rows: int, world: int, rank: int) -> int:
     return max(0, min(size, rows - rank * size))
 
 
-def dtensor(local: torch.Tensor, mesh, shape, dtype):
+def dtensor(local: torch.Tensor, mesh, shape, dtype, placements=(Shard(0),)):
+    """A DTensor over ``local`` built from its spec (TE's GroupedTensor forbids view ops)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor(local, DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size(shape), stride, dtype)),
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), stride, dtype)),
                    requires_grad=False)
 
 
@@ -64,8 +70,9 @@ class Shards:
     """Local shards by (kind, global shape, rows): one stand-in per shard shape, built by torchao
     for the largest shard and cut to fewer rows through the adapter's own layouts and rebuild."""
 
-    def __init__(self, weights: str) -> None:
+    def __init__(self, weights: str, experts: int = 0) -> None:
         self.weights = weights
+        self.experts = experts
         self._full: dict = {}
         self._cut: dict = {}
         self._plain: dict = {}
@@ -153,6 +160,44 @@ def _twin(key, local, shape, mesh, world, rank, shards) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- MoE (TE GroupedTensor)
+
+EXPERT_SHAPE = (2048, HIDDEN)  # one expert's up projection, MXFP8 rowwise and columnwise
+
+
+def te_available() -> bool:
+    """TE's classes on CPU through the tests' stand-in for its compiled module (tests/te_cpu.py)."""
+    import importlib.util
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    return all(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "te_cpu", "te_groups"))
+
+
+def moe_state(world: int, rank: int, shards: Shards) -> tuple[dict, dict]:
+    """One MoE layer's experts as a TE MXFP8 GroupedTensor: ``Shard(0)`` of the stacked
+    ``[experts, 2048, 8192]`` over ``min(world, experts)`` expert-parallel ranks, replicated over
+    the rest (a 2-D ``(dp, ep)`` mesh); and DCP's twin of its components."""
+    import te_groups
+
+    e = shards.experts
+    ep = min(world, e)
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    key = ("moe", e // ep)
+    if key not in shards._full:
+        shards._full[key] = te_groups.BY["mxfp8_both"].build(0, [EXPERT_SHAPE] * (e // ep), clean=True)
+    local = shards._full[key]
+    shape = (e, *EXPERT_SHAPE)
+    placements = (Replicate(), Shard(0))
+    fqn = "model.layers.0.mlp.experts.w1"
+    twin = {}
+    adapter = qdcp.find_adapter(local)
+    for (name, comp), layout in zip(adapter.components(local).items(), adapter.layouts(local).values()):
+        full = layout.map_chunk(shape, ((0, 0, 0), shape))[1]
+        part = shards.plain(tuple(comp.shape), comp.dtype)
+        twin[f"{fqn}.{name}"] = dtensor(part, mesh, full, comp.dtype, placements)
+    return {fqn: dtensor(local, mesh, shape, torch.bfloat16, placements)}, twin
+
+
 def local_plans(world: int, layers: int, shards: Shards):
     """Every rank's local plan, qdcp's and DCP's, each made on that rank (a fake process group)."""
     q_plans, d_plans, q0, d0 = [], [], None, None
@@ -161,6 +206,10 @@ def local_plans(world: int, layers: int, shards: Shards):
         try:
             mesh = init_device_mesh("cpu", (world,))
             state, twin = rank_states(world, rank, mesh, layers, shards)
+            if shards.experts:
+                moe, moe_twin = moe_state(world, rank, shards)
+                state.update(moe)
+                twin.update(moe_twin)
             qp, dp = QuantizedSavePlanner(), DefaultSavePlanner()
             qp.set_up_planner(state, None, rank == 0)
             dp.set_up_planner(twin, None, rank == 0)
@@ -238,26 +287,28 @@ def measure(world: int, layers: int, shards: Shards, repeat: int) -> dict:
             "qdcp_load_s": q_load, "dcp_load_s": d_load}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", default="8,64,1024,8192")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--weights", choices=["int8", "nvfp4"], default="int8")
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
-    shards = Shards(args.weights)
+COLS = ["ranks", "items", "dcp_items", "qdcp_global_s", "dcp_global_s", "time_ratio", "qdcp_md_bytes",
+        "dcp_md_bytes", "md_ratio", "qdcp_peak_mib", "dcp_peak_mib", "mem_ratio", "qdcp_load_s", "dcp_load_s",
+        "load_ratio"]
+
+
+def run_all(worlds: list[int], layers: int, shards: Shards, repeat: int) -> list[dict]:
+    """Measure every world size, printing a table row as each is done."""
+    print(" | ".join(COLS))
     rows = []
-    cols = ["ranks", "items", "dcp_items", "qdcp_global_s", "dcp_global_s", "time_ratio", "qdcp_md_bytes", "dcp_md_bytes",
-            "md_ratio", "qdcp_peak_mib", "dcp_peak_mib", "mem_ratio", "qdcp_load_s", "dcp_load_s", "load_ratio"]
-    print(" | ".join(cols))
-    for world in (int(x) for x in args.ranks.split(",")):
-        r = measure(world, args.layers, shards, args.repeat)
+    for world in worlds:
+        r = measure(world, layers, shards, repeat)
         r["time_ratio"] = r["qdcp_global_s"] / r["dcp_global_s"]
         r["md_ratio"] = r["qdcp_md_bytes"] / r["dcp_md_bytes"]
         r["mem_ratio"] = r["qdcp_peak_mib"] / r["dcp_peak_mib"]
         r["load_ratio"] = r["qdcp_load_s"] / r["dcp_load_s"]
         rows.append(r)
-        print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols), flush=True)
+        print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in COLS), flush=True)
+    return rows
+
+
+def print_growth(rows: list[dict]) -> None:
+    """How each measure grows from 1,024 to 8,192 ranks (where both were run)."""
     by = {r["ranks"]: r for r in rows}
     if 1024 in by and 8192 in by:
         a, b = by[1024], by[8192]
@@ -265,6 +316,27 @@ def main() -> None:
         for name in ("qdcp_global_s", "dcp_global_s", "qdcp_md_bytes", "dcp_md_bytes", "qdcp_peak_mib",
                      "dcp_peak_mib", "qdcp_load_s", "dcp_load_s"):
             print(f"  {name}: x{b[name] / a[name]:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="8,64,1024,8192")
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--weights", choices=["int8", "nvfp4"], default="int8")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--experts", type=int, default=64,
+                        help="experts of a TE MXFP8 MoE layer (0: none; needs TransformerEngine installed)")
+    args = parser.parse_args()
+    experts = args.experts if args.experts and te_available() else 0
+    if args.experts and not experts:
+        print("TransformerEngine is not installed: no MoE layer")
+    shards = Shards(args.weights, experts)
+    with contextlib.ExitStack() as stack:
+        if experts:  # TE asks torch.cuda about the device while it splits a group into members
+            import te_cpu
+            stack.enter_context(te_cpu.simulate_gpu(te_cpu.HOPPER))
+        rows = run_all([int(x) for x in args.ranks.split(",")], args.layers, shards, args.repeat)
+    print_growth(rows)
 
 
 if __name__ == "__main__":
