@@ -41,6 +41,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import qdcp
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
 from qdcp.adapters.base import StoredEntry
+from qdcp.placement import narrow
 
 warnings.filterwarnings("ignore")
 
@@ -89,7 +90,7 @@ class Shards:
             t = self._full[key]
             adapter = qdcp.find_adapter(t)
             chunk = ((0, 0), (rows, shape[1]))
-            comps = {n: _narrow(c, layout.map_chunk(tuple(t.shape), chunk))
+            comps = {n: narrow(c, layout.map_chunk(tuple(t.shape), chunk))
                      for (n, c), layout in zip(adapter.components(t).items(), adapter.layouts(t).values())}
             self._cut[cut] = adapter.rebuild(StoredEntry(adapter.type_name(t), adapter.attributes(t), (rows, shape[1]),
                                                          t.dtype, {n: c.clone() for n, c in comps.items()}))
@@ -114,12 +115,6 @@ class Shards:
             return NVFP4Tensor.to_nvfp4(hp)
         from torchao.quantization import Int8Tensor, PerRow
         return Int8Tensor.from_hp(hp, PerRow())
-
-
-def _narrow(t, chunk):
-    for dim, (o, s) in enumerate(zip(*chunk)):
-        t = t.narrow(dim, o, s)
-    return t
 
 
 def rank_states(world: int, rank: int, mesh, layers: int, shards: Shards) -> tuple[dict, dict]:

@@ -34,7 +34,8 @@ def full_chunk(shape: Sequence[int]) -> Chunk:
     return tuple(0 for _ in shape), tuple(int(s) for s in shape)
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative integers."""
     return -(-a // b)
 
 
@@ -76,7 +77,7 @@ class Blocked(Layout):
 
     def component_shape(self, logical_shape):
         self._check_rank(logical_shape)
-        return tuple(_ceil_div(int(n), b) if b else min(int(n), 1) for n, b in zip(logical_shape, self.block))
+        return tuple(ceil_div(int(n), b) if b else min(int(n), 1) for n, b in zip(logical_shape, self.block))
 
     def map_chunk(self, logical_shape, chunk):
         self._check_rank(logical_shape)
@@ -92,7 +93,7 @@ class Blocked(Layout):
                 raise AlignmentError(
                     f"logical rows/cols [{o}, {end}) of dim {d} do not fall on blocks of {b}")
             out_o.append(o // b)
-            out_s.append(_ceil_div(end, b) - o // b)
+            out_s.append(ceil_div(end, b) - o // b)
         return tuple(out_o), tuple(out_s)
 
     def expand(self, logical_shape, chunk):
@@ -105,7 +106,7 @@ class Blocked(Layout):
                 out_s.append(s)
                 continue
             lo = (o // b) * b
-            hi = min(n, _ceil_div(o + s, b) * b)
+            hi = min(n, ceil_div(o + s, b) * b)
             out_o.append(lo)
             out_s.append(hi - lo)
         return tuple(out_o), tuple(out_s)
@@ -124,7 +125,7 @@ class Flat(Layout):
     group: int
 
     def component_shape(self, logical_shape):
-        return (_ceil_div(math.prod(logical_shape), self.group),)
+        return (ceil_div(math.prod(logical_shape), self.group),)
 
     def map_chunk(self, logical_shape, chunk):
         offsets, sizes = chunk
@@ -134,7 +135,7 @@ class Flat(Layout):
         if start % self.group or (end % self.group and end != numel):
             raise AlignmentError(
                 f"flat elements [{start}, {end}) do not fall on groups of {self.group}")
-        return (start // self.group,), (_ceil_div(end, self.group) - start // self.group,)
+        return (start // self.group,), (ceil_div(end, self.group) - start // self.group,)
 
     def expand(self, logical_shape, chunk):
         offsets, sizes = chunk
@@ -144,7 +145,7 @@ class Flat(Layout):
         row_len = math.prod(logical_shape[1:])
         step = self.group // math.gcd(self.group, row_len) if row_len else 1
         lo = (offsets[0] // step) * step
-        hi = min(rows, _ceil_div(offsets[0] + sizes[0], step) * step)
+        hi = min(rows, ceil_div(offsets[0] + sizes[0], step) * step)
         return (lo,) + tuple(0 for _ in logical_shape[1:]), (hi - lo,) + tuple(logical_shape[1:])
 
     def to_json(self):

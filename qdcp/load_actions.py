@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from qdcp.adapters.base import Adapter, RawConversion, StoredEntry, adapter_for_type, find_adapter
+from qdcp.adapters.base import Adapter, RawConversion, StoredEntry, adapter_for_type
 from qdcp.layouts import Chunk
 from qdcp.placement import Placed, narrow, relative
 
@@ -102,8 +102,7 @@ class Requantize(LoadAction):
     read_chunk: Chunk
 
     def finish(self) -> None:
-        values = _dequantized(self, self.source, self.read_chunk)
-        _quantize_into(self.adapter, self.placed, values, self.read_chunk)
+        _fill(self.adapter, self.placed, _dequantized(self, self.source, self.read_chunk), self.read_chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +113,8 @@ class IntoPlain(LoadAction):
     read_chunk: Chunk
 
     def finish(self) -> None:
-        values = _dequantized(self, self.source, self.read_chunk)
-        with torch.no_grad():
-            self.placed.local.copy_(_target_part(self.placed, values, self.read_chunk))
+        wider = _wider(self.placed.local, self.source.dtype)
+        _fill(None, self.placed, _dequantized(self, self.source, self.read_chunk, wider), self.read_chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,17 +126,15 @@ class FromPlain(LoadAction):
     read_chunk: Chunk
 
     def finish(self) -> None:
-        if self.adapter is None:
-            with torch.no_grad():
-                self.placed.local.copy_(_target_part(self.placed, self.reads[0].buffer, self.read_chunk))
-            return
-        _quantize_into(self.adapter, self.placed, self.reads[0].buffer, self.read_chunk)
+        _fill(self.adapter, self.placed, self.reads[0].buffer, self.read_chunk)
 
 
-def _dequantized(action: LoadAction, source: StoredSource, read_chunk: Chunk) -> torch.Tensor:
+def _dequantized(action: LoadAction, source: StoredSource, read_chunk: Chunk,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The stored entry's values over ``read_chunk``, from the temporaries read (in ``dtype``,
+    default its logical dtype)."""
     stored = StoredEntry(source.type_name, source.attrs, read_chunk[1], source.dtype, action.components())
-    adapter = adapter_for_type(source.type_name, action.fqn)
-    return adapter.dequantize_stored(stored, _wider(action.placed.local, source.dtype))
+    return adapter_for_type(source.type_name, action.fqn).dequantize_stored(stored, dtype)
 
 
 def _target_part(placed: Placed, values: torch.Tensor, read_chunk: Chunk) -> torch.Tensor:
@@ -148,8 +144,14 @@ def _target_part(placed: Placed, values: torch.Tensor, read_chunk: Chunk) -> tor
     return part
 
 
-def _quantize_into(adapter: Adapter, placed: Placed, values: torch.Tensor, read_chunk: Chunk) -> None:
+def _fill(adapter: Adapter | None, placed: Placed, values: torch.Tensor, read_chunk: Chunk) -> None:
+    """The target's part of ``values`` (which cover ``read_chunk``) into the target, in place:
+    copied into a plain target (``adapter`` None), else quantized like it."""
     target = placed.local
+    if adapter is None:
+        with torch.no_grad():
+            target.copy_(_target_part(placed, values, read_chunk))
+        return
     global_amax = None
     if adapter.needs_global_amax(target):  # read_chunk is then the whole tensor
         global_amax = values.abs().amax()
@@ -161,6 +163,6 @@ def _quantize_into(adapter: Adapter, placed: Placed, values: torch.Tensor, read_
 def _wider(target: torch.Tensor, logical: torch.dtype) -> torch.dtype | None:
     """A plain floating target wider than the stored entry's logical dtype gets its values computed
     in its own precision (never rounded through the logical dtype); None otherwise."""
-    if find_adapter(target) is None and target.dtype.is_floating_point and target.dtype.itemsize > logical.itemsize:
+    if target.dtype.is_floating_point and target.dtype.itemsize > logical.itemsize:
         return target.dtype
     return None

@@ -12,8 +12,11 @@ import math
 
 import torch
 
-__all__ = ["MXFP8_FORMS", "NVFP4_ROW16", "NVFP4_GLOBAL_DIVISOR", "mxfp8_form", "ceil_div", "round_up", "rows", "pad2", "swizzle_128x4", "unswizzle_128x4", "as_u8",
-           "bits_as", "copy_bits", "e2m1_to_float", "unpack_fp4"]
+from qdcp.layouts import ceil_div
+
+__all__ = ["MXFP8_FORMS", "NVFP4_ROW16", "NVFP4_GLOBAL_DIVISOR", "mxfp8_form", "ceil_div", "round_up", "rows",
+           "pad2", "swizzle_128x4", "unswizzle_128x4", "as_u8", "bits_as", "copy_bits", "e2m1_to_float",
+           "unpack_fp4"]
 
 # ----------------------------------------------------------------------------- raw interchange forms
 #
@@ -44,11 +47,6 @@ def mxfp8_form(fp8_dtype: torch.dtype | None) -> str | None:
 
 # E2M1 code -> value (codes 8-15 are the negatives of 0-7).
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def ceil_div(a: int, b: int) -> int:
-    """``ceil(a / b)`` for non-negative integers."""
-    return -(-a // b)
 
 
 def round_up(x: int, m: int) -> int:

@@ -17,8 +17,8 @@ from typing import Any, Mapping
 import torch
 
 from qdcp.adapters.base import Adapter, StoredEntry
-from qdcp.adapters.formats import (NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, as_u8, mxfp8_form, swizzle_128x4,
-                                   unswizzle_128x4)
+from qdcp.adapters.formats import (NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, as_u8, ceil_div, mxfp8_form,
+                                   swizzle_128x4, unswizzle_128x4)
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Blocked, Flat, Layout, Replicated
 
@@ -274,7 +274,7 @@ class IntxUnpackedToInt8TensorAdapter(_AffineAdapter):
 
 def _swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
     """Shape of a 128x4-tiled (cuBLAS block-scaling) scale for a (rows, cols) plain scale."""
-    return -(-rows // 128) * 32, -(-cols // 4) * 16
+    return ceil_div(rows, 128) * 32, ceil_div(cols, 4) * 16
 
 
 def unswizzle_scale(scale: torch.Tensor, n_rows: int, n_cols: int) -> torch.Tensor:
