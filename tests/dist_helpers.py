@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import torch
 import torch.distributed as dist
@@ -28,3 +31,37 @@ def dtensor_from_local(local: torch.Tensor, mesh, placements, shape, dtype: torc
     stride = torch.empty(shape, device="meta").stride()
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
     return DTensor(local, spec, requires_grad=False)
+
+
+_SCRIPT = '''\
+import os, sys, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from dist_helpers import init_file_store_group
+{imports}
+
+
+def main():
+    root = sys.argv[1]
+    init_file_store_group(root, 0, 1)
+{body}
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # the PROCESS checkpointer spawns: guard the entry point
+    main()
+'''
+
+
+def run_one_rank_script(root, body: str, *, imports: str = "", timeout: int = 240) -> subprocess.CompletedProcess:
+    """Run ``body`` as ``main()`` of a fresh Python process that is the one rank of a gloo group over
+    a FileStore in ``root`` (``root`` in the body). ``os``, ``sys``, ``torch``, ``dist``, ``dcp`` and
+    ``AsyncCheckpointerType`` are imported, then ``imports``; the entry point is guarded, as DCP's
+    PROCESS checkpointer (which spawns) requires. The finished process, its output as text."""
+    script = os.path.join(root, "run.py")
+    with open(script, "w") as f:
+        f.write(_SCRIPT.format(imports=textwrap.dedent(imports).strip(),
+                               body=textwrap.indent(textwrap.dedent(body).strip("\n"), "    ")))
+    return subprocess.run([sys.executable, script, str(root)], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONWARNINGS="ignore"))

@@ -29,7 +29,7 @@ from qdcp import (
 )
 from qdcp import checksums
 from quantized_cases import CASE_BY_NAME, assert_same_buffers, gated_save_planner, inner, raise_inner
-from test_stager import _mutate, _snapshot
+from state_dicts import mutate, snapshot
 
 DATA = Path(__file__).with_name("data") / "qdcp-0.1-checkpoints"
 INT8 = CASE_BY_NAME["int8_group32"]
@@ -95,12 +95,12 @@ def test_async_save_hashes_the_staged_copy(tmp_path):
     
     for stager in (None, qdcp.QuantizedStager()):
         live = _state(1)
-        before = _snapshot(live)
+        before = snapshot(live)
         gate = threading.Event()
         path = tmp_path / ("default" if stager is None else "quantized")
         fut = dcp.async_save(live, checkpoint_id=path, planner=gated_save_planner(gate),
                              **({"async_stager": stager} if stager else {}))
-        _mutate(live)
+        mutate(live)
         gate.set()
         fut.result()
         loaded = _load(path, _targets())

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, TensorWriteData, W
 from qdcp import LoadMismatchError, QuantizedLoadPlanner, QuantizedSavePlanner
 from qdcp import checksums
 from quantized_cases import CASE_BY_NAME, assert_same_buffers, raise_inner
-from test_stager import _files
+from state_dicts import data_files
 
 
 def _both(state, tmp_path, **planner_kw):
@@ -70,7 +70,7 @@ def test_checkpointable_protocol_objects_go_through_dcps_path(tmp_path):
     full = torch.arange(48.0).reshape(8, 6)
     state = {"w": Checkpointable("w", full, 0, 8), "q": CASE_BY_NAME["int8_row"].make(0)}
     dcp_path, qdcp_path = _both({"w": state["w"]}, tmp_path)
-    assert _files(dcp_path) == _files(qdcp_path)
+    assert data_files(dcp_path) == data_files(qdcp_path)
     dcp.save(state, checkpoint_id=tmp_path / "mixed", planner=QuantizedSavePlanner())
     part = Checkpointable("w", torch.zeros(3, 6), 2, 8)  # rows [2, 5): read in part
     target = {"w": part, "q": CASE_BY_NAME["int8_row"].make(1)}
@@ -86,7 +86,7 @@ class Marked(torch.Tensor):
 def test_any_other_tensor_subclass_is_saved_as_dcp_saves_it(tmp_path):
     t = torch.randn(4, 3).as_subclass(Marked)
     dcp_path, qdcp_path = _both({"m": t}, tmp_path)
-    assert _files(dcp_path) == _files(qdcp_path)
+    assert data_files(dcp_path) == data_files(qdcp_path)
     out = {"m": torch.zeros(4, 3)}
     with torch.serialization.safe_globals([Marked]):  # DCP's reader loads tensors weights-only
         dcp.load(out, checkpoint_id=qdcp_path, planner=QuantizedLoadPlanner())
@@ -127,7 +127,7 @@ def _sharded_tensor_worker(rank: int, root: str) -> None:
 
 def test_sharded_tensor_saves_as_dcp_saves_it_and_reshards_on_load(tmp_path):
     mp.spawn(_sharded_tensor_worker, args=(str(tmp_path),), nprocs=2, join=True)
-    assert _files(tmp_path / "dcp") == _files(tmp_path / "qdcp")
+    assert data_files(tmp_path / "dcp") == data_files(tmp_path / "qdcp")
 
 
 # ----------------------------------------------------------------------------- plan caching, flattening
@@ -172,7 +172,7 @@ def test_flatten_state_dict_off_behaves_as_dcp(tmp_path):
     def state(seed):
         return {"model": {"w": torch.arange(6.0) + seed}, "step": 3 + seed, "b": torch.arange(4.0) + seed}
     dcp_path, qdcp_path = _both(state(0), tmp_path, flatten_state_dict=False)
-    assert _files(dcp_path) == _files(qdcp_path)
+    assert data_files(dcp_path) == data_files(qdcp_path)
     for planner in (dcp.DefaultLoadPlanner, QuantizedLoadPlanner):
         outs = [state(9), state(9)]
         dcp.load(outs[0], checkpoint_id=dcp_path, planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))

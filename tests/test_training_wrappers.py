@@ -10,9 +10,6 @@ default stager, ``QuantizedStager``) writes the same bytes, never the uninitiali
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 
 import pytest
@@ -20,9 +17,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import qdcp
+from dist_helpers import run_one_rank_script
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, QuantizedStager, StagingError
 from quantized_cases import bits_diff, gated_save_planner, raise_inner
-from test_stager import _files, _mutate, _snapshot
+from state_dicts import data_files, mutate, snapshot
 from training_cases import CASE_BY_NAME, CASES, unavailable, values
 
 def _param(case):
@@ -51,7 +49,7 @@ def test_stored_as_the_checkpoint_dcp_writes_for_the_unconverted_model(case, tmp
     dcp.save(sd, checkpoint_id=tmp_path / "qdcp", planner=QuantizedSavePlanner())
     plain = case.plain_model(0).state_dict()
     dcp.save(plain, checkpoint_id=tmp_path / "dcp")  # DCP's own planner, the unconverted model
-    assert _files(tmp_path / "qdcp") == _files(tmp_path / "dcp")
+    assert data_files(tmp_path / "qdcp") == data_files(tmp_path / "dcp")
     assert {k: v["stored_as"] for k, v in qdcp.describe(tmp_path / "qdcp").items()} == {k: "plain" for k in sd}
     target = case.plain_model(5).state_dict()
     dcp.load(target, checkpoint_id=tmp_path / "qdcp")  # stock DCP, into the unconverted model
@@ -78,16 +76,16 @@ def test_every_save_path_writes_the_same_bytes(case, tmp_path):
     """``dcp.save``; the plain ``dcp.async_save`` (DCP's default stager) and ``QuantizedStager``,
     each with the model updated in place before its upload starts: identical data files."""
     live = case.model(0).state_dict()
-    before = _snapshot(live)
+    before = snapshot(live)
     for name, kwargs in (("default", {}), ("quantized", {"async_stager": QuantizedStager()})):
         gate = threading.Event()
         fut = dcp.async_save(live, checkpoint_id=tmp_path / name, planner=gated_save_planner(gate), **kwargs)
-        _mutate(live)
+        mutate(live)
         gate.set()
         fut.result()
-        live = _snapshot(before)
+        live = snapshot(before)
     dcp.save(before, checkpoint_id=tmp_path / "sync", planner=QuantizedSavePlanner())
-    assert _files(tmp_path / "default") == _files(tmp_path / "sync") == _files(tmp_path / "quantized")
+    assert data_files(tmp_path / "default") == data_files(tmp_path / "sync") == data_files(tmp_path / "quantized")
 
 
 @pytest.mark.parametrize("case", WRAPPERS[:2])
@@ -147,43 +145,26 @@ def test_int8_quantized_training_target_from_a_plain_checkpoint_is_from_float(tm
 
 # ----------------------------------------------------------------------------- process checkpointer
 
-_PROCESS_SCRIPT = textwrap.dedent(r'''
-    import os, sys, warnings
-    warnings.filterwarnings("ignore")
-    import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-    sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[2])))
-    import test_stager as T
-    from dist_helpers import init_file_store_group
-    from training_cases import CASE_BY_NAME, unavailable
-    from qdcp import QuantizedSavePlanner
-
-
-    def main():
-        root = sys.argv[1]
-        init_file_store_group(root, 0, 1)
-        for name in (n for n in ("float8", "moe_mxfp8", "int8_quantized") if not unavailable(CASE_BY_NAME[n])):
-            live = CASE_BY_NAME[name].model(0).state_dict()
-            before = T._snapshot(live)
-            path = os.path.join(root, name)
-            fut = dcp.async_save(live, checkpoint_id=path, planner=QuantizedSavePlanner(),
-                                 async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-            T._mutate(live)
-            fut.result()
-            dcp.save(before, checkpoint_id=path + "_sync", planner=QuantizedSavePlanner())
-            assert T._files(path) == T._files(path + "_sync"), name
-        dist.destroy_process_group()
-        print("OK")
-
-
-    if __name__ == "__main__":  # the PROCESS checkpointer spawns: guard the entry point
-        main()
-''')
+_PROCESS_IMPORTS = """
+from qdcp import QuantizedSavePlanner
+from state_dicts import data_files, mutate, snapshot
+from training_cases import CASE_BY_NAME, unavailable
+"""
+_PROCESS_MAIN = '''
+for name in (n for n in ("float8", "moe_mxfp8", "int8_quantized") if not unavailable(CASE_BY_NAME[n])):
+    live = CASE_BY_NAME[name].model(0).state_dict()
+    before = snapshot(live)
+    path = os.path.join(root, name)
+    fut = dcp.async_save(live, checkpoint_id=path, planner=QuantizedSavePlanner(),
+                         async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    mutate(live)
+    fut.result()
+    dcp.save(before, checkpoint_id=path + "_sync", planner=QuantizedSavePlanner())
+    assert data_files(path) == data_files(path + "_sync"), name
+print("OK")
+'''
 
 
 def test_plain_async_save_with_the_process_checkpointer(tmp_path):
-    script = tmp_path / "run.py"
-    script.write_text(_PROCESS_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), __file__], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    proc = run_one_rank_script(tmp_path, _PROCESS_MAIN, imports=_PROCESS_IMPORTS, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]

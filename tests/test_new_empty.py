@@ -1,4 +1,5 @@
-"""The plain call: ``dcp.async_save(state, checkpoint_id=p, planner=QuantizedSavePlanner())``.
+"""qdcp.new_empty, what the plain call needs:
+``dcp.async_save(state, checkpoint_id=p, planner=QuantizedSavePlanner())``.
 
 No ``async_stager``: DCP's default stager copies each wrapper subclass through ``new_empty`` and a
 deep copy of its ``__dict__``. qdcp fills the same-size ``new_empty`` torchao lacks (qdcp.new_empty);
@@ -19,9 +20,10 @@ import torch.distributed.checkpoint as dcp
 from torchao.quantization import Int8Tensor
 
 import qdcp
+from dist_helpers import run_one_rank_script
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
 from quantized_cases import CASES, assert_same_buffers, gated_save_planner, inner
-from test_stager import STATES, _assert_same_checkpoint, _mixed, _mutate, _snapshot
+from state_dicts import STATES, assert_same_checkpoint, mixed, mutate, snapshot
 
 NEW_EMPTY = torch.ops.aten.new_empty.default
 
@@ -29,7 +31,7 @@ NEW_EMPTY = torch.ops.aten.new_empty.default
 def _async_then_mutate(state, path, **planner_kw):
     gate = threading.Event()
     fut = dcp.async_save(state, checkpoint_id=path, planner=gated_save_planner(gate, **planner_kw))
-    _mutate(state)
+    mutate(state)
     gate.set()
     fut.result()
 
@@ -40,10 +42,10 @@ def test_plain_async_save_writes_the_sync_checkpoint_byte_for_byte(case, tmp_pat
     plain call equals ``dcp.save``'s of the values at the call, though the model is updated in
     place before the upload starts; it loads bit-identically."""
     live = {"w": case.make(0), "b": torch.arange(6.0)}
-    before = _snapshot(live)
+    before = snapshot(live)
     _async_then_mutate(live, tmp_path / "async")
     dcp.save(before, checkpoint_id=tmp_path / "sync", planner=QuantizedSavePlanner())
-    _assert_same_checkpoint(tmp_path / "async", tmp_path / "sync")
+    assert_same_checkpoint(tmp_path / "async", tmp_path / "sync")
     target = {"w": case.make(1), "b": torch.zeros(6)}
     dcp.load(target, checkpoint_id=tmp_path / "async", planner=QuantizedLoadPlanner())
     assert_same_buffers(target["w"], before["w"])
@@ -53,11 +55,11 @@ def test_plain_async_save_writes_the_sync_checkpoint_byte_for_byte(case, tmp_pat
 @pytest.mark.parametrize("dequantize", [False, True])
 def test_plain_async_save_of_a_nested_mixed_state(dequantize, tmp_path):
     """Model weights, NF4, optimizer states with plain step counters, objects; raw and dequantized."""
-    live = _mixed(0)
-    before = _snapshot(live)
+    live = mixed(0)
+    before = snapshot(live)
     _async_then_mutate(live, tmp_path / "async", dequantize=dequantize)
     dcp.save(before, checkpoint_id=tmp_path / "sync", planner=QuantizedSavePlanner(dequantize=dequantize))
-    _assert_same_checkpoint(tmp_path / "async", tmp_path / "sync")
+    assert_same_checkpoint(tmp_path / "async", tmp_path / "sync")
 
 
 def test_new_empty_is_same_size_only_and_builds_buffers_on_the_device():
@@ -135,44 +137,27 @@ def test_classes_imported_after_qdcp_are_filled_when_a_planner_is_made():
     assert out.stdout.strip().splitlines()[-1] == "False True", out.stderr[-2000:]
 
 
-_PROCESS_SCRIPT = textwrap.dedent(r'''
-    import os, sys, warnings
-    warnings.filterwarnings("ignore")
-    import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-    sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[2])))
-    import test_stager as T
-    from dist_helpers import init_file_store_group
-    from qdcp import QuantizedSavePlanner
-
-
-    def main():
-        root = sys.argv[1]
-        init_file_store_group(root, 0, 1)
-        live = T._mixed(0)
-        for i in range(2):  # the second save finds the checkpoint daemon already running
-            before = T._snapshot(live)
-            path = os.path.join(root, f"async{i}")
-            fut = dcp.async_save(live, checkpoint_id=path, planner=QuantizedSavePlanner(),
-                                 async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-            T._mutate(live)
-            fut.result()
-            dcp.save(before, checkpoint_id=path + "_sync", planner=QuantizedSavePlanner())
-            T._assert_same_checkpoint(path, path + "_sync")
-        dist.destroy_process_group()
-        print("OK")
-
-
-    if __name__ == "__main__":  # the PROCESS checkpointer spawns: guard the entry point
-        main()
-''')
+_PROCESS_IMPORTS = """
+from qdcp import QuantizedSavePlanner
+from state_dicts import assert_same_checkpoint, mixed, mutate, snapshot
+"""
+_PROCESS_MAIN = '''
+live = mixed(0)
+for i in range(2):  # the second save finds the checkpoint daemon already running
+    before = snapshot(live)
+    path = os.path.join(root, f"async{i}")
+    fut = dcp.async_save(live, checkpoint_id=path, planner=QuantizedSavePlanner(),
+                         async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    mutate(live)
+    fut.result()
+    dcp.save(before, checkpoint_id=path + "_sync", planner=QuantizedSavePlanner())
+    assert_same_checkpoint(path, path + "_sync")
+print("OK")
+'''
 
 
 def test_plain_async_save_with_the_process_checkpointer(tmp_path):
     """DCP's default stager and the PROCESS checkpointer (the staged torchao tensors are pickled
     to the checkpoint daemon): the checkpoints equal ``dcp.save``'s of the values at each call."""
-    script = tmp_path / "run.py"
-    script.write_text(_PROCESS_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), __file__], capture_output=True,
-                          text=True, timeout=240, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    proc = run_one_rank_script(tmp_path, _PROCESS_MAIN, imports=_PROCESS_IMPORTS)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
