@@ -1,19 +1,25 @@
-"""The reader by component: what qdcp.describe / read_stored report of a checkpoint on disk."""
+"""qdcp.reader: what read_metadata, describe and read_stored report of a checkpoint, on disk or
+behind an fsspec URL."""
 from __future__ import annotations
 
 import math
+import uuid
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
-from quantized_cases import CASES, qdcp_save
+import qdcp
+from qdcp import QuantizedSavePlanner
+from quantized_cases import CASE_BY_NAME, CASES, qdcp_save
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_describe_reports_the_bytes_really_stored(tmp_path, case):
     """``describe()``'s byte count is the checkpoint's own: the items DCP recorded for the entry
     (and, raw, the source's inner buffers, every one of them stored)."""
-    import qdcp
     from torch.distributed.checkpoint import FileSystemReader
+
     source = case.make(0)
     path = qdcp_save(str(tmp_path / "ckpt"), {"w": source}, no_dist=True)
     items = {k: v for k, v in FileSystemReader(path).read_metadata().state_dict_metadata.items()
@@ -23,3 +29,12 @@ def test_describe_reports_the_bytes_really_stored(tmp_path, case):
     assert set(info["components"]) == {k.split(".__qdcp__.")[1] for k in items}
     stored = qdcp.read_stored(path, "w").components
     assert info["bytes"] == sum(t.numel() * t.element_size() for t in stored.values())
+
+
+def test_describe_and_read_metadata_of_an_fsspec_url():
+    url = f"memory://qdcp-{uuid.uuid4().hex}"
+    dcp.save({"nf4": CASE_BY_NAME["nf4"].make(0), "bias": torch.full((3,), 1.0), "step": 3}, checkpoint_id=url,
+             planner=QuantizedSavePlanner())
+    info = qdcp.describe(url)
+    assert info["nf4"]["stored_as"] == "raw" and info["bias"]["stored_as"] == "plain"
+    assert qdcp.read_metadata(url).state_dict_metadata["bias"].size == torch.Size([3])

@@ -1,25 +1,41 @@
-"""Checkpoints through fsspec URLs: memory:// and s3:// against a real S3-compatible server (moto)
+"""qdcp.storage: CheckpointWriter (checksum trailers only where the planner records none),
+CheckpointReader (checkpoints written before planner checksums, items verified when read in part),
+and checkpoints through fsspec URLs: memory:// and s3:// against a real S3-compatible server (moto)
 that the tests start on loopback."""
 
 from __future__ import annotations
 
 import os
-import socket
+import shutil
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import qdcp
-from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
-from quantized_cases import CASE_BY_NAME, assert_bitwise_equal, assert_same_buffers
+from qdcp import (
+    CheckpointFormatError,
+    CheckpointReader,
+    ChecksumError,
+    CheckpointWriter,
+    QuantizedLoadPlanner,
+    QuantizedSavePlanner,
+)
+from quantized_cases import CASE_BY_NAME, assert_bitwise_equal, assert_same_buffers, raise_inner
+from stored_bytes import flip_stored_bytes, tensor_bytes
+from torchrun_jobs import free_port
 
 CASES = [CASE_BY_NAME[n] for n in ("int8_group32", "mx_fp4_swizzled", "nf4", "optim8bit_signed")]
+DATA = Path(__file__).with_name("data") / "qdcp-0.1-checkpoints"
+INT8 = CASE_BY_NAME["int8_group32"]
 
 
 def _state(seed):
@@ -34,15 +50,108 @@ def _check(loaded, saved):
     assert torch.equal(loaded["bias"], saved["bias"]) and loaded["step"] == saved["step"]
 
 
-def test_memory_url_round_trip_and_describe():
+# ----------------------------------------------------------------------------- CheckpointWriter
+
+def test_checkpoint_writer_leaves_checksums_to_the_planner(tmp_path):
+    """QuantizedSavePlanner + CheckpointWriter: no qdcp-checksum trailers; stock DCP reads it. With
+    the planner's checksums off, the writer appends one to every item."""
+    saved = _state(0)
+    dcp.save(saved, storage_writer=CheckpointWriter(tmp_path), planner=QuantizedSavePlanner())
+    md = qdcp.read_metadata(tmp_path)
+    assert not any(info.transform_descriptors for info in md.storage_data.values())
+    loaded = _state(1)
+    raise_inner(lambda: dcp.load(loaded, checkpoint_id=tmp_path, planner=QuantizedLoadPlanner()))  # stock reader
+    _check(loaded, saved)
+    dcp.save(_state(0), storage_writer=CheckpointWriter(tmp_path / "t"), planner=QuantizedSavePlanner(checksums=False))
+    md = qdcp.read_metadata(tmp_path / "t")
+    assert {tuple(i.transform_descriptors) for i in md.storage_data.values()} == {("qdcp-checksum/2",)}
+
+
+# ----------------------------------------------------------------------------- CheckpointReader
+
+def _v01_state() -> dict:
+    """What tests/data/qdcp-0.1-checkpoints hold (written by qdcp 0.1, before item checksums)."""
+    g = torch.Generator().manual_seed(7)
+    return {"int8": INT8.from_hp(torch.randn(64, 64, generator=g).to(torch.bfloat16)),
+            "nf4": CASE_BY_NAME["nf4_block32"].from_hp(torch.randn(64, 64, generator=g).to(torch.bfloat16)),
+            "bias": torch.randn(16, generator=g), "step": 12, "opt": {"lr": 0.5}}
+
+
+def _v01_targets() -> dict:
+    s = _v01_state()
+    return {"int8": INT8.make(3, (64, 64)), "nf4": CASE_BY_NAME["nf4_block32"].make(3, (64, 64)),
+            "bias": torch.zeros(16), "step": 0, "opt": {"lr": 0.0}} if s else {}
+
+
+@pytest.mark.parametrize("name", ["crc32", "stock"])
+def test_checkpoints_written_before_checksums_still_load(tmp_path, name):
+    """qdcp 0.1 wrote CRC-32 trailers (CheckpointWriter) or nothing (stock writer)."""
+    want = _v01_state()
+    out = _v01_targets()
+    dcp.load(out, storage_reader=CheckpointReader(DATA / name), planner=QuantizedLoadPlanner())
+    for k in ("int8", "nf4"):
+        assert_same_buffers(out[k], want[k])
+    assert torch.equal(out["bias"], want["bias"]) and out["step"] == 12 and out["opt"] == {"lr": 0.5}
+    copy = shutil.copytree(DATA / name, tmp_path / name)
+    flip_stored_bytes(copy, tensor_bytes(want["bias"]))
+    with pytest.raises(ChecksumError if name == "crc32" else CheckpointFormatError, match="key 'bias'"):
+        raise_inner(lambda: dcp.load(_v01_targets(), storage_reader=CheckpointReader(copy),
+                                      planner=QuantizedLoadPlanner()))
+
+
+def _reshard_worker(rank: int, root: str, reader: str, results) -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from dist_helpers import init_file_store_group
+
+    init_file_store_group(root, rank, 2)
+    mesh = init_device_mesh("cpu", (2,))
+    target = {"w": distribute_tensor(torch.zeros(64, 32), mesh, [Shard(0)])}
+    storage = CheckpointReader(os.path.join(root, "ckpt")) if reader == "qdcp" else \
+        dcp.FileSystemReader(os.path.join(root, "ckpt"))
+    try:
+        dcp.load(target, storage_reader=storage, planner=QuantizedLoadPlanner())
+        results[rank] = ("loaded", target["w"].to_local().clone())
+    except BaseException as e:  # noqa: BLE001 (CheckpointException)
+        inner = next(iter(e.failures.values())) if isinstance(e, CheckpointException) else e
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        results[rank] = (type(inner).__name__, str(inner))
+    dist.destroy_process_group()
+
+
+def _reshard(tmp_path, reader: str) -> dict:
+    results = mp.Manager().dict()
+    mp.spawn(_reshard_worker, args=(str(tmp_path), reader, results), nprocs=2, join=True)
+    (tmp_path / "store").unlink(missing_ok=True)
+    return dict(results)
+
+
+def test_items_read_in_part_are_verified_by_checkpoint_reader(tmp_path):
+    """Saved whole at 1 rank, loaded as Shard(0) at 2: each rank reads half of the stored chunk
+    (the planner cannot check a part). CheckpointReader checks the whole stored chunk it loaded;
+    stock DCP's reader does not, and a rank whose half holds no flipped byte loads fine."""
+    w = torch.randn(64, 32)
+    dcp.save({"w": w}, checkpoint_id=tmp_path / "ckpt", planner=QuantizedSavePlanner())
+    ok = _reshard(tmp_path, "qdcp")
+    assert all(r[0] == "loaded" for r in ok.values())
+    assert torch.equal(torch.cat([ok[0][1], ok[1][1]]), w)
+    flip_stored_bytes(tmp_path / "ckpt", tensor_bytes(w[50:52]))  # a byte of rank 1's rows
+    bad = _reshard(tmp_path, "qdcp")
+    assert all(r[0] == "ChecksumError" and "key 'w'" in r[1] for r in bad.values()), bad
+    stock = _reshard(tmp_path, "stock")
+    assert stock[0][0] == "loaded" and torch.equal(stock[0][1], w[:32])
+
+
+# ----------------------------------------------------------------------------- fsspec URLs
+
+def test_memory_url_round_trip():
     url = f"memory://qdcp-{uuid.uuid4().hex}"
     saved = _state(0)
     dcp.save(saved, checkpoint_id=url, planner=QuantizedSavePlanner())
     loaded = _state(1)
     dcp.load(loaded, checkpoint_id=url, planner=QuantizedLoadPlanner())
     _check(loaded, saved)
-    info = qdcp.describe(url)
-    assert info["nf4"]["stored_as"] == "raw" and info["bias"]["stored_as"] == "plain"
     # a dequantized copy read through the safe fsspec reader by stock DCP
     url2 = url + "-deq"
     dcp.save(saved, checkpoint_id=url2, planner=QuantizedSavePlanner(dequantize=True))
@@ -53,17 +162,11 @@ def test_memory_url_round_trip_and_describe():
         assert_bitwise_equal(plain[c.name], c.dequantize(saved[c.name]))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_endpoint():
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
