@@ -8,6 +8,7 @@ import textwrap
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -19,10 +20,39 @@ def init_file_store_group(root: str, rank: int, world: int, backend: str = "gloo
                             rank=rank, world_size=world)
 
 
+def init_torchrun_mesh(device: torch.device | None = None) -> DeviceMesh:
+    """The process group torchrun's environment names (nccl for a CUDA ``device``, gloo otherwise)
+    and a 1-D mesh over all its ranks."""
+    device = device or torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
 def row_chunks(rows: int, world: int) -> list[tuple[int, int]]:
     """(offset, size) of each rank's rows for Shard(0): torch.chunk sizes, as DTensor does."""
     size = -(-rows // world)
     return [(min(r * size, rows), max(0, min(size, rows - r * size))) for r in range(world)]
+
+
+def my_row_chunk(rows: int) -> tuple[int, int]:
+    """(offset, size) of this rank's Shard(0) rows of a tensor with ``rows`` rows."""
+    return row_chunks(rows, dist.get_world_size())[dist.get_rank()]
+
+
+def my_rows(t: torch.Tensor) -> torch.Tensor:
+    """This rank's Shard(0) rows of ``t``."""
+    o, s = my_row_chunk(t.shape[0])
+    return t[o:o + s]
+
+
+def all_rows(local: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``local`` rows concatenated in rank order (the whole of a Shard(0) tensor), on
+    every rank; through ``all_gather_object``, so for any dtype and uneven shards."""
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return torch.cat(parts)
 
 
 def dtensor_from_local(local: torch.Tensor, mesh, placements, shape, dtype: torch.dtype) -> DTensor:

@@ -36,22 +36,19 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
-from dist_helpers import dtensor_from_local, row_chunks  # noqa: E402
+from dist_helpers import all_rows, dtensor_from_local, init_torchrun_mesh, my_rows, row_chunks  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import qdcp  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
 from quantized_cases import CASES, SHAPE, bits, gated_save_planner, inner  # noqa: E402
-from worker_results import check, qdcp_error_in, run, section_error, try_load  # noqa: E402
+from worker_results import RANK, WORLD, check, qdcp_error_in, run, section_error, try_load  # noqa: E402
 from worker_results import short as _short  # noqa: E402
 
 # ----------------------------------------------------------------------------- setup
 
-RANK = int(os.environ.get("RANK", "0"))
-WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
 USE_CUDA = torch.cuda.is_available() and torch.cuda.device_count() >= int(
     os.environ.get("LOCAL_WORLD_SIZE", WORLD))
@@ -64,13 +61,6 @@ CASE = {c.name: c for c in CASES}
 SEED = {c.name: 100 + i for i, c in enumerate(CASES)}
 
 ROOT = ""  # the job's directory (argv[2])
-
-
-def init() -> torch.distributed.DeviceMesh:
-    if USE_CUDA:
-        torch.cuda.set_device(DEVICE)
-    dist.init_process_group("nccl" if USE_CUDA else "gloo")
-    return init_device_mesh(DEVICE.type, (WORLD,))
 
 
 # ----------------------------------------------------------------------------- DTensors
@@ -113,11 +103,6 @@ def ref_dequant(name: str, hp: torch.Tensor, world: int) -> torch.Tensor:
     """The global tensor a ``Shard(0)`` checkpoint saved at ``world`` ranks stands for (on CPU)."""
     case = CASE[name]
     return torch.cat([case.dequantize(local_shard(name, hp, world, r)).cpu() for r in range(world)])
-
-
-def my_rows(t: torch.Tensor, world: int = None, rank: int = None) -> torch.Tensor:
-    o, s = row_chunks(t.shape[0], world or WORLD)[RANK if rank is None else rank]
-    return t[o:o + s]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> str | None:
@@ -472,9 +457,7 @@ def gather_rows(t) -> torch.Tensor:
         local = qdcp.find_adapter(local).dequantize(local)
     if not isinstance(t, DTensor):
         return local.detach().cpu().clone()  # a snapshot: states such as "step" change in place
-    parts: list = [None] * WORLD
-    dist.all_gather_object(parts, local.detach().cpu())
-    return torch.cat(parts)
+    return all_rows(local.detach().cpu())
 
 
 def fsdp_snapshot(model, opts) -> dict:
@@ -613,7 +596,7 @@ COMMANDS = {"reshard-save": reshard_save, "reshard-load": reshard_load,
 def main() -> int:
     global ROOT
     ROOT = sys.argv[2]
-    return run(COMMANDS, init)
+    return run(COMMANDS, lambda: init_torchrun_mesh(DEVICE))
 
 
 if __name__ == "__main__":

@@ -40,9 +40,8 @@ te = te_cpu.install()  # before anything imports transformer_engine
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
-from dist_helpers import dtensor_from_local, row_chunks  # noqa: E402
+from dist_helpers import dtensor_from_local, init_torchrun_mesh, my_row_chunk, row_chunks  # noqa: E402
 from transformer_engine.pytorch import utils as te_utils  # noqa: E402
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 
@@ -51,11 +50,9 @@ from qdcp.adapters import find_adapter  # noqa: E402
 from quantized_cases import bits  # noqa: E402
 from quantized_cases import bits_diff as same_bits  # noqa: E402
 from quantized_cases import components_diff as canonical_diff  # noqa: E402
-from worker_results import check, qdcp_error_in, run, try_load  # noqa: E402
+from worker_results import RANK, WORLD, check, qdcp_error_in, run, try_load  # noqa: E402
 from worker_results import short as _short  # noqa: E402
 
-RANK = int(os.environ.get("RANK", "0"))
-WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 ROWS, COLS = 512, 256
 SHAPE = (ROWS, COLS)
 DTYPE = torch.bfloat16
@@ -177,10 +174,6 @@ def build(fmt: str, g: dict[str, torch.Tensor], o: int, s: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- DTensors
 
-def my_chunk(world: int = WORLD, rank: int = RANK) -> tuple[int, int]:
-    return row_chunks(ROWS, world)[rank]
-
-
 def aligned(world: int) -> bool:
     return all(o % 128 == 0 and s % 128 == 0 for o, s in row_chunks(ROWS, world))
 
@@ -210,14 +203,9 @@ def inner_ptrs(t: torch.Tensor) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- save
 
-def init():
-    dist.init_process_group("gloo")
-    return init_device_mesh("cpu", (WORLD,))
-
-
 def save(root: str, mesh) -> None:
     out = os.path.join(root, f"n{WORLD}")
-    o, s = my_chunk()
+    o, s = my_row_chunk(ROWS)
     main_formats = FORMATS if aligned(WORLD) else tuple(f for f in FORMATS if f not in STRADDLING)
     state = {"step": WORLD}
     for fmt in main_formats:
@@ -259,7 +247,7 @@ def save(root: str, mesh) -> None:
 def save_mismatched_per_tensor(out: str, mesh) -> None:
     """Shards holding different per-tensor values (Float8 scale_inv, NVFP4 amax), e.g. each quantized
     on its own: DCP would keep one rank's copy, so the save must fail naming the key."""
-    o, s = my_chunk()
+    o, s = my_row_chunk(ROWS)
     for fmt, name in (("float8", "scale_inv"), ("nvfp4", "amax")):
         g = global_buffers(fmt, SEED[fmt])
         g[name] = g[name] * (1 + RANK)
@@ -297,7 +285,7 @@ def load(root: str, mesh) -> None:
 def load_one(path: str, n: int, refs: dict, mesh) -> None:
     tag = f"N={n}->M={WORLD}"
     formats = FORMATS if aligned(n) else tuple(f for f in FORMATS if f not in STRADDLING)
-    o, s = my_chunk()
+    o, s = my_row_chunk(ROWS)
 
     # (a) plain Shard(0) DTensors and plain full tensors: the reference dequantize, bit for bit
     for section, sharded in (("plain_shard", True), ("plain_full", False)):
@@ -361,7 +349,7 @@ COMMANDS = {"save": save, "load": load}
 
 
 def main() -> int:
-    return run(COMMANDS, init)
+    return run(COMMANDS, init_torchrun_mesh)
 
 
 if __name__ == "__main__":

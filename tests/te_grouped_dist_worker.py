@@ -38,19 +38,16 @@ import te_groups  # noqa: E402  (installs the TE stand-in)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
-from dist_helpers import dtensor_from_local  # noqa: E402
+from dist_helpers import dtensor_from_local, init_torchrun_mesh, my_row_chunk  # noqa: E402
 
 from qdcp import QuantizedSavePlanner, QuantizedStager  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
 from quantized_cases import bits_diff as diff  # noqa: E402
 from quantized_cases import components_diff  # noqa: E402
-from worker_results import check, qdcp_error_in, run, section_error, try_load  # noqa: E402
+from worker_results import RANK, WORLD, check, qdcp_error_in, run, section_error, try_load  # noqa: E402
 from worker_results import short as _short  # noqa: E402
 
-RANK = int(os.environ.get("RANK", "0"))
-WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 EXPERTS, ROWS, COLS = 8, 128, 256
 STACKED = (EXPERTS, ROWS, COLS)
 RECIPES = ("mxfp8_both", "current_both_hopper", "delayed_both_e5m2", "block1_both", "block2_both",
@@ -67,9 +64,10 @@ def experts(world: int = WORLD, rank: int = RANK) -> range:
     return range(rank * k, (rank + 1) * k)
 
 
-def row_range(world: int = WORLD, rank: int = RANK) -> range:
-    k = -(-ROWS // world)
-    return range(min(rank * k, ROWS), min((rank + 1) * k, ROWS))
+def row_range() -> range:
+    """This rank's Shard(0) rows of one expert."""
+    o, s = my_row_chunk(ROWS)
+    return range(o, o + s)
 
 
 def global_group(name: str):
@@ -102,11 +100,6 @@ def ptrs(g) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------- save
-
-def init():
-    dist.init_process_group("gloo")
-    return init_device_mesh("cpu", (WORLD,))
-
 
 def save(root: str, mesh) -> None:
     out = os.path.join(root, f"n{WORLD}")
@@ -273,7 +266,7 @@ COMMANDS = {"save": save, "load": load}
 
 def main() -> int:
     with te_cpu.simulate_gpu(te_cpu.HOPPER):
-        return run(COMMANDS, init)
+        return run(COMMANDS, init_torchrun_mesh)
 
 
 if __name__ == "__main__":

@@ -34,26 +34,19 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from dist_helpers import all_rows, init_torchrun_mesh  # noqa: E402
 from qdcp import QuantizedLoadPlanner  # noqa: E402
 from quantized_cases import bits, gated_save_planner  # noqa: E402
 from training_cases import CASE_BY_NAME, D, unavailable, values  # noqa: E402
-from worker_results import check, run  # noqa: E402
+from worker_results import RANK, WORLD, check, run  # noqa: E402
 
-RANK = int(os.environ.get("RANK", "0"))
-WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 MODELS = tuple(n for n in ("float8", "moe_mxfp8") if not unavailable(CASE_BY_NAME[n]))  # MoE: torch >= 2.12
 STEPS, CHECKPOINTS = 8, (3, 6)
-
-
-def init():
-    dist.init_process_group("gloo")
-    return init_device_mesh("cpu", (WORLD,))
 
 
 def _uint8_all_gather():
@@ -102,9 +95,7 @@ def gather(t) -> torch.Tensor:
     local = values(t).detach()
     if not isinstance(t, DTensor):
         return local.clone()
-    parts: list = [None] * WORLD
-    dist.all_gather_object(parts, local)
-    return torch.cat(parts)
+    return all_rows(local)
 
 
 def snapshot(model, opt) -> dict:
@@ -187,4 +178,4 @@ def load(root: str, mesh) -> None:
 COMMANDS = {"train": train, "resume": resume, "load": load}
 
 if __name__ == "__main__":
-    sys.exit(run(COMMANDS, init))
+    sys.exit(run(COMMANDS, init_torchrun_mesh))
