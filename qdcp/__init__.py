@@ -31,6 +31,7 @@ from qdcp.storage import (
     storage_writer,
 )
 from qdcp.planner import QuantizedLoadPlanner, QuantizedSavePlanner
+from qdcp.hf import ExportError, ExportResult, export
 from qdcp.stager import QuantizedStager
 
 for _adapter in _torchao.builtin_adapters() + _torchao_training.builtin_adapters():
@@ -48,5 +49,5 @@ __all__ = [
     "storage_writer", "to_device", "register_new_empty", "unregister_new_empty", "enable_new_empty",
     "Adapter", "StoredEntry", "register_adapter", "find_adapter", "registered_type_names",
     "QdcpError", "CheckpointFormatError", "ChecksumError", "UnsupportedTensorError", "AlignmentError",
-    "LoadMismatchError", "StagingError",
+    "LoadMismatchError", "StagingError", "export", "ExportResult", "ExportError",
 ]

@@ -1,9 +1,11 @@
-"""The ``qdcp`` command line: inspect, verify and convert checkpoints.
+"""The ``qdcp`` command line: inspect, verify, convert and export checkpoints.
 
     qdcp inspect PATH [--json]
     qdcp verify PATH [--quiet]
     qdcp convert PATH OUT --to safetensors [--dequantize] [--dtype bf16|fp16|fp32] [--quiet]
     qdcp convert PATH OUT --to dcp --dequantize [--dtype bf16|fp16|fp32] [--quiet]
+    qdcp export PATH OUT_DIR --format {torchao,compressed-tensors} [--config CONFIG.json]
+                [--max-shard-size 5GB] [--dequantize-unsupported] [--overwrite] [--quiet]
 
 Every verb works without the libraries of the quantized types a checkpoint stores where their
 adapter can compute values in plain torch (TransformerEngine's: TE need not be importable). Long
@@ -30,20 +32,11 @@ from tqdm import tqdm
 
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
+from qdcp.hf.safetensors_files import SAFETENSORS_DTYPES, ShardWriter, TensorOut
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 _DTYPE_ARGS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-# safetensors dtype names (https://github.com/huggingface/safetensors, "Format")
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32",
-    torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e8m0fnu: "F8_E8M0",
-}
-
 
 def _quiet() -> None:
     warnings.filterwarnings("ignore")
@@ -220,22 +213,13 @@ def _tensor_plan(entries: _Entries, dequantize: bool, dtype: torch.dtype | None)
     return plan, skipped
 
 
-def _safetensors_header(entries: _Entries, plan: list, dequantize: bool) -> tuple[bytes, int]:
-    """The safetensors header (length-prefixed JSON, 8-byte aligned) for ``plan``'s rows, and the
-    data size it announces."""
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, shape, dt, _, _ in plan:
-        n = math.prod(shape) * dt.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dt], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
+def _file_metadata(entries: _Entries, dequantize: bool) -> dict[str, str]:
+    """The header metadata: the qdcp spec of the raw entries (raw export) under ``"qdcp"``."""
     meta = {"format": "pt", "producer": "qdcp"}
     raw = {k: e for k, e in entries.specs.items() if e.storage == qspec.RAW}
     if raw and not dequantize:
         meta["qdcp"] = qspec.dumps(raw)
-    header["__metadata__"] = meta
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    return blob + b" " * (-len(blob) % 8), offset
+    return meta
 
 
 def _to_safetensors(entries: _Entries, out: str, dequantize: bool, dtype: torch.dtype | None) -> int:
@@ -249,37 +233,32 @@ def _to_safetensors(entries: _Entries, out: str, dequantize: bool, dtype: torch.
     from qdcp.reader import read_entry, read_stored
 
     plan, skipped = _tensor_plan(entries, dequantize, dtype)
-    bad = next((row for row in plan if row[2] not in _SAFETENSORS_DTYPES), None)
+    bad = next((row for row in plan if row[2] not in SAFETENSORS_DTYPES), None)
     if bad is not None:
         print(f"qdcp: {bad[0]}: dtype {bad[2]} has no safetensors name", file=sys.stderr)
         return EXIT_FAILED
-    blob, offset = _safetensors_header(entries, plan, dequantize)
     by_key: dict[str, list] = {}
     for row in plan:
         by_key.setdefault(row[3], []).append(row)
     tmp = out + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for key in entries:
-            rows = by_key.get(key, ())
-            if not rows:
-                continue
-            if rows[0][4] is not None:  # raw components, as stored
-                stored = read_stored(entries.path, key, entries.md).components
-                tensors = [stored[comp] for *_, comp in rows]
-            else:
-                value = read_entry(entries.path, key, entries.md, dequantize=True, dtype=rows[0][2])
-                tensors = [value]
-            for (name, shape, dt, _, _), t in zip(rows, tensors):
-                t = t.to(dt).contiguous()
-                if tuple(t.shape) != tuple(shape):
-                    raise QdcpError(f"key {key!r}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    writer = ShardWriter(tmp, [TensorOut(name, tuple(shape), dt) for name, shape, dt, _, _ in plan],
+                         _file_metadata(entries, dequantize))
+    for key in entries:
+        rows = by_key.get(key, ())
+        if not rows:
+            continue
+        if rows[0][4] is not None:  # raw components, as stored
+            stored = read_stored(entries.path, key, entries.md).components
+            tensors = [stored[comp] for *_, comp in rows]
+        else:
+            tensors = [read_entry(entries.path, key, entries.md, dequantize=True, dtype=rows[0][2])]
+        for (name, _, dt, _, _), t in zip(rows, tensors):
+            writer.write(name, t.to(dt))
+    writer.close()
     os.replace(tmp, out)
     for key in skipped:
         print(f"qdcp: skipped non-tensor entry {key!r} (safetensors holds tensors only)", file=sys.stderr)
-    print(f"wrote {out}: {len(plan)} tensors, {offset} bytes")
+    print(f"wrote {out}: {len(plan)} tensors, {sum(math.prod(r[1]) * r[2].itemsize for r in plan)} bytes")
     return EXIT_OK
 
 
@@ -293,6 +272,23 @@ def _to_dcp_dequantized(entries: _Entries, out: str, dtype: torch.dtype | None) 
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, checkpoint_id=out, no_dist=True)
     print(f"wrote {out}: {len(state)} entries, dequantized")
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------- export
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from qdcp.hf.export import export
+
+    result = export(args.path, args.out, format=args.format, config=args.config,
+                    max_shard_size=args.max_shard_size, dequantize_unsupported=args.dequantize_unsupported,
+                    overwrite=args.overwrite, progress=False if args.quiet else None)
+    for key in result.skipped:
+        print(f"qdcp: skipped non-tensor entry {key!r} (safetensors holds tensors only)", file=sys.stderr)
+    for key in result.dequantized:
+        print(f"qdcp: {key!r} has no {args.format} form: written dequantized", file=sys.stderr)
+    print(f"wrote {result.out_dir} ({args.format}): {len(result.files)} file(s), {result.tensors} tensors, "
+          f"{result.nbytes} bytes")
     return EXIT_OK
 
 
@@ -322,6 +318,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
+    p = sub.add_parser("export", help="write a Hugging Face safetensors directory an inference engine loads "
+                                      "(torchao or compressed-tensors layout), raw bits carried over")
+    p.add_argument("path", help="the qdcp/DCP checkpoint")
+    p.add_argument("out", help="the directory to write")
+    p.add_argument("--format", choices=["torchao", "compressed-tensors"], required=True)
+    p.add_argument("--config", help="config.json of the model; the format's quantization_config is added to it")
+    p.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB); above it, sharded "
+                                                           "files and model.safetensors.index.json")
+    p.add_argument("--dequantize-unsupported", action="store_true",
+                   help="write entries the format cannot represent as their dequantized values "
+                        "(default: refuse, naming them, before writing anything)")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

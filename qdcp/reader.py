@@ -72,8 +72,7 @@ def read_stored(path: str | os.PathLike, key: str, metadata: Metadata | None = N
     entry = qspec.read_specs(md).get(key)
     if entry is None or entry.storage != qspec.RAW:
         raise KeyError(f"key {key!r} is not a raw quantized entry of the checkpoint at {os.fspath(path)!r}")
-    adapter = adapter_for_type(entry.type, key)
-    attrs = {k: qspec.decode_value(v, adapter.attribute_classes(), f"key {key!r}: ") for k, v in entry.attrs.items()}
+    attrs = decoded_attrs(entry)
     qspec.layouts_of(entry)
     qspec.check_component_bytes(entry)
     qspec.check_items(entry, md.state_dict_metadata, qspec.stored_components(md.state_dict_metadata).get(key, set()))
@@ -82,6 +81,20 @@ def read_stored(path: str | os.PathLike, key: str, metadata: Metadata | None = N
     comps = {c.name: torch.empty(c.shape, dtype=c.dtype) for c in entry.components}
     _load_quietly({qspec.component_fqn(key, n): t for n, t in comps.items()}, path)
     return StoredEntry(entry.type, attrs, entry.shape, entry.dtype, comps)
+
+
+def decoded_attrs(entry: qspec.EntrySpec) -> dict[str, Any]:
+    """The attributes of a stored entry, decoded with its adapter's classes (no tensor library needed)."""
+    adapter = adapter_for_type(entry.type, entry.fqn)
+    where = f"key {entry.fqn!r}: "
+    return {k: qspec.decode_value(v, adapter.attribute_classes(), where) for k, v in entry.attrs.items()}
+
+
+def stored_on_meta(entry: qspec.EntrySpec) -> StoredEntry:
+    """A raw entry as :func:`read_stored` returns it, but with components on the meta device: what
+    its shapes, dtypes and attributes imply, read nothing."""
+    comps = {c.name: torch.empty(c.shape, dtype=c.dtype, device="meta") for c in entry.components}
+    return StoredEntry(entry.type, decoded_attrs(entry), entry.shape, entry.dtype, comps)
 
 
 def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = None, *,

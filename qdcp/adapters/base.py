@@ -52,6 +52,8 @@ class Adapter:
       :meth:`members_loaded` (groups);
     - the stager and :func:`qdcp.to_device`: :meth:`inner_buffers`, :meth:`from_inner_buffers`;
     - DCP's default stager (through qdcp.new_empty): :meth:`loaded_classes`, :meth:`add_op`;
+    - ``qdcp.export`` (Hugging Face layouts): :meth:`rebuild`, :meth:`raw_forms_out` /
+      :meth:`to_raw_form`, and :meth:`new_from_raw_form` (torchao's layout holding another family's bits);
     - ``qdcp.read_entry`` and the CLI: :meth:`rebuild` (a live instance; needs the library),
       :meth:`dequantize_stored` (values; works without the library where the adapter can) and
       :meth:`attribute_classes` (``qdcp inspect`` shows what the save recorded of :meth:`info`).
@@ -192,6 +194,12 @@ class Adapter:
     def from_raw_form(self, target: torch.Tensor, form: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Fill ``target`` in place from the tensors of ``form`` (for the chunk ``target`` holds)."""
         raise NotImplementedError
+
+    def new_from_raw_form(self, form: str, tensors: Mapping[str, torch.Tensor], *, shape: tuple[int, ...],
+                          dtype: torch.dtype) -> torch.Tensor | None:
+        """A new instance of this family (logical ``shape`` / ``dtype``, default configuration)
+        holding the tensors of ``form`` exactly, or None (default) for forms it does not build."""
+        return None
 
     # Op registration: filling aten ops a library lacks (DCP's default stager needs new_empty). Optional.
 

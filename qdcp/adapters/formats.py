@@ -14,7 +14,7 @@ import torch
 
 from qdcp.layouts import ceil_div
 
-__all__ = ["MXFP8_FORMS", "NVFP4_ROW16", "NVFP4_GLOBAL_DIVISOR", "mxfp8_form", "ceil_div", "round_up", "rows",
+__all__ = ["MXFP8_FORMS", "NVFP4_ROW16", "NVFP4_GLOBAL_DIVISOR", "mxfp8_form", "affine_form", "parse_affine_form", "ceil_div", "round_up", "rows",
            "pad2", "swizzle_128x4", "unswizzle_128x4", "as_u8", "bits_as", "copy_bits", "e2m1_to_float",
            "unpack_fp4"]
 
@@ -34,10 +34,31 @@ __all__ = ["MXFP8_FORMS", "NVFP4_ROW16", "NVFP4_GLOBAL_DIVISOR", "mxfp8_form", "
 #   ``scale`` uint8, ``(..., K / 16)``: E4M3 bytes, plain, no padding;
 #   ``amax``  float32, shape ``()``: the tensor's global abs-max; the second-level decode scale is
 #             ``amax / (6 * 448)`` (:data:`NVFP4_GLOBAL_DIVISOR`).
+# ``affine_<kind>_b<bn>x<bk>`` (:func:`affine_form`; ``kind`` is ``float8``, ``int8``, ``int4``...; 2-D
+#   tensors; one scale per ``bn x bk`` block, value = (data - zero_point) * scale):
+#   ``data``       the elements in their own dtype (float8_*, or int8 holding the integer values),
+#                  the logical shape;
+#   ``scale``      ``(N / bn, K / bk)``, the scale values in their own dtype;
+#   ``zero_point`` (int kinds, optional) like ``scale``, int8.
 
 MXFP8_FORMS = {torch.float8_e4m3fn: "mxfp8_e4m3_row32", torch.float8_e5m2: "mxfp8_e5m2_row32"}
 NVFP4_ROW16 = "nvfp4_row16"
 NVFP4_GLOBAL_DIVISOR = 6.0 * 448.0
+
+
+def affine_form(kind: str, block) -> str:
+    """The affine form name for elements of ``kind`` with one scale per ``block`` (2 sizes)."""
+    bn, bk = (int(b) for b in block)
+    return f"affine_{kind}_b{bn}x{bk}"
+
+
+def parse_affine_form(form: str) -> tuple[str, tuple[int, int]] | None:
+    """``(kind, block)`` of an affine form name, or None for other forms."""
+    parts = form.split("_")
+    if len(parts) != 3 or parts[0] != "affine" or not parts[2].startswith("b"):
+        return None
+    bn, _, bk = parts[2][1:].partition("x")
+    return (parts[1], (int(bn), int(bk))) if bn.isdigit() and bk.isdigit() else None
 
 
 def mxfp8_form(fp8_dtype: torch.dtype | None) -> str | None:

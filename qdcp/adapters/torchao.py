@@ -17,8 +17,8 @@ from typing import Any, Mapping
 import torch
 
 from qdcp.adapters.base import Adapter, StoredEntry
-from qdcp.adapters.formats import (NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, as_u8, ceil_div, mxfp8_form,
-                                   swizzle_128x4, unswizzle_128x4)
+from qdcp.adapters.formats import (MXFP8_FORMS, NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, affine_form, as_u8, ceil_div,
+                                   mxfp8_form, swizzle_128x4, unswizzle_128x4)
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Blocked, Flat, Layout, Replicated
 
@@ -198,7 +198,8 @@ def _block_layout(block_size, shape) -> Blocked:
     return Blocked(block)
 
 
-def _granularity_from_block(block_size, shape):
+def granularity_from_block(block_size, shape):
+    """The torchao granularity (PerTensor, PerRow, PerGroup) of a 2-D+ ``block_size`` over ``shape``."""
     g = importlib.import_module("torchao.quantization.granularity")
     block = [int(b) for b in block_size]
     if block == [int(s) for s in shape]:
@@ -213,7 +214,30 @@ def _symmetric(zero_point: torch.Tensor | None) -> bool:
 
 
 class _AffineAdapter(TorchAOAdapter):
-    """qdata elementwise; scale (and zero_point) one per ``block_size`` block."""
+    """qdata elementwise; scale (and zero_point) one per ``block_size`` block.
+
+    Raw interchange (out only: exports): 2-D tensors state their bits in the affine form of their
+    element kind and block (``qdcp.adapters.formats.affine_form``)."""
+
+    _zero_point = True  # the class always carries a zero_point
+
+    def _kind(self, attrs: Mapping[str, Any]) -> str | None:
+        raise NotImplementedError
+
+    def _form(self, attrs: Mapping[str, Any]) -> str | None:
+        block = attrs.get("block_size")
+        kind = self._kind(attrs)
+        return affine_form(kind, block) if kind and block is not None and len(block) == 2 else None
+
+    def raw_forms_out(self, type_name, attrs):
+        form = self._form(attrs)
+        return {form: ["qdata", "scale"] + (["zero_point"] if self._zero_point else [])} if form else {}
+
+    def to_raw_form(self, type_name, attrs, form, components):
+        out = {"data": components["qdata"], "scale": components["scale"]}
+        if components.get("zero_point") is not None:
+            out["zero_point"] = components["zero_point"]
+        return out
 
     def layouts(self, t):
         scale_layout = _block_layout(t.block_size, t.shape)
@@ -234,10 +258,13 @@ class Int8TensorAdapter(_AffineAdapter):
 
     cls_name = "Int8Tensor"
 
+    def _kind(self, attrs):
+        return "int8"
+
     def quantize_like(self, target, hp, global_amax=None):
         mt = importlib.import_module("torchao.quantization.quant_primitives").MappingType
         mapping = mt.SYMMETRIC if _symmetric(target.zero_point) else mt.ASYMMETRIC
-        gran = _granularity_from_block(target.block_size, target.shape)
+        gran = granularity_from_block(target.block_size, target.shape)
         return type(target).from_hp(
             hp.to(target.dtype), gran, mapping_type=mapping, act_quant_kwargs=target.act_quant_kwargs,
             act_quant_scale=target.act_quant_scale, act_quant_zero_point=target.act_quant_zero_point,
@@ -248,11 +275,15 @@ class Float8TensorAdapter(_AffineAdapter):
     """``torchao.quantization.Float8Tensor`` (weight-only on CPU; any granularity)."""
 
     cls_name = "Float8Tensor"
+    _zero_point = False
+
+    def _kind(self, attrs):
+        return "float8"
 
     def quantize_like(self, target, hp, global_amax=None):
         return type(target).from_hp(
             hp.to(target.dtype), float8_dtype=target.qdata.dtype,
-            granularity=_granularity_from_block(target.block_size, target.shape),
+            granularity=granularity_from_block(target.block_size, target.shape),
             mm_config=target.mm_config, kernel_preference=target.kernel_preference,
             act_quant_kwargs=target.act_quant_kwargs)
 
@@ -261,6 +292,10 @@ class IntxUnpackedToInt8TensorAdapter(_AffineAdapter):
     """``torchao.quantization.IntxUnpackedToInt8Tensor`` (IntxWeightOnlyConfig and friends)."""
 
     cls_name = "IntxUnpackedToInt8Tensor"
+
+    def _kind(self, attrs):
+        dtype = attrs.get("target_dtype")
+        return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
 
     def quantize_like(self, target, hp, global_amax=None):
         mt = importlib.import_module("torchao.quantization.quant_primitives").MappingType
@@ -382,6 +417,14 @@ class MXTensorAdapter(_BlockScaledAdapter):
         self.copy_into(target, {"qdata": tensors["data"].view(target.elem_dtype),
                                 "scale": tensors["scale"].view(torch.float8_e8m0fnu)})
 
+    def new_from_raw_form(self, form, tensors, *, shape, dtype):
+        elem = next((d for d, f in MXFP8_FORMS.items() if f == form), None)
+        if elem is None:
+            return None
+        kernel_preference = _import("torchao.quantization.quantize_.common", "KernelPreference")
+        return self.tensor_class()(tensors["data"].view(elem), tensors["scale"].view(torch.float8_e8m0fnu),
+                                   elem, 32, dtype, kernel_preference.EMULATED, None, False)
+
 
 class NVFP4TensorAdapter(_BlockScaledAdapter):
     """``torchao.prototype.mx_formats.NVFP4Tensor``: fp4 elements, e4m3 scale per 16, optional
@@ -414,7 +457,9 @@ class NVFP4TensorAdapter(_BlockScaledAdapter):
         return {NVFP4_ROW16: ["qdata", "scale", "per_tensor_scale"]} if attrs.get("block_size") == 16 else {}
 
     def to_raw_form(self, type_name, attrs, form, components):
-        pts = components["per_tensor_scale"]
+        pts = components.get("per_tensor_scale")
+        if pts is None:  # no second-level scale: the form's decode scale 1 (amax 6 * 448) is exact
+            pts = torch.ones((), dtype=torch.float32, device=components["qdata"].device)
         if pts.numel() != 1:
             raise UnsupportedTensorError(f"NVFP4Tensor per_tensor_scale of {pts.numel()} values has no NVFP4 global")
         return {"data": as_u8(components["qdata"]), "scale": as_u8(components["scale"]),
@@ -429,11 +474,20 @@ class NVFP4TensorAdapter(_BlockScaledAdapter):
         self.copy_into(target, {"qdata": tensors["data"], "scale": tensors["scale"].view(torch.float8_e4m3fn),
                                 "per_tensor_scale": pts.reshape(target.per_tensor_scale.shape)})
 
+    def new_from_raw_form(self, form, tensors, *, shape, dtype):
+        if form != NVFP4_ROW16:
+            return None
+        pts = tensors["amax"].float().reshape(()) / torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32)
+        return self.tensor_class()(tensors["data"], tensors["scale"].view(torch.float8_e4m3fn), 16, dtype,
+                                   per_tensor_scale=pts)
+
 
 def amax_for_torchao_scale(pts: torch.Tensor) -> torch.Tensor:
     """An fp32 amax whose torchao per-tensor scale ``amax / (6 * 448)`` is exactly ``pts``."""
     div = torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32)
     amax = (pts.float() * div).reshape(())
+    if amax.is_meta:  # planning: the shape is all there is
+        return amax
     for _ in range(64):
         got = amax / div
         if got == pts:

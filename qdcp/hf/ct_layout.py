@@ -1,0 +1,200 @@
+"""The ``compressed-tensors`` layout (what vLLM and transformers load as ``quant_method:
+"compressed-tensors"``), written from raw bits: nothing is requantized.
+
+Per quantized ``<module>.weight`` (see docs/export.md for the full table):
+
+==========================  =====================  =======================================================
+stored bits (neutral form)  format                 tensors of ``<module>``
+==========================  =====================  =======================================================
+``nvfp4_row16``             nvfp4-pack-quantized   ``weight_packed`` u8 (N, K/2), ``weight_scale`` e4m3
+                                                   (N, K/16), ``weight_global_scale`` f32 (1,)
+``mxfp8_e4m3_row32``        mxfp8-quantized        ``weight`` e4m3 (N, K), ``weight_scale`` u8 (N, K/32)
+``affine_float8_b..`` e4m3  naive-quantized        ``weight`` e4m3 (N, K), ``weight_scale`` (1,) / (N, 1) /
+                                                   (N/bn, K/bk): tensor, channel or block strategy
+``affine_int8_b..``         pack-quantized (8)     ``weight_packed`` i32 (N, K/4), ``weight_scale``,
+``affine_int4_b..``         pack-quantized (4)     ``weight_packed`` i32 (N, K/8), ``weight_scale``,
+                                                   ``weight_shape`` i64 (2,)
+==========================  =====================  =======================================================
+
+The library's conventions: two E2M1 codes a byte, element 2k in the low nibble (as torchao and
+TE); NVFP4's ``weight_global_scale`` is ``448 * 6 / amax`` (decode: ``scale / global_scale``), written as
+the fp32 reciprocal of the source's decode scale ``amax / (448 * 6)``;
+MXFP8 scales are biased E8M0 exponents as uint8; integers are packed ``value + 2**(bits-1)``
+from the least significant bit of int32 words along K. Integer entries must be symmetric (zero
+points all zero). Schemes are weight-only: an entry's activation settings are not carried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Mapping, Sequence
+
+import torch
+
+from qdcp.adapters.base import StoredEntry, adapter_for_type
+from qdcp.adapters.formats import MXFP8_FORMS, NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, parse_affine_form
+from qdcp.errors import QdcpError
+from qdcp.hf.layout import EntryPlan, HFLayout, Source, UnsupportedEntry
+from qdcp.hf.safetensors_files import TensorOut
+from qdcp.reader import stored_on_meta
+
+CT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this writes
+_MXFP8 = MXFP8_FORMS[torch.float8_e4m3fn]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """One entry's compressed-tensors scheme: its format and ``weights`` quantization args."""
+
+    format: str
+    weights: str   #: the ``weights`` dict as canonical JSON
+
+    def to_json(self) -> dict:
+        return {"format": self.format, "input_activations": None, "output_activations": None,
+                "weights": json.loads(self.weights)}
+
+
+def _scheme(fmt: str, **weights) -> Scheme:
+    base = {"dynamic": False, "symmetric": True, "group_size": None, "block_structure": None,
+            "actorder": None, "observer": None, "observer_kwargs": {}, "scale_dtype": None, "zp_dtype": None}
+    base.update(weights)
+    return Scheme(fmt, json.dumps(base, sort_keys=True))
+
+
+def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """compressed-tensors' ``pack-quantized`` words: ``values + 2**(bits-1)`` packed from the least
+    significant bit, ``32 // bits`` a word along the last dim (zero padded)."""
+    per = 32 // bits
+    u = (values.to(torch.int64) + (1 << (bits - 1))) & ((1 << bits) - 1)
+    pad = -u.shape[-1] % per
+    if pad:
+        u = torch.nn.functional.pad(u, (0, pad))
+    u = u.reshape(*u.shape[:-1], -1, per)
+    words = (u << (torch.arange(per, dtype=torch.int64) * bits)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_int32(words: torch.Tensor, bits: int, length: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int32`: int8 values, ``length`` along the last dim."""
+    per = 32 // bits
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    u = (w.unsqueeze(-1) >> (torch.arange(per, dtype=torch.int64) * bits)) & ((1 << bits) - 1)
+    u = u.reshape(*words.shape[:-1], -1)[..., :length]
+    return (u - (1 << (bits - 1))).to(torch.int8)
+
+
+def _strategy(block: tuple[int, int], shape: tuple[int, ...]) -> dict:
+    n, k = shape
+    if block == (n, k):
+        return {"strategy": "tensor"}
+    if block == (1, k):
+        return {"strategy": "channel"}
+    if block[0] == 1:
+        return {"strategy": "group", "group_size": block[1]}
+    return {"strategy": "block", "block_structure": list(block)}
+
+
+class CompressedTensorsLayout(HFLayout):
+    """``--format compressed-tensors``."""
+
+    name = "compressed-tensors"
+
+    def _form(self, stored: StoredEntry, key: str) -> tuple[str, dict[str, torch.Tensor]]:
+        adapter = adapter_for_type(stored.type_name, key)
+        offered = adapter.raw_forms_out(stored.type_name, stored.attrs)
+        for form, names in offered.items():
+            if form in (NVFP4_ROW16, _MXFP8) or parse_affine_form(form):
+                comps = {n: stored.components[n] for n in names if n in stored.components}
+                return form, adapter.to_raw_form(stored.type_name, stored.attrs, form, comps)
+        raise UnsupportedEntry(f"compressed-tensors holds NVFP4, MXFP8 (E4M3), FP8 E4M3 and symmetric int8 / "
+                               f"int4 weights; {stored.type_name} with these attributes states none of them "
+                               f"(offers {sorted(offered) or 'no raw form'})")
+
+    def plan(self, src: Source) -> EntryPlan:
+        if len(src.shape) != 2 or not src.key.endswith(".weight"):
+            raise UnsupportedEntry("compressed-tensors stores 2-D <module>.weight entries only")
+        form, t = self._form(stored_on_meta(src.spec), src.key)
+        module = src.key[: -len(".weight")]
+        scheme, tensors = _plan_form(form, t, src.shape)
+        return EntryPlan(src.key, tuple(TensorOut(f"{module}.{n}", s, d) for n, s, d in tensors), scheme=scheme)
+
+    def produce(self, plan: EntryPlan, stored: StoredEntry) -> dict[str, torch.Tensor]:
+        form, t = self._form(stored, plan.key)
+        module = plan.key[: -len(".weight")]
+        return {f"{module}.{n}": v for n, v in _tensors(form, t, stored.shape, plan.key).items()}
+
+    def quantization_config(self, plans: Sequence[EntryPlan]) -> dict | None:
+        groups: dict[Scheme, list[str]] = {}
+        for p in plans:
+            if p.scheme is not None:
+                groups.setdefault(p.scheme, []).append(p.key[: -len(".weight")])
+        if not groups:
+            return None
+        config_groups = {f"group_{i}": {**scheme.to_json(), "targets": sorted(modules)}
+                         for i, (scheme, modules) in enumerate(groups.items())}
+        formats = {s.format for s in groups}
+        return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+                "quantization_status": "compressed", "config_groups": config_groups, "ignore": [],
+                "kv_cache_scheme": None, "global_compression_ratio": None, "sparsity_config": {},
+                "transform_config": {}, "version": CT_VERSION}
+
+
+def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape) -> tuple[Scheme, list]:
+    """The scheme and ``(name, shape, dtype)`` of each tensor of a form's entry (shapes only)."""
+    n, k = shape
+    if form == NVFP4_ROW16:
+        return (_scheme("nvfp4-pack-quantized", num_bits=4, type="float", strategy="tensor_group", group_size=16,
+                        scale_dtype="torch.float8_e4m3fn"),
+                [("weight_packed", (n, k // 2), torch.uint8), ("weight_scale", (n, k // 16), torch.float8_e4m3fn),
+                 ("weight_global_scale", (1,), torch.float32)])
+    if form == _MXFP8:
+        return (_scheme("mxfp8-quantized", num_bits=8, type="float", strategy="group", group_size=32,
+                        scale_dtype="torch.uint8"),
+                [("weight", (n, k), torch.float8_e4m3fn), ("weight_scale", (n, k // 32), torch.uint8)])
+    kind, block = parse_affine_form(form)
+    scale = t["scale"]
+    strategy = _strategy(block, shape)
+    scale_shape = (1,) if strategy["strategy"] == "tensor" else tuple(scale.shape)
+    if kind == "float8":
+        if t["data"].dtype != torch.float8_e4m3fn:
+            raise UnsupportedEntry(f"compressed-tensors FP8 is E4M3; this entry holds {t['data'].dtype}")
+        return (_scheme("naive-quantized", num_bits=8, type="float", **strategy),
+                [("weight", (n, k), torch.float8_e4m3fn), ("weight_scale", scale_shape, scale.dtype)])
+    bits = {"int8": 8, "int4": 4}.get(kind)
+    if bits is None or strategy["strategy"] == "block":
+        raise UnsupportedEntry(f"compressed-tensors packs int8 and int4 per tensor, channel or group; "
+                               f"this entry is {kind} with blocks of {block}")
+    per = 32 // bits
+    return (_scheme("pack-quantized", num_bits=bits, type="int", **strategy),
+            [("weight_packed", (n, -(-k // per)), torch.int32), ("weight_scale", scale_shape, scale.dtype),
+             ("weight_shape", (2,), torch.int64)])
+
+
+def _tensors(form: str, t: Mapping[str, torch.Tensor], shape, key: str) -> dict[str, torch.Tensor]:
+    """The entry's tensors from its form, bits carried over."""
+    if form == NVFP4_ROW16:
+        divisor = torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32)
+        return {"weight_packed": t["data"], "weight_scale": t["scale"].view(torch.float8_e4m3fn),
+                "weight_global_scale": (1.0 / (t["amax"].float() / divisor)).reshape(1)}
+    if form == _MXFP8:
+        return {"weight": t["data"].view(torch.float8_e4m3fn), "weight_scale": t["scale"].view(torch.uint8)}
+    kind, block = parse_affine_form(form)
+    scale = t["scale"].reshape(1) if block == tuple(shape) else t["scale"]
+    if kind == "float8":
+        return {"weight": t["data"], "weight_scale": scale}
+    zp = t.get("zero_point")
+    if zp is not None and bool(torch.count_nonzero(zp)):
+        raise QdcpError(f"key {key!r}: compressed-tensors int weights are written symmetric; this entry has "
+                        f"non-zero zero points (nothing was written to the output directory)")
+    bits = 8 if kind == "int8" else 4
+    return {"weight_packed": pack_int32(t["data"], bits), "weight_scale": scale,
+            "weight_shape": torch.tensor(list(shape), dtype=torch.int64)}
+
+
+def read_quantization_config(config: Mapping) -> dict:
+    """The ``quantization_config`` of a compressed-tensors ``config.json`` (checked to be one)."""
+    qc = config.get("quantization_config") or config.get("compression_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        raise QdcpError(f"not a compressed-tensors config: {json.dumps(qc)[:200]}")
+    return qc

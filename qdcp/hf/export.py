@@ -1,0 +1,211 @@
+"""``qdcp.export``: a qdcp/DCP checkpoint (any world size) to a Hugging Face safetensors directory
+in a layout inference engines load (:mod:`qdcp.hf.torchao_layout`, :mod:`qdcp.hf.ct_layout`).
+
+Every entry is planned from the checkpoint's metadata first, so an entry the layout cannot
+represent stops the export before anything is written. Then entries stream one at a time
+(assembled from their chunks, converted, appended to their file): memory holds one entry. Files
+are written into a temporary directory beside ``out_dir`` and renamed into place at the end, so
+``out_dir`` is never left half written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any, Mapping
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from tqdm import tqdm
+
+from qdcp import spec as qspec
+from qdcp.errors import QdcpError
+from qdcp.hf import safetensors_files as stf
+from qdcp.hf.layout import EntryPlan, HFLayout, Source, UnsupportedEntry
+from qdcp.reader import read_entry, read_metadata, read_stored
+
+
+class ExportError(QdcpError):
+    """The checkpoint cannot be exported as asked (nothing was written)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export` wrote."""
+
+    out_dir: str
+    files: tuple[str, ...]            #: safetensors files, in order
+    tensors: int                      #: tensors written
+    nbytes: int                       #: tensor bytes written
+    dequantized: tuple[str, ...]      #: quantized keys written as plain values
+    skipped: tuple[str, ...]          #: non-tensor entries (safetensors holds tensors only)
+
+
+def layout_named(name: str) -> HFLayout:
+    """The export layout ``name``: ``"torchao"`` or ``"compressed-tensors"``."""
+    from qdcp.hf.ct_layout import CompressedTensorsLayout
+    from qdcp.hf.torchao_layout import TorchAOLayout
+
+    layouts = {"torchao": TorchAOLayout, "compressed-tensors": CompressedTensorsLayout}
+    if name not in layouts:
+        raise ValueError(f"unknown export format {name!r}; choose one of {sorted(layouts)}")
+    return layouts[name]()
+
+
+def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format: str,
+           config: str | os.PathLike | Mapping[str, Any] | None = None, max_shard_size: int | str = "5GB",
+           dequantize_unsupported: bool = False, overwrite: bool = False,
+           progress: bool | None = None) -> ExportResult:
+    """Write the checkpoint at ``checkpoint`` as a Hugging Face directory ``out_dir`` in ``format``.
+
+    ``config``: a ``config.json`` (path or dict) to which the format's ``quantization_config`` is
+    added (default: a ``config.json`` holding only that). Files above ``max_shard_size`` (bytes or
+    ``"5GB"``) are split as ``model-0000i-of-0000N.safetensors`` with an index. An entry the format
+    cannot represent raises :class:`ExportError` naming it before anything is written, unless
+    ``dequantize_unsupported`` writes it dequantized (its logical dtype). ``progress``: a bar on
+    stderr (None: on a terminal only).
+    """
+    layout = layout_named(format)
+    checkpoint, out_dir = os.fspath(checkpoint), os.fspath(out_dir)
+    if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise ExportError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    md = read_metadata(checkpoint)
+    sources, skipped = _sources(md)
+    plans = _plan_all(layout, sources, dequantize_unsupported)
+    config_json = dict(_base_config(config))
+    quantization_config = layout.quantization_config(plans)
+    if quantization_config is not None:
+        config_json["quantization_config"] = quantization_config
+    shards = stf.plan_shards([p.nbytes for p in plans], stf.parse_size(max_shard_size))
+    files = stf.shard_file_names(len(shards))
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".qdcp-export-", dir=parent)
+    try:
+        weight_map = _write_files(layout, [[plans[i] for i in s] for s in shards], files,
+                                  _Reading(checkpoint, md, sources), tmp, progress)
+        if len(files) > 1:
+            stf.write_index(tmp, weight_map, sum(p.nbytes for p in plans))
+        with open(os.path.join(tmp, stf.CONFIG_FILE), "w") as f:
+            json.dump(config_json, f, indent=2)
+            f.write("\n")
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(out_dir, tuple(files), sum(len(p.tensors) for p in plans), sum(p.nbytes for p in plans),
+                        tuple(p.key for p in plans if p.dequantized and p.key in _raw_keys(sources)),
+                        tuple(skipped))
+
+
+def _raw_keys(sources: Mapping[str, Source]) -> set[str]:
+    return {k for k, s in sources.items() if s.spec is not None}
+
+
+def _sources(md) -> tuple[dict[str, Source], list[str]]:
+    """Every tensor entry of the checkpoint (raw quantized entries with their spec), and the keys
+    of objects."""
+    specs = qspec.read_specs(md)
+    owned = {qspec.component_fqn(e.fqn, c.name) for e in specs.values() for c in e.components}
+    sources: dict[str, Source] = {}
+    skipped: list[str] = []
+    for key, entry in specs.items():
+        if entry.storage == qspec.RAW:
+            sources[key] = Source(key, tuple(entry.shape), entry.dtype, entry)
+    for key, item in md.state_dict_metadata.items():
+        if key in owned or key in sources:
+            continue
+        if isinstance(item, TensorStorageMetadata):
+            sources[key] = Source(key, tuple(item.size), item.properties.dtype)
+        else:
+            skipped.append(key)
+    return dict(sorted(sources.items())), sorted(skipped)
+
+
+def _plan_all(layout: HFLayout, sources: Mapping[str, Source], dequantize_unsupported: bool) -> list[EntryPlan]:
+    plans, refused = [], []
+    for key, src in sources.items():
+        if src.spec is None:
+            plans.append(layout.plan_plain(key, src.shape, src.dtype))
+            continue
+        try:
+            plans.append(layout.plan(src))
+        except UnsupportedEntry as e:
+            if not dequantize_unsupported:
+                refused.append(f"key {key!r} ({src.spec.type}): {e}")
+                continue
+            plans.append(layout.plan_plain(key, src.shape, src.dtype, dequantized=True))
+    if refused:
+        raise ExportError(f"cannot export to the {layout.name} format (nothing was written):\n  "
+                          + "\n  ".join(refused)
+                          + "\nPass --dequantize-unsupported (dequantize_unsupported=True) to write these "
+                            "entries as their dequantized values.")
+    return plans
+
+
+def _base_config(config) -> Mapping[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return config
+    with open(config) as f:
+        loaded = json.load(f)
+    if not isinstance(loaded, dict):
+        raise ExportError(f"{os.fspath(config)}: config must be a JSON object")
+    return loaded
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reading:
+    """Where entries are read from."""
+
+    path: str
+    metadata: Any
+    sources: Mapping[str, Source]
+
+    def tensors(self, layout: HFLayout, plan: EntryPlan) -> dict[str, torch.Tensor]:
+        """The planned tensors of one entry, read and converted (this entry only in memory)."""
+        if self.sources[plan.key].spec is None or plan.dequantized:
+            value = read_entry(self.path, plan.key, self.metadata, dequantize=True, dtype=plan.tensors[0].dtype)
+            return {plan.key: value}
+        return layout.produce(plan, read_stored(self.path, plan.key, self.metadata))
+
+
+def _write_files(layout: HFLayout, shards: list[list[EntryPlan]], files: list[str], reading: _Reading,
+                 out: str, progress: bool | None) -> dict[str, str]:
+    weight_map: dict[str, str] = {}
+    total = sum(p.nbytes for s in shards for p in s)
+    disable = None if progress is None else not progress
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=disable,
+              file=sys.stderr, leave=False) as bar:
+        for file_plans, name in zip(shards, files):
+            writer = stf.ShardWriter(os.path.join(out, name), [t for p in file_plans for t in p.tensors],
+                                     layout.file_metadata(file_plans))
+            try:
+                for plan in file_plans:
+                    values = reading.tensors(layout, plan)
+                    for t in plan.tensors:
+                        writer.write(t.name, values[t.name])
+                        weight_map[t.name] = name
+                    del values
+                    bar.update(plan.nbytes)
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+    return weight_map
+
+
+def _replace_dir(tmp: str, out_dir: str) -> None:
+    """Move the finished ``tmp`` to ``out_dir``; an existing ``out_dir`` is removed only after."""
+    old = None
+    if os.path.exists(out_dir):
+        old = tempfile.mkdtemp(prefix=".qdcp-replaced-", dir=os.path.dirname(os.path.abspath(out_dir)))
+        os.rename(out_dir, os.path.join(old, "dir"))
+    os.rename(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

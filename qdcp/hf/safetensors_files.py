@@ -1,0 +1,169 @@
+"""Hugging Face safetensors directories: streaming shard writer, shard plan, index, size parsing.
+
+The writer streams: a file's header (https://github.com/huggingface/safetensors, "Format") is
+computed from the planned tensor names, shapes and dtypes, then each tensor's bytes are appended
+as it is produced, so memory holds one entry at a time. The ``safetensors`` library has no
+streaming writer (``save_file`` needs every tensor of a file in memory); reading goes through it
+(``safe_open``), and the tests read what this writes with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from typing import IO, Mapping, Sequence
+
+import torch
+
+from qdcp.errors import QdcpError
+
+#: torch dtype -> safetensors dtype name
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32",
+    torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e8m0fnu: "F8_E8M0",
+}
+SAFETENSORS_TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorOut:
+    """One tensor a safetensors file will hold."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def header_bytes(tensors: Sequence[TensorOut], metadata: Mapping[str, str]) -> bytes:
+    """The length-prefixed JSON header of a file holding ``tensors`` in this order (padded with
+    spaces to a multiple of 8 bytes, as the format allows)."""
+    header: dict = {}
+    offset = 0
+    for t in tensors:
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise QdcpError(f"tensor {t.name!r}: dtype {t.dtype} has no safetensors name")
+        header[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(len(blob) + 8) % 8)
+    return len(blob).to_bytes(8, "little") + blob
+
+
+class ShardWriter:
+    """Writes one safetensors file: the header at open, then each planned tensor in order."""
+
+    def __init__(self, path: str, tensors: Sequence[TensorOut], metadata: Mapping[str, str]) -> None:
+        self.path = path
+        self._pending = list(tensors)
+        self._file: IO[bytes] = open(path, "wb")
+        self._file.write(header_bytes(tensors, metadata))
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        """Append ``value``'s bytes as tensor ``name`` (the next one planned, same shape and dtype)."""
+        want = self._pending.pop(0) if self._pending else None
+        if want is None or want.name != name or tuple(value.shape) != want.shape or value.dtype != want.dtype:
+            raise QdcpError(f"{self.path}: tensor {name!r} {tuple(value.shape)} {value.dtype} does not match "
+                            f"the planned {want}")
+        if value.numel():
+            data = value.detach().contiguous().reshape(-1).view(torch.uint8)
+            self._file.write(memoryview(data.cpu().numpy()))
+
+    def close(self) -> None:
+        """Close the file; every planned tensor must have been written."""
+        self._file.close()
+        if self._pending:
+            raise QdcpError(f"{self.path}: tensors {[t.name for t in self._pending]} were planned but not written")
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or a string like ``"5GB"`` (10**9) / ``"500MiB"`` (2**20), as
+    Hugging Face's ``max_shard_size`` reads them."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), flags=re.IGNORECASE)
+    if m is None:
+        raise ValueError(f"max_shard_size {size!r}: expected bytes or a size like '5GB' or '500MiB'")
+    unit = (m.group(2) or "B").upper()
+    power = "BKMGT".index(unit[0]) if unit != "B" else 0
+    base = 1024 if "I" in unit else 1000
+    return int(float(m.group(1)) * base**power)
+
+
+def plan_shards(entry_bytes: Sequence[int], max_bytes: int) -> list[list[int]]:
+    """Entries (by index, in order) grouped into files of at most ``max_bytes`` each; an entry
+    is never split, and one larger than ``max_bytes`` gets a file of its own."""
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, n in enumerate(entry_bytes):
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += n
+    return shards
+
+
+def shard_file_names(n: int) -> list[str]:
+    """``model.safetensors`` for one file, else ``model-00001-of-0000N.safetensors``..."""
+    if n == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def write_index(out_dir: str, weight_map: Mapping[str, str], total_size: int) -> None:
+    """``model.safetensors.index.json``: total bytes and which file holds each tensor."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+
+
+def directory_files(path: str) -> list[str]:
+    """The safetensors files of a Hugging Face directory: those its index names, else
+    ``model.safetensors``, else every ``*.safetensors`` file in it (sorted)."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        if not isinstance(weight_map, dict):
+            raise QdcpError(f"{index}: weight_map must be an object")
+        return sorted(set(weight_map.values()))
+    if os.path.exists(os.path.join(path, SINGLE_FILE)):
+        return [SINGLE_FILE]
+    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"{path}: no safetensors files (model.safetensors or an index)")
+    return found
+
+
+def read_config(path: str) -> dict:
+    """``config.json`` of a Hugging Face directory, or ``{}``."""
+    p = os.path.join(path, CONFIG_FILE)
+    if not os.path.exists(p):
+        return {}
+    with open(p) as f:
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise QdcpError(f"{p}: expected a JSON object")
+    return config
+

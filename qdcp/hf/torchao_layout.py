@@ -1,0 +1,146 @@
+"""torchao's own safetensors layout (``torchao.prototype.safetensors``), as transformers saves a
+torchao-quantized model.
+
+An entry ``<module>.<name>`` of a torchao class is stored as its inner tensors
+``<module>._<name>_<part>`` (``part`` in the class's ``tensor_data_names`` and the optional ones
+present), and the file's ``__metadata__`` holds, under the entry's key, the JSON that torchao's
+``TensorSubclassAttributeJSONEncoder`` writes for it, plus ``tensor_names`` (the entries of the
+file). Plain tensors keep their key, with ``{"_type": "Tensor"}``. torchao's
+``unflatten_tensor_state_dict`` rebuilds the state dict from such a file.
+
+Entries of TransformerEngine's MXFP8 and NVFP4 types are written as torchao's ``MXTensor`` /
+``NVFP4Tensor`` holding the same bits (through the neutral raw forms both families declare).
+``config.json`` gets transformers' ``TorchAoConfig`` dict: one torchao config for every quantized
+entry (``FqnToConfig`` by module where they differ).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from typing import Any, Sequence
+
+import torch
+
+from qdcp.adapters.base import StoredEntry, adapter_for_type, find_type_adapter
+from qdcp.errors import UnsupportedTensorError
+from qdcp.hf.layout import EntryPlan, HFLayout, Source, UnsupportedEntry
+from qdcp.hf.safetensors_files import TensorOut
+from qdcp.reader import stored_on_meta
+
+_SAFETENSORS = "torchao.prototype.safetensors.safetensors_utils"
+_FORM_BUILDERS = ("torchao.MXTensor", "torchao.NVFP4Tensor")
+PLAIN_METADATA = json.dumps({"_type": "Tensor"})
+
+
+def _torchao(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise UnsupportedTensorError(f"the torchao layout needs torchao 0.18+ ({module}.{name}: {e}); "
+                                     f"pip install 'qdcp[torchao]'") from None
+
+
+def part_name(key: str, part: str) -> str:
+    """torchao's tensor name for inner tensor ``part`` of entry ``key`` (``m.weight`` -> ``m._weight_qdata``)."""
+    module, name = key.rsplit(".", 1)
+    return f"{module}._{name}_{part}"
+
+
+def _parts(t: torch.Tensor) -> list[str]:
+    """The inner tensors torchao's flatten writes for ``t``: the data names present, optional ones first."""
+    names = list(getattr(t, "optional_tensor_data_names", None) or []) + list(t.tensor_data_names)
+    return [n for n in names if getattr(t, n) is not None]
+
+
+class TorchAOLayout(HFLayout):
+    """``--format torchao``."""
+
+    name = "torchao"
+
+    def instance(self, stored: StoredEntry, key: str) -> torch.Tensor:
+        """The torchao tensor holding ``stored``'s bits (components may live on the meta device)."""
+        allowed = _torchao(_SAFETENSORS, "ALLOWED_TENSORS_SUBCLASSES")
+        adapter = adapter_for_type(stored.type_name, key)
+        if stored.type_name.startswith("torchao.") and stored.type_name[len("torchao."):] in allowed:
+            return adapter.rebuild(stored)
+        for form, names in adapter.raw_forms_out(stored.type_name, stored.attrs).items():
+            tensors = adapter.to_raw_form(stored.type_name, stored.attrs, form,
+                                          {n: stored.components[n] for n in names})
+            for builder in filter(None, map(find_type_adapter, _FORM_BUILDERS)):
+                built = builder.new_from_raw_form(form, tensors, shape=stored.shape, dtype=stored.dtype)
+                if built is not None:
+                    return built
+        raise UnsupportedEntry(f"torchao's safetensors layout holds {', '.join(allowed)}; "
+                               f"{stored.type_name} (with these attributes) is none of them and has no "
+                               f"exact conversion to one")
+
+    def plan(self, src: Source) -> EntryPlan:
+        if "." not in src.key:
+            raise UnsupportedEntry("torchao's layout names inner tensors <module>._<name>_<part>: "
+                                   "a key without a module prefix has no such name")
+        t = self.instance(stored_on_meta(src.spec), src.key)
+        encoder = _torchao(_SAFETENSORS, "TensorSubclassAttributeJSONEncoder")
+        tensors = tuple(TensorOut(part_name(src.key, p), tuple(getattr(t, p).shape), getattr(t, p).dtype)
+                        for p in _parts(t))
+        return EntryPlan(src.key, tensors, {src.key: json.dumps(t, cls=encoder)}, scheme=ao_config(t))
+
+    def plan_plain(self, key, shape, dtype, *, dequantized=False):
+        plan = super().plan_plain(key, shape, dtype, dequantized=dequantized)
+        return EntryPlan(key, plan.tensors, {key: PLAIN_METADATA}, dequantized=dequantized)
+
+    def produce(self, plan, stored):
+        t = self.instance(stored, plan.key)
+        return {part_name(plan.key, p): getattr(t, p) for p in _parts(t)}
+
+    def file_metadata(self, plans):
+        out = super().file_metadata(plans)
+        out["tensor_names"] = json.dumps([p.key for p in plans])
+        return out
+
+    def quantization_config(self, plans: Sequence[EntryPlan]) -> dict | None:
+        configs = {p.key.rsplit(".", 1)[0]: p.scheme for p in plans if p.scheme is not None}
+        if not configs:
+            return None
+        config_to_dict = _torchao("torchao.core.config", "config_to_dict")
+        distinct = {json.dumps(config_to_dict(c), sort_keys=True) for c in configs.values()}
+        if len(distinct) == 1:
+            quant_type = next(iter(configs.values()))
+        else:
+            quant_type = _torchao("torchao.quantization", "FqnToConfig")(configs)
+        return {"quant_method": "torchao", "quant_type": {"default": config_to_dict(quant_type)},
+                "modules_to_not_convert": None, "include_input_output_embeddings": False,
+                "untie_embedding_weights": False}
+
+
+def ao_config(t: torch.Tensor) -> Any:
+    """The torchao config whose ``quantize_`` makes tensors configured like ``t`` (None if none does)."""
+    from qdcp.adapters.torchao import granularity_from_block
+
+    q = importlib.import_module("torchao.quantization")
+    name = type(t).__name__
+    act = getattr(t, "act_quant_kwargs", None)
+    if name == "Int8Tensor":
+        g = granularity_from_block(t.block_size, t.shape)
+        return q.Int8WeightOnlyConfig(granularity=g) if act is None else \
+            q.Int8DynamicActivationInt8WeightConfig(granularity=g)
+    if name == "Float8Tensor":
+        if act is None:
+            return q.Float8WeightOnlyConfig(weight_dtype=t.qdata.dtype)
+        return q.Float8DynamicActivationFloat8WeightConfig(
+            weight_dtype=t.qdata.dtype, granularity=granularity_from_block(t.block_size, t.shape))
+    if name == "IntxUnpackedToInt8Tensor":  # rows are PerAxis(0) in these configs
+        g = granularity_from_block(t.block_size, t.shape)
+        g = q.PerAxis(0) if type(g).__name__ == "PerRow" else g
+        if t.activation_quantization is None:
+            return q.IntxWeightOnlyConfig(weight_dtype=t.target_dtype, granularity=g)
+        return q.Int8DynamicActivationIntxWeightConfig(weight_dtype=t.target_dtype, weight_granularity=g)
+    mx = importlib.import_module("torchao.prototype.mx_formats")
+    if name == "MXTensor":
+        return mx.MXDynamicActivationMXWeightConfig(block_size=t.block_size, weight_dtype=t.elem_dtype,
+                                                    activation_dtype=t.elem_dtype)
+    if name == "NVFP4Tensor":
+        dynamic = t.per_tensor_scale is not None
+        return mx.NVFP4WeightOnlyConfig(use_dynamic_per_tensor_scale=dynamic) if act is None else \
+            mx.NVFP4DynamicActivationNVFP4WeightConfig(use_dynamic_per_tensor_scale=dynamic)
+    return None

@@ -1,0 +1,293 @@
+"""qdcp.export / ``qdcp export``: Hugging Face directories in torchao's and compressed-tensors'
+layouts, checked with the consumers' own loaders (torchao's ``unflatten_tensor_state_dict``,
+compressed-tensors' compressors, transformers' config classes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import qdcp
+from qdcp.hf.ct_layout import pack_int32, unpack_int32
+from quantized_cases import CASE_BY_NAME, CASES, bits_diff, qdcp_save
+
+warnings.filterwarnings("ignore")
+
+from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict  # noqa: E402
+from torchao.prototype.safetensors.safetensors_utils import ALLOWED_TENSORS_SUBCLASSES  # noqa: E402
+
+TORCHAO_CASES = [c for c in CASES if c.make(0).__class__.__name__ in ALLOWED_TENSORS_SUBCLASSES]
+
+
+def _read_dir(out) -> tuple[dict, dict]:
+    """All tensors of a Hugging Face directory and the per-file ``__metadata__``."""
+    files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    tensors, metas = {}, {}
+    for f in files:
+        tensors.update(load_file(os.path.join(out, f)))
+        with safe_open(os.path.join(out, f), "pt") as so:
+            metas[f] = so.metadata()
+    return tensors, metas
+
+
+def _torchao_load(out) -> dict:
+    """The state dict torchao's own loader rebuilds from each file of ``out``."""
+    result = {}
+    for f in sorted(x for x in os.listdir(out) if x.endswith(".safetensors")):
+        with safe_open(os.path.join(out, f), "pt") as so:
+            md = so.metadata()
+        got, leftover = unflatten_tensor_state_dict(load_file(os.path.join(out, f)), md)
+        assert not leftover, leftover
+        result.update(got)
+    return result
+
+
+def _assert_same_torchao(got, want, key):
+    assert type(got) is type(want), (key, type(got))
+    names = list(want.tensor_data_names) + list(getattr(want, "optional_tensor_data_names", None) or [])
+    for n in names:
+        a, b = getattr(want, n), getattr(got, n)
+        assert (a is None) == (b is None), (key, n)
+        if a is not None:
+            assert bits_diff(a, b) is None, (key, n, bits_diff(a, b))
+    assert bits_diff(got.dequantize(), want.dequantize()) is None, key
+
+
+@pytest.fixture
+def torchao_state():
+    state = {f"layers.{i}.{c.name}.weight": c.make(i) for i, c in enumerate(TORCHAO_CASES)}
+    state["norm.weight"] = torch.randn(256)
+    state["step"] = 7
+    return state
+
+
+def test_torchao_layout_rebuilds_every_type_bit_exact_with_torchaos_loader(tmp_path, torchao_state):
+    qdcp_save(tmp_path / "ckpt", torchao_state, no_dist=True)
+    result = qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao", max_shard_size="200KB")
+    assert len(result.files) > 1 and result.skipped == ("step",)
+    got = _torchao_load(tmp_path / "out")
+    assert set(got) == set(torchao_state) - {"step"}
+    for key, want in torchao_state.items():
+        if key == "norm.weight":
+            assert bits_diff(got[key], want) is None
+        elif key != "step":
+            _assert_same_torchao(got[key], want, key)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    tensors, _ = _read_dir(tmp_path / "out")
+    assert set(index["weight_map"]) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    for name, file in index["weight_map"].items():
+        with safe_open(os.path.join(tmp_path / "out", file), "pt") as so:
+            assert name in so.keys()
+
+
+def test_torchao_config_is_read_by_transformers(tmp_path):
+    from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    one = {"a.weight": CASE_BY_NAME["int8_row"].make(0), "b.weight": CASE_BY_NAME["int8_row"].make(1)}
+    qdcp_save(tmp_path / "one", one, no_dist=True)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 128}))
+    qdcp.export(tmp_path / "one", tmp_path / "out1", format="torchao", config=tmp_path / "config.json")
+    cfg = json.loads((tmp_path / "out1" / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["hidden_size"] == 128
+    assert isinstance(TorchAoConfig.from_dict(cfg["quantization_config"]).quant_type, Int8WeightOnlyConfig)
+    assert (tmp_path / "out1" / "model.safetensors").exists()
+    assert not (tmp_path / "out1" / "model.safetensors.index.json").exists()
+
+    mixed = {**one, "c.weight": CASE_BY_NAME["intx_int4_group32"].make(2)}
+    qdcp_save(tmp_path / "mixed", mixed, no_dist=True)
+    qdcp.export(tmp_path / "mixed", tmp_path / "out2", format="torchao")
+    qc = json.loads((tmp_path / "out2" / "config.json").read_text())["quantization_config"]
+    fqn = TorchAoConfig.from_dict(qc).quant_type
+    assert isinstance(fqn.fqn_to_config["a"], Int8WeightOnlyConfig)
+    assert isinstance(fqn.fqn_to_config["c"], IntxWeightOnlyConfig)
+    assert fqn.fqn_to_config["c"].weight_dtype == torch.int4
+
+
+def test_unsupported_entry_is_refused_before_anything_is_written(tmp_path):
+    state = {"m.weight": CASE_BY_NAME["nf4"].make(0), "n.weight": CASE_BY_NAME["int8_row"].make(1)}
+    qdcp_save(tmp_path / "ckpt", state, no_dist=True)
+    with pytest.raises(qdcp.ExportError, match=r"key 'm.weight' \(torchao.NF4Tensor\)"):
+        qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no OUT_DIR, no temporary directory left
+
+    result = qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao", dequantize_unsupported=True)
+    assert result.dequantized == ("m.weight",)
+    got = _torchao_load(tmp_path / "out")
+    assert bits_diff(got["m.weight"], qdcp.read_entry(tmp_path / "ckpt", "m.weight", dequantize=True)) is None
+    _assert_same_torchao(got["n.weight"], state["n.weight"], "n.weight")
+
+
+def test_existing_output_is_kept_unless_overwrite(tmp_path):
+    qdcp_save(tmp_path / "ckpt", {"m.weight": CASE_BY_NAME["int8_row"].make(0)}, no_dist=True)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(qdcp.ExportError, match="overwrite"):
+        qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao")
+    assert os.listdir(tmp_path / "out") == ["keep.txt"]
+    qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao", overwrite=True)
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+
+
+# ----------------------------------------------------------------------------- compressed-tensors
+
+def ct_decompress(out) -> dict:
+    """Dense weights of a compressed-tensors directory, through the library's own compressors."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils.match import match_quantizable_tensors
+
+    tensors, _ = _read_dir(out)
+    cfg = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    dense = {}
+    for scheme in cfg.config_groups.values():
+        comp = BaseCompressor.get_value_from_registry(scheme.format)
+        names = comp.compression_param_names(scheme)
+        for mod, _ in match_quantizable_tensors(tensors, ignore=cfg.ignore or [], targets=scheme.targets,
+                                                param_targets=[names[0]]):
+            local = {p: tensors.pop(f"{mod}.{p}") for p in names if f"{mod}.{p}" in tensors}
+            dense[f"{mod}.weight"] = comp.decompress(local, scheme)["weight"]
+    dense.update(tensors)
+    return dense
+
+
+def _float8_block128():
+    from torchao.quantization import Float8Tensor
+    from torchao.quantization.granularity import PerBlock
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    hp = torch.randn(256, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    return Float8Tensor.from_hp(hp, granularity=PerBlock([128, 128]), kernel_preference=KernelPreference.TORCH)
+
+
+def _nvfp4_f32(per_tensor: bool):
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    hp = torch.randn(128, 256, generator=torch.Generator().manual_seed(6))
+    pts = per_tensor_amax_to_scale(hp.abs().amax()) if per_tensor else None
+    return NVFP4Tensor.to_nvfp4(hp, per_tensor_scale=pts)
+
+
+CT_CASES = {
+    "nvfp4": (lambda: _nvfp4_f32(True), "nvfp4-pack-quantized"),
+    "nvfp4_no_global": (lambda: _nvfp4_f32(False), "nvfp4-pack-quantized"),
+    "mx_fp8": (lambda: CASE_BY_NAME["mx_fp8"].make(1), "mxfp8-quantized"),
+    "float8_row": (lambda: CASE_BY_NAME["float8_row"].make(2), "naive-quantized"),
+    "float8_tensor": (lambda: CASE_BY_NAME["float8_row"].from_hp(CASE_BY_NAME["float8_row"].hp(3)), "naive-quantized"),
+    "float8_block128": (_float8_block128, "naive-quantized"),
+    "int8_row": (lambda: CASE_BY_NAME["int8_row"].make(4), "pack-quantized"),
+    "int4_group32": (lambda: CASE_BY_NAME["intx_int4_group32"].make(5), "pack-quantized"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CT_CASES))
+def test_compressed_tensors_layout_decompresses_to_the_sources_dequantize(tmp_path, name):
+    make, fmt = CT_CASES[name]
+    w = make()
+    state = {"model.layers.0.mlp.up.weight": w, "model.norm.weight": torch.randn(7)}
+    qdcp_save(tmp_path / "ckpt", state, no_dist=True)
+    qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="compressed-tensors")
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == fmt
+    assert qc["config_groups"]["group_0"]["targets"] == ["model.layers.0.mlp.up"]
+    dense = ct_decompress(tmp_path / "out")
+    got, want = dense["model.layers.0.mlp.up.weight"], w.dequantize()
+    # compressed-tensors computes NVFP4 / MXFP8 values as bf16, the others in the scale's dtype:
+    # both sides rounded once to the narrower dtype agree bit for bit
+    common = min(got.dtype, want.dtype, key=lambda d: d.itemsize)
+    assert bits_diff(got.to(common), want.to(common)) is None, bits_diff(got.to(common), want.to(common))
+    assert bits_diff(dense["model.norm.weight"], state["model.norm.weight"]) is None
+    tensors, _ = _read_dir(tmp_path / "out")
+    payload = tensors.get("model.layers.0.mlp.up.weight_packed", tensors.get("model.layers.0.mlp.up.weight"))
+    if fmt == "pack-quantized":  # packed by the library's own packer from the same integers
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+        assert torch.equal(payload, pack_to_int32(w.qdata, 8 if name == "int8_row" else 4))
+    else:
+        assert bits_diff(payload.view(torch.uint8), w.qdata.view(torch.uint8)) is None
+
+
+def test_int_packing_matches_compressed_tensors():
+    from compressed_tensors.compressors.pack_quantized.helpers import (pack_to_int32,
+                                                                                             unpack_from_int32)
+
+    for bits in (4, 8):
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        v = torch.randint(lo, hi + 1, (16, 40), dtype=torch.int8)
+        assert torch.equal(pack_int32(v, bits), pack_to_int32(v, bits))
+        assert torch.equal(unpack_int32(pack_int32(v, bits), bits, 40), v)
+        assert torch.equal(unpack_from_int32(pack_int32(v, bits), bits, torch.Size((16, 40))), v)
+
+
+def test_compressed_tensors_refuses_what_it_cannot_hold(tmp_path):
+    state = {"a.weight": CASE_BY_NAME["float8_tensor_e5m2"].make(0),
+             "b.weight": CASE_BY_NAME["optim8bit_signed"].make(1),
+             "c.weight": CASE_BY_NAME["int8_row"].make(2)}
+    qdcp_save(tmp_path / "ckpt", state, no_dist=True)
+    with pytest.raises(qdcp.ExportError) as e:
+        qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="compressed-tensors")
+    assert "key 'a.weight'" in str(e.value) and "E4M3" in str(e.value) and "key 'b.weight'" in str(e.value)
+    assert "key 'c.weight'" not in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+    state = {"m.weight": CASE_BY_NAME["intx_int4_group32_asym"].make(3)}
+    qdcp_save(tmp_path / "asym", state, no_dist=True)
+    with pytest.raises(qdcp.QdcpError, match="key 'm.weight'.*zero points"):
+        qdcp.export(tmp_path / "asym", tmp_path / "out", format="compressed-tensors")
+    assert not (tmp_path / "out").exists() and sorted(os.listdir(tmp_path)) == ["asym", "ckpt"]
+
+
+def test_cli_export(tmp_path):
+    state = {"m.weight": CASE_BY_NAME["mx_fp8"].make(0), "n.weight": CASE_BY_NAME["nf4"].make(1)}
+    qdcp_save(tmp_path / "ckpt", state, no_dist=True)
+    run = [sys.executable, "-m", "qdcp", "export", str(tmp_path / "ckpt"), str(tmp_path / "out"),
+           "--format", "compressed-tensors", "--quiet"]
+    refused = subprocess.run(run, capture_output=True, text=True)
+    assert refused.returncode == 2 and "key 'n.weight'" in refused.stderr, refused.stderr
+    done = subprocess.run(run + ["--dequantize-unsupported"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "'n.weight' has no compressed-tensors form: written dequantized" in done.stderr
+    dense = ct_decompress(tmp_path / "out")
+    assert bits_diff(dense["m.weight"], state["m.weight"].dequantize()) is None
+    assert bits_diff(dense["n.weight"], state["n.weight"].get_original_weight()) is None
+
+
+# ----------------------------------------------------------------------------- saved at 2 ranks
+
+def _save_sharded(rank: int, root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, init_device_mesh
+
+    from dist_helpers import dtensor_from_local, init_file_store_group
+
+    init_file_store_group(root, rank, 2)
+    mesh = init_device_mesh("cpu", (2,))
+    state = {}
+    for name, hp in _sharded_sources().items():
+        local = CASE_BY_NAME[name].from_hp(hp[rank * 64:(rank + 1) * 64].contiguous())
+        state[f"m.{name}.weight"] = dtensor_from_local(local, mesh, (Shard(0),), hp.shape, hp.dtype)
+    dcp.save(state, checkpoint_id=os.path.join(root, "ckpt"), planner=qdcp.QuantizedSavePlanner())
+    torch.distributed.destroy_process_group()
+
+
+def _sharded_sources() -> dict:
+    return {n: CASE_BY_NAME[n].hp(i, (128, 128)) for i, n in enumerate(("int8_row", "float8_row", "mx_fp8"))}
+
+
+@pytest.mark.multiproc
+def test_export_of_a_checkpoint_saved_at_two_ranks(tmp_path):
+    mp.spawn(_save_sharded, args=(str(tmp_path),), nprocs=2, join=True)
+    qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao")
+    got = _torchao_load(tmp_path / "out")
+    for name, hp in _sharded_sources().items():
+        _assert_same_torchao(got[f"m.{name}.weight"], CASE_BY_NAME[name].from_hp(hp), name)
