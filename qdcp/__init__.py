@@ -12,6 +12,7 @@ from qdcp.adapters import torchao as _torchao
 from qdcp.adapters import torchao_training as _torchao_training
 from qdcp.adapters import transformer_engine as _transformer_engine
 from qdcp.adapters import te_grouped as _te_grouped
+from qdcp.adapters import compressed_tensors as _compressed_tensors
 from qdcp.errors import (
     AlignmentError,
     CheckpointFormatError,
@@ -31,12 +32,13 @@ from qdcp.storage import (
     storage_writer,
 )
 from qdcp.planner import QuantizedLoadPlanner, QuantizedSavePlanner
-from qdcp.hf import ExportError, ExportResult, export
+from qdcp.hf import ExportError, ExportResult, QuantizedHFReader, export
 from qdcp.stager import QuantizedStager
 
 for _adapter in _torchao.builtin_adapters() + _torchao_training.builtin_adapters():
     register_adapter(_adapter)
-for _adapter in _transformer_engine.builtin_adapters() + _te_grouped.builtin_adapters():
+for _adapter in (_transformer_engine.builtin_adapters() + _te_grouped.builtin_adapters()
+                 + _compressed_tensors.builtin_adapters()):
     register_adapter(_adapter)
 del _adapter
 register_new_empty()  # for torchao classes already imported; QuantizedSavePlanner() adds later ones
@@ -49,5 +51,5 @@ __all__ = [
     "storage_writer", "to_device", "register_new_empty", "unregister_new_empty", "enable_new_empty",
     "Adapter", "StoredEntry", "register_adapter", "find_adapter", "registered_type_names",
     "QdcpError", "CheckpointFormatError", "ChecksumError", "UnsupportedTensorError", "AlignmentError",
-    "LoadMismatchError", "StagingError", "export", "ExportResult", "ExportError",
+    "LoadMismatchError", "StagingError", "export", "ExportResult", "ExportError", "QuantizedHFReader",
 ]

@@ -297,7 +297,7 @@ def _same_config(adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, fqn
     if adapter.type_name(t) != source.type:
         return False
     attrs, layouts = describe_tensor(t, adapter, fqn)
-    if attrs != source.attrs or set(layouts) != {c.name for c in source.components}:
+    if not qspec.same_attrs(attrs, source.attrs) or set(layouts) != {c.name for c in source.components}:
         return False
     comps = adapter.components(t)
     for c in source.components:

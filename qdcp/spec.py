@@ -123,6 +123,20 @@ def encode_value(value: Any) -> Any:
     raise TypeError(f"value of type {type(value).__name__} cannot be stored in a qdcp spec")
 
 
+def same_attrs(a: Any, b: Any) -> bool:
+    """Whether two encoded attribute values configure the same: equal, with a tuple and a list of
+    the same items alike (JSON layouts such as torchao's keep no tuples)."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, dict):
+            if set(v) == {"tuple"}:
+                return plain(v["tuple"])
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        return v
+    return a == b or plain(a) == plain(b)
+
+
 def decode_value(data: Any, classes: Mapping[str, type] = {}, where: str = "") -> Any:
     """Inverse of :func:`encode_value`; ``classes`` is the adapter's allowlist of enums and records."""
     if data is None or isinstance(data, (bool, int, float, str)):

@@ -2,5 +2,6 @@
 compressed-tensors'), and reading such directories through DCP."""
 
 from qdcp.hf.export import ExportError, ExportResult, export
+from qdcp.hf.reader import QuantizedHFReader
 
-__all__ = ["export", "ExportResult", "ExportError"]
+__all__ = ["export", "ExportResult", "ExportError", "QuantizedHFReader"]

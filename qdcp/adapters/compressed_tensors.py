@@ -1,0 +1,80 @@
+"""Entries of a ``compressed-tensors`` checkpoint, as :class:`qdcp.QuantizedHFReader` presents them.
+
+compressed-tensors has no tensor class: a quantized ``<module>.weight`` is a set of parameters
+(``weight_packed``, ``weight_scale``...). These adapters describe such a stored entry so the load
+planner can fill any target from it: raw into torchao's or TransformerEngine's NVFP4 / MXFP8 types
+through the neutral forms, and plain targets (or other types, dequantized then quantized like the
+target) with the values compressed-tensors' own decompression computes, in plain torch: NVFP4 and
+MXFP8 in bf16, the others in the scale's dtype. Integer weights are presented unpacked (int8
+values), so they shard like the logical tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qdcp.adapters.base import Adapter, StoredEntry
+from qdcp.adapters.formats import MXFP8_FORMS, NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, e2m1_to_float, unpack_fp4
+from qdcp.errors import UnsupportedTensorError
+
+PREFIX = "compressed_tensors."
+NVFP4 = PREFIX + "nvfp4"
+MXFP8 = PREFIX + "mxfp8"
+FLOAT = PREFIX + "float"   # FP8 E4M3 weight, scale per tensor / channel / group / block
+INT = PREFIX + "int"       # int8 / int4 weight (unpacked), scale per tensor / channel / group
+
+
+def _expand(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, ...]) -> torch.Tensor:
+    """One scale per ``block`` spread over ``shape`` (a chunk's worth, blocks aligned)."""
+    s = scale.reshape(-1, scale.shape[-1]) if scale.ndim == 2 else scale.reshape(1, 1)
+    bn, bk = (shape[0], shape[1]) if s.numel() == 1 else block
+    s = s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+    return s[: shape[0], : shape[1]]
+
+
+class CompressedTensorsAdapter(Adapter):
+    """The stored compressed-tensors schemes (sources only: there is no live instance to save)."""
+
+    type_names = (NVFP4, MXFP8, FLOAT, INT)
+
+    def matches(self, cls):
+        return False
+
+    def rebuild(self, stored):
+        raise UnsupportedTensorError(f"{stored.type_name} is a compressed-tensors parameter set, not a tensor "
+                                     f"class: load it into a target (quantized or plain)")
+
+    def dequantize_stored(self, stored: StoredEntry, dtype: torch.dtype | None = None) -> torch.Tensor:
+        c, shape = stored.components, stored.shape
+        if stored.type_name == NVFP4:
+            codes = e2m1_to_float(unpack_fp4(c["weight_packed"]))
+            scale = c["weight_scale"].to(torch.bfloat16) / c["weight_global_scale"].float().reshape(1)
+            out = (codes.reshape(shape[0], -1, 16) * scale.float().unsqueeze(-1)).reshape(shape).to(torch.bfloat16)
+        elif stored.type_name == MXFP8:
+            scale = torch.pow(2.0, c["weight_scale"].to(torch.float32) - 127).to(torch.bfloat16)
+            w = c["weight"].to(torch.bfloat16).reshape(shape[0], -1, 32)
+            out = (w * scale.unsqueeze(-1)).reshape(shape)
+        else:
+            scale = c["weight_scale"]
+            out = c["weight"].to(scale.dtype) * _expand(scale, tuple(stored.attrs["block"]), shape)
+        return out if dtype is None else out.to(dtype)
+
+    def raw_forms_out(self, type_name, attrs):
+        if type_name == NVFP4:
+            return {NVFP4_ROW16: ["weight_packed", "weight_scale", "weight_global_scale"]}
+        if type_name == MXFP8:
+            return {MXFP8_FORMS[torch.float8_e4m3fn]: ["weight", "weight_scale"]}
+        return {}
+
+    def to_raw_form(self, type_name, attrs, form, components):
+        if type_name == NVFP4:
+            divisor = torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32)
+            decode = 1.0 / components["weight_global_scale"].float().reshape(())
+            return {"data": components["weight_packed"], "scale": components["weight_scale"].view(torch.uint8),
+                    "amax": decode * divisor}
+        return {"data": components["weight"].view(torch.uint8), "scale": components["weight_scale"]}
+
+
+def builtin_adapters() -> list[Adapter]:
+    """The compressed-tensors adapter qdcp registers at import (the library itself is not needed)."""
+    return [CompressedTensorsAdapter()]

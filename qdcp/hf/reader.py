@@ -1,0 +1,320 @@
+"""``QuantizedHFReader``: a DCP ``StorageReader`` over a Hugging Face safetensors directory.
+
+    dcp.load(state, storage_reader=qdcp.QuantizedHFReader(path), planner=qdcp.QuantizedLoadPlanner())
+
+The directory may be in torchao's safetensors layout, in compressed-tensors' layout (its
+``config.json`` says ``quant_method: compressed-tensors``), or plain. Quantized entries are
+presented as qdcp raw entries (a spec in the metadata, one item per component), so the load
+planner fills quantized targets raw (same type bit-exact, or the other family through a raw form),
+plain targets with the dequantized values, and DTensor targets at any world size. Items stored as
+they are presented are read by byte range (``safe_open(...).get_slice``: each rank reads what it
+needs); the few that are not (swizzled scales, packed integers) are computed from their whole
+tensors. Nothing is unpickled; torchao entries are rebuilt by torchao's own allow-listed decoder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from torch.futures import Future
+from typing import Any, Callable, Mapping
+
+import torch
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+
+from qdcp import spec as qspec
+from qdcp.adapters import compressed_tensors as ct
+from qdcp.adapters.base import find_adapter
+from qdcp.errors import CheckpointFormatError
+from qdcp.hf import safetensors_files as stf
+from qdcp.hf.ct_layout import read_quantization_config, unpack_int32
+from qdcp.hf.torchao_layout import part_name
+from qdcp.layouts import Blocked, Replicated
+from qdcp.placement import describe_tensor
+
+Getter = Callable[[str], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    """Where one presented item comes from: a file tensor read by range, or computed whole."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tensor: str | None = None                              #: the file tensor holding it as presented
+    build: Callable[[Getter], torch.Tensor] | None = None   #: else: computed from file tensors
+
+
+@dataclasses.dataclass
+class _Directory:
+    """The tensors of a directory: name -> (file, shape, dtype), and each file's metadata."""
+
+    path: str
+    tensors: dict[str, tuple[str, tuple[int, ...], torch.dtype]]
+    file_metadata: dict[str, dict[str, str]]
+    config: dict
+
+    @classmethod
+    def scan(cls, path: str) -> "_Directory":
+        from safetensors import safe_open
+
+        tensors, metas = {}, {}
+        for name in stf.directory_files(path):
+            file = os.path.join(path, name)
+            with safe_open(file, "pt") as f:
+                metas[name] = f.metadata() or {}
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    dtype = stf.SAFETENSORS_TORCH_DTYPES.get(sl.get_dtype())
+                    if dtype is None:
+                        raise CheckpointFormatError(f"{file}: tensor {key!r} has dtype {sl.get_dtype()}, "
+                                                    f"which qdcp does not read")
+                    tensors[key] = (file, tuple(sl.get_shape()), dtype)
+        return cls(path, tensors, metas, stf.read_config(path))
+
+    def meta(self, name: str) -> torch.Tensor:
+        _, shape, dtype = self.tensors[name]
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+
+class QuantizedHFReader(StorageReader):
+    """A DCP ``StorageReader`` over a Hugging Face safetensors directory (torchao's layout,
+    compressed-tensors', or plain); use it with :class:`qdcp.QuantizedLoadPlanner`."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self._items: dict[str, _Item] = {}
+        self._dir: _Directory | None = None
+
+    # --- StorageReader
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return os.path.isdir(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Present the directory to DCP: quantized entries as qdcp raw entries, the rest plain."""
+        self._dir = d = _Directory.scan(self.path)
+        specs: dict[str, qspec.EntrySpec] = {}
+        items: dict[str, _Item] = {}
+        presented = _ct_entries(d) if _is_ct(d.config) else _torchao_entries(d)
+        consumed: set[str] = set()
+        for spec, comps, used in presented:
+            specs[spec.fqn] = spec
+            consumed |= used
+            items.update({qspec.component_fqn(spec.fqn, n): item for n, item in comps.items()})
+        for name, (_, shape, dtype) in d.tensors.items():
+            if name not in consumed:
+                items[name] = _Item(shape, dtype, tensor=name)
+        self._items = items
+        sd_md = {fqn: TensorStorageMetadata(TensorProperties(dtype=i.dtype), torch.Size(i.shape),
+                                            [ChunkStorageMetadata(torch.Size([0] * len(i.shape)), torch.Size(i.shape))])
+                 for fqn, i in items.items()}
+        return Metadata(state_dict_metadata=sd_md, planner_data={qspec.PLANNER_DATA_KEY: qspec.dumps(specs)},
+                        storage_data={})
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._dir is None:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        """Read each requested part: by byte range where the item is a file tensor, else from the
+        item computed whole (once per plan)."""
+        from safetensors import safe_open
+
+        handles: dict[str, Any] = {}
+        built: dict[str, torch.Tensor] = {}
+
+        def handle(name: str):
+            file = self._dir.tensors[name][0]
+            if file not in handles:
+                handles[file] = safe_open(file, "pt")
+            return handles[file]
+
+        def whole(name: str) -> torch.Tensor:
+            return handle(name).get_tensor(name)
+
+        for req in plan.items:
+            fqn = req.storage_index.fqn
+            item = self._items[fqn]
+            region = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
+            if item.tensor is not None:
+                value = handle(item.tensor).get_slice(item.tensor)[region] if region else whole(item.tensor)
+            else:
+                if fqn not in built:
+                    built[fqn] = item.build(whole)
+                value = built[fqn][region]
+            target = planner.resolve_tensor(req).detach()
+            target.copy_(value.reshape(target.shape))
+            planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+
+# ----------------------------------------------------------------------------- torchao's layout
+
+def _torchao_entries(d: _Directory) -> list:
+    """Entries of torchao's layout: every file's ``tensor_names`` with a torchao class."""
+    out = []
+    for meta in d.file_metadata.values():
+        if "tensor_names" not in meta:
+            continue
+        for key in json.loads(meta["tensor_names"]):
+            desc = json.loads(meta.get(key, "{}"))
+            if desc.get("_type") not in (None, "Tensor"):
+                out.append(_torchao_entry(d, key, desc))
+    return out
+
+
+def _torchao_entry(d: _Directory, key: str, desc: dict):
+    from torchao.prototype.safetensors.safetensors_utils import object_from_dict
+
+    names = {p: part_name(key, p) for p in desc.get("_tensor_data_names", [])}
+    missing = [n for n in names.values() if n not in d.tensors]
+    if missing:
+        raise CheckpointFormatError(f"key {key!r}: torchao's metadata names tensors {missing} the files lack")
+
+    def instance(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return object_from_dict({"_type": desc["_type"], "_data": {**desc.get("_data", {}), **tensors}})
+
+    t = instance({p: d.meta(n) for p, n in names.items()})
+    adapter = find_adapter(t)
+    if adapter is None:
+        raise CheckpointFormatError(f"key {key!r}: no qdcp adapter for torchao's {desc['_type']}")
+    attrs, layouts = describe_tensor(t, adapter, key)
+    comps = adapter.components(t)
+    items = {}
+    for name, value in comps.items():
+        if name in names and value is getattr(t, name):
+            items[name] = _Item(tuple(value.shape), value.dtype, tensor=names[name])
+        else:  # computed from the whole entry (e.g. a swizzled scale, unswizzled)
+            def build(get: Getter, name=name) -> torch.Tensor:
+                return adapter.components(instance({p: get(n) for p, n in names.items()}))[name]
+            items[name] = _Item(tuple(value.shape), value.dtype, build=build)
+    spec = qspec.EntrySpec(key, qspec.RAW, adapter.type_name(t), tuple(t.shape), t.dtype, attrs,
+                           tuple(qspec.ComponentSpec(n, items[n].shape, items[n].dtype, layouts[n].to_json())
+                                 for n in comps))
+    return spec, items, set(names.values())
+
+
+# ----------------------------------------------------------------------------- compressed-tensors
+
+def _is_ct(config: Mapping) -> bool:
+    qc = config.get("quantization_config") or config.get("compression_config")
+    return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors"
+
+
+def _matches(module: str, patterns) -> bool:
+    for p in patterns or ():
+        if p.startswith("re:"):
+            if re.match(p[3:], module):
+                return True
+        elif p == module or p in ("Linear", "nn.Linear"):  # class targets: every quantized module
+            return True
+    return False
+
+
+def _ct_entries(d: _Directory) -> list:
+    qc = read_quantization_config(d.config)
+    out = []
+    for gname, group in (qc.get("config_groups") or {}).items():
+        fmt = group.get("format") or qc.get("format")
+        weights = group.get("weights") or {}
+        first = "weight" if fmt in ("mxfp8-quantized", "naive-quantized", "float-quantized", "int-quantized") \
+            else "weight_packed"
+        for name in list(d.tensors):
+            if not name.endswith("." + first):
+                continue
+            module = name[: -len(first) - 1]
+            if f"{module}.weight_scale" not in d.tensors or not _matches(module, group.get("targets")) \
+                    or _matches(module, qc.get("ignore")):
+                continue
+            out.append(_ct_entry(d, module, fmt, weights))
+    return out
+
+
+def _ct_entry(d: _Directory, module: str, fmt: str, weights: Mapping):
+    key = f"{module}.weight"
+    t = {n[len(module) + 1:]: n for n in d.tensors if n.startswith(module + ".weight_") or n == key}
+    scale = d.meta(t["weight_scale"])
+    if fmt == "nvfp4-pack-quantized":
+        n, half = d.tensors[t["weight_packed"]][1]
+        comps = {"weight_packed": (Blocked((1, 2)), t["weight_packed"]),
+                 "weight_scale": (Blocked((1, 16)), t["weight_scale"]),
+                 "weight_global_scale": (Replicated((1,)), t["weight_global_scale"])}
+        return _ct_spec(d, key, ct.NVFP4, (n, half * 2), torch.bfloat16, {}, comps)
+    if fmt == "mxfp8-quantized":
+        shape = d.tensors[key][1]
+        comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (Blocked((1, 32)), t["weight_scale"])}
+        return _ct_spec(d, key, ct.MXFP8, shape, torch.bfloat16, {}, comps)
+    if weights.get("zero_point") or not weights.get("symmetric", True) or "weight_zero_point" in t:
+        raise CheckpointFormatError(f"key {key!r}: asymmetric compressed-tensors weights are not read yet")
+    if fmt in ("naive-quantized", "float-quantized", "int-quantized"):
+        shape = d.tensors[key][1]
+        kind = ct.INT if d.tensors[key][2] == torch.int8 else ct.FLOAT
+        block = _ct_block(weights, shape, tuple(scale.shape))
+        comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (_scale_layout(block, shape, scale), t["weight_scale"])}
+        return _ct_spec(d, key, kind, shape, scale.dtype, {"block": list(block)}, comps)
+    if fmt == "pack-quantized":
+        from safetensors import safe_open
+
+        with safe_open(d.tensors[t["weight_shape"]][0], "pt") as f:
+            shape = tuple(int(s) for s in f.get_tensor(t["weight_shape"]).tolist())
+        bits = int(weights.get("num_bits", 4))
+        block = _ct_block(weights, shape, tuple(scale.shape))
+        packed = t["weight_packed"]
+        comps = {"weight": (Blocked((1, 1)), lambda get: unpack_int32(get(packed), bits, shape[1])),
+                 "weight_scale": (_scale_layout(block, shape, scale), t["weight_scale"])}
+        spec, items, used = _ct_spec(d, key, ct.INT, shape, scale.dtype, {"block": list(block), "bits": bits},
+                                     comps, built={"weight": (shape, torch.int8)})
+        return spec, items, used | {packed, t["weight_shape"]}
+    raise CheckpointFormatError(f"key {key!r}: compressed-tensors format {fmt!r} is not read by qdcp "
+                                f"(nvfp4-pack-quantized, mxfp8-quantized, naive/float/int-quantized, pack-quantized are)")
+
+
+def _ct_block(weights: Mapping, shape, scale_shape) -> tuple[int, int]:
+    n, k = shape
+    strategy = weights.get("strategy")
+    if strategy == "tensor" or scale_shape in ((1,), (1, 1)):
+        return (n, k)
+    if strategy == "channel":
+        return (1, k)
+    if strategy == "group":
+        return (1, int(weights["group_size"]))
+    if strategy == "block":
+        return tuple(int(b) for b in weights["block_structure"])
+    raise CheckpointFormatError(f"compressed-tensors strategy {strategy!r} is not read by qdcp")
+
+
+def _scale_layout(block, shape, scale):
+    return Replicated(tuple(scale.shape)) if tuple(block) == tuple(shape) else Blocked(tuple(block))
+
+
+def _ct_spec(d: _Directory, key: str, type_name: str, shape, dtype, attrs, comps, built=None):
+    items, specs = {}, []
+    for name, (layout, source) in comps.items():
+        if callable(source):
+            cshape, cdtype = built[name]
+            items[name] = _Item(cshape, cdtype, build=source)
+        else:
+            _, cshape, cdtype = d.tensors[source]
+            items[name] = _Item(cshape, cdtype, tensor=source)
+        specs.append(qspec.ComponentSpec(name, items[name].shape, items[name].dtype, layout.to_json()))
+    spec = qspec.EntrySpec(key, qspec.RAW, type_name, tuple(shape), dtype, dict(attrs), tuple(specs))
+    return spec, items, {c for _, c in comps.values() if isinstance(c, str)}

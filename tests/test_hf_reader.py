@@ -1,0 +1,149 @@
+"""qdcp.QuantizedHFReader: Hugging Face directories (torchao's layout, compressed-tensors', plain)
+loaded through ``dcp.load`` with ``QuantizedLoadPlanner``: same type bit-exact, the other family raw,
+plain targets with the values the format's own library computes, DTensor targets at 2 ranks."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+import qdcp
+from quantized_cases import CASE_BY_NAME, bits_diff, components_diff, qdcp_save
+from test_export import TORCHAO_CASES, ct_decompress
+
+warnings.filterwarnings("ignore")
+
+
+def _load(state: dict, path) -> dict:
+    dcp.load(state, storage_reader=qdcp.QuantizedHFReader(path), planner=qdcp.QuantizedLoadPlanner(), no_dist=True)
+    return state
+
+
+@pytest.fixture(scope="module")
+def torchao_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("torchao_dir")
+    state = {f"layers.{i}.{c.name}.weight": c.make(i) for i, c in enumerate(TORCHAO_CASES)}
+    state["norm.weight"] = torch.randn(256)
+    qdcp_save(root / "ckpt", state, no_dist=True)
+    qdcp.export(root / "ckpt", root / "out", format="torchao", max_shard_size="300KB")
+    return state, root / "out"
+
+
+def test_torchao_layout_into_same_types_is_bit_exact(torchao_dir):
+    state, out = torchao_dir
+    targets = {k: CASE_BY_NAME[k.split(".")[2]].make(99) if k != "norm.weight" else torch.zeros(256) for k in state}
+    _load(targets, out)
+    for key, want in state.items():
+        got = targets[key]
+        assert (bits_diff(got, want) if key == "norm.weight" else components_diff(got, want)) is None, key
+
+
+def test_torchao_layout_into_plain_targets_is_torchaos_dequantize(torchao_dir):
+    state, out = torchao_dir
+    targets = _load({k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}, out)
+    for key, want in state.items():
+        assert bits_diff(targets[key], want if key == "norm.weight" else want.dequantize()) is None, key
+
+
+def test_plain_safetensors_directory(tmp_path):
+    from safetensors.torch import save_file
+
+    want = {"a.weight": torch.randn(8, 4), "b": torch.arange(6, dtype=torch.int64)}
+    os.makedirs(tmp_path / "d")
+    save_file(want, tmp_path / "d" / "model.safetensors")
+    got = _load({k: torch.zeros_like(v) for k, v in want.items()}, tmp_path / "d")
+    assert all(bits_diff(got[k], v) is None for k, v in want.items())
+
+
+# ----------------------------------------------------------------------------- written by compressed-tensors
+
+@pytest.fixture(scope="module")
+def ct_dirs(tmp_path_factory):
+    from ct_written import schemes, write
+
+    root = tmp_path_factory.mktemp("ct_dirs")
+    return {s: (write(s, root / s), root / s) for s in schemes()}
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp8", "fp8_tensor", "fp8_channel_dynamic", "fp8_block", "int8_w8a8",
+                                    "int8_channel", "int4_group32"])
+def test_directory_written_by_compressed_tensors_into_plain_targets(ct_dirs, scheme):
+    _, out = ct_dirs[scheme]
+    dense = ct_decompress(out)
+    targets = _load({k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in dense.items()}, out)
+    for key, want in dense.items():
+        assert bits_diff(targets[key], want.to(torch.bfloat16)) is None, key
+
+
+def test_compressed_tensors_nvfp4_and_mxfp8_into_torchao_targets_raw(ct_dirs):
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+
+    hp = torch.randn(128, 256, dtype=torch.bfloat16)
+    nv = _load({"fc1.weight": NVFP4Tensor.to_nvfp4(hp, per_tensor_scale=torch.tensor(0.01))}, ct_dirs["nvfp4"][1])
+    stored = ct_dirs["nvfp4"][0]
+    assert bits_diff(nv["fc1.weight"].qdata, stored["fc1.weight_packed"]) is None
+    assert bits_diff(nv["fc1.weight"].scale, stored["fc1.weight_scale"]) is None
+    decode = nv["fc1.weight"].per_tensor_scale * stored["fc1.weight_global_scale"].float()
+    assert abs(float(decode) - 1.0) < 1e-6  # the global scale's reciprocal, in fp32
+
+    mx = _load({"fc1.weight": MXTensor.to_mx(hp, torch.float8_e4m3fn, 32)}, ct_dirs["mxfp8"][1])
+    stored = ct_dirs["mxfp8"][0]
+    assert bits_diff(mx["fc1.weight"].qdata, stored["fc1.weight"]) is None
+    assert bits_diff(mx["fc1.weight"].scale.view(torch.uint8), stored["fc1.weight_scale"]) is None
+    assert bits_diff(mx["fc1.weight"].dequantize(), ct_decompress(ct_dirs["mxfp8"][1])["fc1.weight"]) is None
+
+
+def test_exported_compressed_tensors_round_trip_into_the_source_type(tmp_path):
+    w = CASE_BY_NAME["mx_fp8"].make(3)
+    qdcp_save(tmp_path / "ckpt", {"m.weight": w}, no_dist=True)
+    qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="compressed-tensors")
+    got = _load({"m.weight": CASE_BY_NAME["mx_fp8"].make(4)}, tmp_path / "out")
+    assert components_diff(got["m.weight"], w) is None
+
+
+# ----------------------------------------------------------------------------- DTensor targets at 2 ranks
+
+def _load_sharded(rank: int, out: str, results) -> None:
+    from torch.distributed.tensor import Shard, init_device_mesh
+
+    from dist_helpers import dtensor_from_local, init_file_store_group
+
+    init_file_store_group(os.path.dirname(out), rank, 2)
+    mesh = init_device_mesh("cpu", (2,))
+    state, locals_ = {}, {}  # targets are filled in place: the locals hold what was loaded
+    for name, hp in _sharded_sources().items():
+        locals_[name] = CASE_BY_NAME[name].from_hp(torch.zeros_like(hp[rank * 64:(rank + 1) * 64]) + 1)
+        state[f"m.{name}.weight"] = dtensor_from_local(locals_[name], mesh, (Shard(0),), hp.shape, hp.dtype)
+    locals_["plain"] = torch.zeros(64, 128)
+    state["m.plain"] = dtensor_from_local(locals_["plain"], mesh, (Shard(0),), (128, 128), torch.float32)
+    dcp.load(state, storage_reader=qdcp.QuantizedHFReader(out), planner=qdcp.QuantizedLoadPlanner())
+    for name, hp in _sharded_sources().items():
+        want = CASE_BY_NAME[name].from_hp(hp[rank * 64:(rank + 1) * 64].contiguous())
+        results[(rank, name)] = components_diff(locals_[name], want)
+    results[(rank, "plain")] = bits_diff(locals_["plain"], _plain()[rank * 64:(rank + 1) * 64])
+    torch.distributed.destroy_process_group()
+
+
+def _sharded_sources() -> dict:
+    return {n: CASE_BY_NAME[n].hp(i, (128, 128)) for i, n in enumerate(("int8_row", "float8_row", "mx_fp8"))}
+
+
+def _plain() -> torch.Tensor:
+    return torch.randn(128, 128, generator=torch.Generator().manual_seed(9))
+
+
+@pytest.mark.multiproc
+def test_dtensor_targets_at_two_ranks(tmp_path):
+    state = {f"m.{n}.weight": CASE_BY_NAME[n].from_hp(hp) for n, hp in _sharded_sources().items()}
+    state["m.plain"] = _plain()
+    qdcp_save(tmp_path / "ckpt", state, no_dist=True)
+    qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao")
+    results = mp.Manager().dict()
+    mp.spawn(_load_sharded, args=(str(tmp_path / "out"), results), nprocs=2, join=True)
+    assert dict(results) == {(r, n): None for r in (0, 1) for n in (*_sharded_sources(), "plain")}
