@@ -653,3 +653,34 @@ def test_inspect_shows_recipe_scale_layout_and_usage(tmp_path):
     target = {"mx": make_mxfp8(5, swizzled=False, columnwise=True)}
     _load(path, target)
     _assert_same_canonical(target["mx"], state["mx"])
+
+
+def test_export_te_mxfp8_and_nvfp4_to_torchao_and_compressed_tensors_layouts(tmp_path):
+    """TE entries export raw: as torchao's MXTensor / NVFP4Tensor (rebuilt by torchao's own loader)
+    and as compressed-tensors' MXFP8 / NVFP4 parameters, the payload bytes TE's rowwise data."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+    state = {"mx.weight": BY_NAME["mxfp8_rowwise"].build(0), "nv.weight": BY_NAME["nvfp4_rowwise"].build(1)}
+    _save(tmp_path, state)
+    qdcp.export(tmp_path / "ckpt", tmp_path / "ao", format="torchao")
+    with safe_open(str(tmp_path / "ao" / "model.safetensors"), "pt") as f:
+        md = f.metadata()
+    got, leftover = unflatten_tensor_state_dict(load_file(tmp_path / "ao" / "model.safetensors"), md)
+    assert not leftover
+    assert isinstance(got["mx.weight"], MXTensor) and isinstance(got["nv.weight"], AONVFP4Tensor)
+    for key, data in (("mx.weight", "qdata"), ("nv.weight", "qdata")):
+        cs = _canonical(state[key])
+        assert torch.equal(bits(getattr(got[key], data)), bits(cs["rowwise_data"]))
+        assert torch.equal(bits(got[key].scale), bits(cs["rowwise_scale_inv"]))
+    assert torch.equal(bits(got["mx.weight"].dequantize(torch.bfloat16)),
+                       bits(find_adapter(state["mx.weight"]).dequantize(state["mx.weight"])))
+    assert got["nv.weight"].per_tensor_scale == per_tensor_amax_to_scale(state["nv.weight"]._amax_rowwise[0])
+
+    qdcp.export(tmp_path / "ckpt", tmp_path / "ct", format="compressed-tensors")
+    ct = load_file(tmp_path / "ct" / "model.safetensors")
+    cs = _canonical(state["nv.weight"])
+    assert torch.equal(ct["nv.weight_packed"], cs["rowwise_data"])
+    assert torch.equal(bits(ct["nv.weight_scale"]), bits(cs["rowwise_scale_inv"]))
+    assert torch.equal(bits(ct["mx.weight_scale"]), bits(_canonical(state["mx.weight"])["rowwise_scale_inv"]))
