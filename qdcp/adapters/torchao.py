@@ -227,7 +227,8 @@ class _AffineAdapter(TorchAOAdapter):
     def _form(self, attrs: Mapping[str, Any]) -> str | None:
         block = attrs.get("block_size")
         kind = self._kind(attrs)
-        return affine_form(kind, block) if kind and block is not None and len(block) == 2 else None
+        ok = isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) for b in block)
+        return affine_form(kind, block) if kind and ok else None
 
     def raw_forms_out(self, type_name, attrs):
         form = self._form(attrs)
