@@ -63,25 +63,29 @@ def _scheme(fmt: str, **weights) -> Scheme:
 
 
 def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """compressed-tensors' ``pack-quantized`` words: ``values + 2**(bits-1)`` packed from the least
-    significant bit, ``32 // bits`` a word along the last dim (zero padded)."""
+    """compressed-tensors' ``pack-quantized`` words (4 or 8 bits): ``values + 2**(bits-1)`` packed
+    from the least significant bit, ``32 // bits`` a word along the last dim (zero padded). Bytes
+    are built in uint8 and read as little-endian int32 words."""
     per = 32 // bits
-    u = (values.to(torch.int64) + (1 << (bits - 1))) & ((1 << bits) - 1)
+    u = (values.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
     pad = -u.shape[-1] % per
     if pad:
         u = torch.nn.functional.pad(u, (0, pad))
-    u = u.reshape(*u.shape[:-1], -1, per)
-    words = (u << (torch.arange(per, dtype=torch.int64) * bits)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    if bits == 4:
+        u = u[..., 0::2] | (u[..., 1::2] << 4)
+    elif bits != 8:
+        raise ValueError(f"pack_int32: {bits}-bit integers are not written (4 and 8 are)")
+    return u.contiguous().view(torch.int32)
 
 
 def unpack_int32(words: torch.Tensor, bits: int, length: int) -> torch.Tensor:
     """Inverse of :func:`pack_int32`: int8 values, ``length`` along the last dim."""
-    per = 32 // bits
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    u = (w.unsqueeze(-1) >> (torch.arange(per, dtype=torch.int64) * bits)) & ((1 << bits) - 1)
-    u = u.reshape(*words.shape[:-1], -1)[..., :length]
-    return (u - (1 << (bits - 1))).to(torch.int8)
+    b = words.contiguous().view(torch.uint8)
+    if bits == 4:
+        b = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(*b.shape[:-1], -1)
+    elif bits != 8:
+        raise ValueError(f"unpack_int32: {bits}-bit integers are not read (4 and 8 are)")
+    return (b[..., :length].to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
 
 
 def _strategy(block: tuple[int, int], shape: tuple[int, ...]) -> dict:
