@@ -18,26 +18,12 @@ from safetensors.torch import load_file
 
 import qdcp
 from qdcp.hf.ct_layout import pack_int32, unpack_int32
-from quantized_cases import CASE_BY_NAME, CASES, bits_diff, qdcp_save
+from hf_helpers import TORCHAO_CASES, ct_decompress, read_dir
+from quantized_cases import CASE_BY_NAME, bits_diff, qdcp_save
 
 warnings.filterwarnings("ignore")
 
 from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict  # noqa: E402
-from torchao.prototype.safetensors.safetensors_utils import ALLOWED_TENSORS_SUBCLASSES  # noqa: E402
-
-TORCHAO_CASES = [c for c in CASES if c.make(0).__class__.__name__ in ALLOWED_TENSORS_SUBCLASSES]
-
-
-def _read_dir(out) -> tuple[dict, dict]:
-    """All tensors of a Hugging Face directory and the per-file ``__metadata__``."""
-    files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
-    tensors, metas = {}, {}
-    for f in files:
-        tensors.update(load_file(os.path.join(out, f)))
-        with safe_open(os.path.join(out, f), "pt") as so:
-            metas[f] = so.metadata()
-    return tensors, metas
-
 
 def _torchao_load(out) -> dict:
     """The state dict torchao's own loader rebuilds from each file of ``out``."""
@@ -82,7 +68,7 @@ def test_torchao_layout_rebuilds_every_type_bit_exact_with_torchaos_loader(tmp_p
         elif key != "step":
             _assert_same_torchao(got[key], want, key)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
-    tensors, _ = _read_dir(tmp_path / "out")
+    tensors, _ = read_dir(tmp_path / "out")
     assert set(index["weight_map"]) == set(tensors)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
     for name, file in index["weight_map"].items():
@@ -141,26 +127,6 @@ def test_existing_output_is_kept_unless_overwrite(tmp_path):
 
 # ----------------------------------------------------------------------------- compressed-tensors
 
-def ct_decompress(out) -> dict:
-    """Dense weights of a compressed-tensors directory, through the library's own compressors."""
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-    from compressed_tensors.utils.match import match_quantizable_tensors
-
-    tensors, _ = _read_dir(out)
-    cfg = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
-    dense = {}
-    for scheme in cfg.config_groups.values():
-        comp = BaseCompressor.get_value_from_registry(scheme.format)
-        names = comp.compression_param_names(scheme)
-        for mod, _ in match_quantizable_tensors(tensors, ignore=cfg.ignore or [], targets=scheme.targets,
-                                                param_targets=[names[0]]):
-            local = {p: tensors.pop(f"{mod}.{p}") for p in names if f"{mod}.{p}" in tensors}
-            dense[f"{mod}.weight"] = comp.decompress(local, scheme)["weight"]
-    dense.update(tensors)
-    return dense
-
-
 def _float8_block128():
     from torchao.quantization import Float8Tensor
     from torchao.quantization.granularity import PerBlock
@@ -207,7 +173,7 @@ def test_compressed_tensors_layout_decompresses_to_the_sources_dequantize(tmp_pa
     common = min(got.dtype, want.dtype, key=lambda d: d.itemsize)
     assert bits_diff(got.to(common), want.to(common)) is None, bits_diff(got.to(common), want.to(common))
     assert bits_diff(dense["model.norm.weight"], state["model.norm.weight"]) is None
-    tensors, _ = _read_dir(tmp_path / "out")
+    tensors, _ = read_dir(tmp_path / "out")
     payload = tensors.get("model.layers.0.mlp.up.weight_packed", tensors.get("model.layers.0.mlp.up.weight"))
     if fmt == "pack-quantized":  # packed by the library's own packer from the same integers
         from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 import qdcp
 from quantized_cases import CASE_BY_NAME, bits_diff, components_diff, qdcp_save
-from test_export import TORCHAO_CASES, ct_decompress
+from hf_helpers import TORCHAO_CASES, ct_decompress
 
 warnings.filterwarnings("ignore")
 

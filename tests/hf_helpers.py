@@ -1,0 +1,46 @@
+"""Helpers of the Hugging Face export / import tests: the torchao cases torchao's layout holds, a
+directory's tensors and metadata, and compressed-tensors' own decompression of a directory."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torchao.prototype.safetensors.safetensors_utils import ALLOWED_TENSORS_SUBCLASSES
+
+from quantized_cases import CASES
+
+TORCHAO_CASES = [c for c in CASES if c.make(0).__class__.__name__ in ALLOWED_TENSORS_SUBCLASSES]
+
+
+def read_dir(out) -> tuple[dict, dict]:
+    """All tensors of a Hugging Face directory and the per-file ``__metadata__``."""
+    files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    tensors, metas = {}, {}
+    for f in files:
+        tensors.update(load_file(os.path.join(out, f)))
+        with safe_open(os.path.join(out, f), "pt") as so:
+            metas[f] = so.metadata()
+    return tensors, metas
+
+
+def ct_decompress(out) -> dict:
+    """Dense weights of a compressed-tensors directory, through the library's own compressors."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils.match import match_quantizable_tensors
+
+    tensors, _ = read_dir(out)
+    cfg = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    dense = {}
+    for scheme in cfg.config_groups.values():
+        comp = BaseCompressor.get_value_from_registry(scheme.format)
+        names = comp.compression_param_names(scheme)
+        for mod, _ in match_quantizable_tensors(tensors, ignore=cfg.ignore or [], targets=scheme.targets,
+                                                param_targets=[names[0]]):
+            local = {p: tensors.pop(f"{mod}.{p}") for p in names if f"{mod}.{p}" in tensors}
+            dense[f"{mod}.weight"] = comp.decompress(local, scheme)["weight"]
+    dense.update(tensors)
+    return dense
