@@ -241,20 +241,19 @@ def _to_safetensors(entries: _Entries, out: str, dequantize: bool, dtype: torch.
     for row in plan:
         by_key.setdefault(row[3], []).append(row)
     tmp = out + ".tmp"
-    writer = ShardWriter(tmp, [TensorOut(name, tuple(shape), dt) for name, shape, dt, _, _ in plan],
-                         _file_metadata(entries, dequantize))
-    for key in entries:
-        rows = by_key.get(key, ())
-        if not rows:
-            continue
-        if rows[0][4] is not None:  # raw components, as stored
-            stored = read_stored(entries.path, key, entries.md).components
-            tensors = [stored[comp] for *_, comp in rows]
-        else:
-            tensors = [read_entry(entries.path, key, entries.md, dequantize=True, dtype=rows[0][2])]
-        for (name, _, dt, _, _), t in zip(rows, tensors):
-            writer.write(name, t.to(dt))
-    writer.close()
+    with ShardWriter(tmp, [TensorOut(name, tuple(shape), dt) for name, shape, dt, _, _ in plan],
+                     _file_metadata(entries, dequantize)) as writer:
+        for key in entries:
+            rows = by_key.get(key, ())
+            if not rows:
+                continue
+            if rows[0][4] is not None:  # raw components, as stored
+                stored = read_stored(entries.path, key, entries.md).components
+                tensors = [stored[comp] for *_, comp in rows]
+            else:
+                tensors = [read_entry(entries.path, key, entries.md, dequantize=True, dtype=rows[0][2])]
+            for (name, _, dt, _, _), t in zip(rows, tensors):
+                writer.write(name, t.to(dt))
     os.replace(tmp, out)
     for key in skipped:
         print(f"qdcp: skipped non-tensor entry {key!r} (safetensors holds tensors only)", file=sys.stderr)

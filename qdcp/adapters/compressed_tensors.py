@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from qdcp.adapters.base import Adapter, StoredEntry
-from qdcp.adapters.formats import MXFP8_FORMS, NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, e2m1_to_float, unpack_fp4
+from qdcp.adapters.formats import (MXFP8_FORMS, NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, e2m1_to_float, repeat_blocks,
+                                   unpack_fp4)
 from qdcp.errors import UnsupportedTensorError
 
 PREFIX = "compressed_tensors."
@@ -25,11 +26,10 @@ INT = PREFIX + "int"       # int8 / int4 weight (unpacked), scale per tensor / c
 
 
 def _expand(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, ...]) -> torch.Tensor:
-    """One scale per ``block`` spread over ``shape`` (a chunk's worth, blocks aligned)."""
+    """One scale per ``block`` (a single value: per tensor) spread over ``shape`` (a chunk's worth)."""
     s = scale.reshape(-1, scale.shape[-1]) if scale.ndim == 2 else scale.reshape(1, 1)
     bn, bk = (shape[0], shape[1]) if s.numel() == 1 else block
-    s = s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-    return s[: shape[0], : shape[1]]
+    return repeat_blocks(s, bn, bk, shape)
 
 
 class CompressedTensorsAdapter(Adapter):

@@ -14,8 +14,8 @@ import torch
 
 from qdcp.layouts import ceil_div
 
-__all__ = ["MXFP8_FORMS", "NVFP4_ROW16", "NVFP4_GLOBAL_DIVISOR", "mxfp8_form", "affine_form", "parse_affine_form", "ceil_div", "round_up", "rows",
-           "pad2", "swizzle_128x4", "unswizzle_128x4", "as_u8", "bits_as", "copy_bits", "e2m1_to_float",
+__all__ = ["MXFP8_FORMS", "NVFP4_ROW16", "NVFP4_GLOBAL_DIVISOR", "nvfp4_decode_scale", "mxfp8_form", "affine_form",
+           "parse_affine_form", "ceil_div", "round_up", "rows", "repeat_blocks", "pad2", "swizzle_128x4", "unswizzle_128x4", "as_u8", "bits_as", "copy_bits", "e2m1_to_float",
            "unpack_fp4"]
 
 # ----------------------------------------------------------------------------- raw interchange forms
@@ -44,6 +44,11 @@ __all__ = ["MXFP8_FORMS", "NVFP4_ROW16", "NVFP4_GLOBAL_DIVISOR", "mxfp8_form", "
 MXFP8_FORMS = {torch.float8_e4m3fn: "mxfp8_e4m3_row32", torch.float8_e5m2: "mxfp8_e5m2_row32"}
 NVFP4_ROW16 = "nvfp4_row16"
 NVFP4_GLOBAL_DIVISOR = 6.0 * 448.0
+
+
+def nvfp4_decode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The NVFP4 second-level decode scale of the form's ``amax``: ``amax / (6 * 448)`` in fp32, shape ``()``."""
+    return amax.float().reshape(()) / torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32)
 
 
 def affine_form(kind: str, block) -> str:
@@ -78,6 +83,17 @@ def round_up(x: int, m: int) -> int:
 def rows(shape) -> int:
     """Rows of ``shape`` seen as a 2-D matrix (all dims but the last; 1 for a scalar)."""
     return math.prod(shape[:-1]) if len(shape) else 1
+
+
+def repeat_blocks(scale: torch.Tensor, block_rows: int, block_cols: int, shape) -> torch.Tensor:
+    """One value per ``block_rows x block_cols`` block (of the last two dims; ``block_rows`` 1 for
+    1-D) spread over elements of ``shape``, partial last blocks cropped."""
+    s = scale
+    if block_rows > 1:
+        s = s.repeat_interleave(block_rows, dim=-2)[..., : shape[-2], :]
+    if block_cols > 1:
+        s = s.repeat_interleave(block_cols, dim=-1)[..., : shape[-1]]
+    return s
 
 
 def pad2(t: torch.Tensor, n_rows: int, n_cols: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from qdcp.adapters.base import Adapter, StoredEntry
 from qdcp.adapters.formats import (MXFP8_FORMS, NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, affine_form, as_u8, ceil_div,
-                                   mxfp8_form, swizzle_128x4, unswizzle_128x4)
+                                   mxfp8_form, nvfp4_decode_scale, swizzle_128x4, unswizzle_128x4)
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Blocked, Flat, Layout, Replicated
 
@@ -471,14 +471,14 @@ class NVFP4TensorAdapter(_BlockScaledAdapter):
         return (NVFP4_ROW16,) if ok else ()
 
     def from_raw_form(self, target, form, tensors):
-        pts = tensors["amax"].float().reshape(()) / torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32)
+        pts = nvfp4_decode_scale(tensors["amax"])
         self.copy_into(target, {"qdata": tensors["data"], "scale": tensors["scale"].view(torch.float8_e4m3fn),
                                 "per_tensor_scale": pts.reshape(target.per_tensor_scale.shape)})
 
     def new_from_raw_form(self, form, tensors, *, shape, dtype):
         if form != NVFP4_ROW16:
             return None
-        pts = tensors["amax"].float().reshape(()) / torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32)
+        pts = nvfp4_decode_scale(tensors["amax"])
         return self.tensor_class()(tensors["data"], tensors["scale"].view(torch.float8_e4m3fn), 16, dtype,
                                    per_tensor_scale=pts)
 

@@ -34,7 +34,7 @@ import torch
 
 from qdcp.adapters.base import Adapter
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
-from qdcp.adapters.formats import (as_u8, bits_as, ceil_div, copy_bits, e2m1_to_float, pad2, round_up,
+from qdcp.adapters.formats import (as_u8, bits_as, ceil_div, copy_bits, e2m1_to_float, pad2, repeat_blocks, round_up,
                                    rows, swizzle_128x4, unpack_fp4, unswizzle_128x4,
                                    NVFP4_ROW16, mxfp8_form)
 from qdcp.layouts import Blocked, Layout, Replicated
@@ -59,9 +59,7 @@ def dequantize_mxfp8(data: torch.Tensor, fp8: str, scale: torch.Tensor, *, block
     """MXFP8: ``fp8 * 2^(e-127)``, one E8M0 ``scale`` item per ``block_rows x block_cols`` block."""
     x = bits_as(data, _FP8_TORCH[fp8]).float()
     s = bits_as(scale, torch.float8_e8m0fnu).float()
-    s = s.repeat_interleave(block_rows, dim=-2)[..., : x.shape[-2], :] if block_rows > 1 else s
-    s = s.repeat_interleave(block_cols, dim=-1)[..., : x.shape[-1]] if block_cols > 1 else s
-    return (x * s).to(dtype)
+    return (x * repeat_blocks(s, block_rows, block_cols, x.shape)).to(dtype)
 
 
 def _te_tensor_module():
@@ -443,7 +441,7 @@ class TEFloat8BlockwiseQTensorAdapter(TEAdapter):
         if attrs["block_scaling_dim"] == 2:
             q, s = comps["rowwise_data"], comps["rowwise_scale_inv"]
             m, n = q.shape
-            s = s.repeat_interleave(128, 0)[:m].repeat_interleave(128, 1)[:, :n]
+            s = repeat_blocks(s, 128, 128, (m, n))
             return (bits_as(q, fp8).to(torch.float32) * s).to(dtype)
         if "rowwise_data" in comps:
             q, s = comps["rowwise_data"], comps["rowwise_scale_inv"]

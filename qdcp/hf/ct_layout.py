@@ -33,7 +33,7 @@ from typing import Mapping, Sequence
 import torch
 
 from qdcp.adapters.base import StoredEntry, adapter_for_type
-from qdcp.adapters.formats import MXFP8_FORMS, NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, parse_affine_form
+from qdcp.adapters.formats import MXFP8_FORMS, NVFP4_ROW16, nvfp4_decode_scale, parse_affine_form
 from qdcp.errors import QdcpError
 from qdcp.hf.layout import EntryPlan, HFLayout, Source, UnsupportedEntry
 from qdcp.hf.safetensors_files import TensorOut
@@ -178,9 +178,8 @@ def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape) -> tuple[Scheme,
 def _tensors(form: str, t: Mapping[str, torch.Tensor], shape, key: str) -> dict[str, torch.Tensor]:
     """The entry's tensors from its form, bits carried over."""
     if form == NVFP4_ROW16:
-        divisor = torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32)
         return {"weight_packed": t["data"], "weight_scale": t["scale"].view(torch.float8_e4m3fn),
-                "weight_global_scale": (1.0 / (t["amax"].float() / divisor)).reshape(1)}
+                "weight_global_scale": (1.0 / nvfp4_decode_scale(t["amax"])).reshape(1)}
     if form == _MXFP8:
         return {"weight": t["data"].view(torch.float8_e4m3fn), "weight_scale": t["scale"].view(torch.uint8)}
     kind, block = parse_affine_form(form)

@@ -98,12 +98,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(out_dir, tuple(files), sum(len(p.tensors) for p in plans), sum(p.nbytes for p in plans),
-                        tuple(p.key for p in plans if p.dequantized and p.key in _raw_keys(sources)),
-                        tuple(skipped))
-
-
-def _raw_keys(sources: Mapping[str, Source]) -> set[str]:
-    return {k for k, s in sources.items() if s.spec is not None}
+                        tuple(p.key for p in plans if p.dequantized), tuple(skipped))
 
 
 def _sources(md) -> tuple[dict[str, Source], list[str]]:
@@ -183,9 +178,8 @@ def _write_files(layout: HFLayout, shards: list[list[EntryPlan]], files: list[st
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=disable,
               file=sys.stderr, leave=False) as bar:
         for file_plans, name in zip(shards, files):
-            writer = stf.ShardWriter(os.path.join(out, name), [t for p in file_plans for t in p.tensors],
-                                     layout.file_metadata(file_plans))
-            try:
+            with stf.ShardWriter(os.path.join(out, name), [t for p in file_plans for t in p.tensors],
+                                 layout.file_metadata(file_plans)) as writer:
                 for plan in file_plans:
                     values = reading.tensors(layout, plan)
                     for t in plan.tensors:
@@ -193,10 +187,6 @@ def _write_files(layout: HFLayout, shards: list[list[EntryPlan]], files: list[st
                         weight_map[t.name] = name
                     del values
                     bar.update(plan.nbytes)
-            except BaseException:
-                writer.abort()
-                raise
-            writer.close()
     return weight_map
 
 

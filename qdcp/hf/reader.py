@@ -14,6 +14,7 @@ tensors. Nothing is unpickled; torchao entries are rebuilt by torchao's own allo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -139,29 +140,29 @@ class QuantizedHFReader(StorageReader):
 
         handles: dict[str, Any] = {}
         built: dict[str, torch.Tensor] = {}
+        with contextlib.ExitStack() as files:
+            def handle(name: str):
+                file = self._dir.tensors[name][0]
+                if file not in handles:
+                    handles[file] = files.enter_context(safe_open(file, "pt"))
+                return handles[file]
 
-        def handle(name: str):
-            file = self._dir.tensors[name][0]
-            if file not in handles:
-                handles[file] = safe_open(file, "pt")
-            return handles[file]
+            def whole(name: str) -> torch.Tensor:
+                return handle(name).get_tensor(name)
 
-        def whole(name: str) -> torch.Tensor:
-            return handle(name).get_tensor(name)
-
-        for req in plan.items:
-            fqn = req.storage_index.fqn
-            item = self._items[fqn]
-            region = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
-            if item.tensor is not None:
-                value = handle(item.tensor).get_slice(item.tensor)[region] if region else whole(item.tensor)
-            else:
-                if fqn not in built:
-                    built[fqn] = item.build(whole)
-                value = built[fqn][region]
-            target = planner.resolve_tensor(req).detach()
-            target.copy_(value.reshape(target.shape))
-            planner.commit_tensor(req, target)
+            for req in plan.items:
+                fqn = req.storage_index.fqn
+                item = self._items[fqn]
+                region = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
+                if item.tensor is not None:
+                    value = handle(item.tensor).get_slice(item.tensor)[region] if region else whole(item.tensor)
+                else:
+                    if fqn not in built:
+                        built[fqn] = item.build(whole)
+                    value = built[fqn][region]
+                target = planner.resolve_tensor(req).detach()
+                target.copy_(value.reshape(target.shape))
+                planner.commit_tensor(req, target)
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -233,7 +234,7 @@ def _matches(module: str, patterns) -> bool:
 def _ct_entries(d: _Directory) -> list:
     qc = read_quantization_config(d.config)
     out = []
-    for gname, group in (qc.get("config_groups") or {}).items():
+    for group in (qc.get("config_groups") or {}).values():
         fmt = group.get("format") or qc.get("format")
         weights = group.get("weights") or {}
         first = "weight" if fmt in ("mxfp8-quantized", "naive-quantized", "float-quantized", "int-quantized") \
@@ -251,7 +252,8 @@ def _ct_entries(d: _Directory) -> list:
 
 def _ct_entry(d: _Directory, module: str, fmt: str, weights: Mapping):
     key = f"{module}.weight"
-    t = {n[len(module) + 1:]: n for n in d.tensors if n.startswith(module + ".weight_") or n == key}
+    t = {part: f"{module}.{part}" for part in ("weight_packed", "weight_scale", "weight_global_scale",
+                                                "weight_shape", "weight_zero_point")}
     scale = d.meta(t["weight_scale"])
     if fmt == "nvfp4-pack-quantized":
         n, half = d.tensors[t["weight_packed"]][1]
@@ -263,7 +265,7 @@ def _ct_entry(d: _Directory, module: str, fmt: str, weights: Mapping):
         shape = d.tensors[key][1]
         comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (Blocked((1, 32)), t["weight_scale"])}
         return _ct_spec(d, key, ct.MXFP8, shape, torch.bfloat16, {}, comps)
-    if weights.get("zero_point") or not weights.get("symmetric", True) or "weight_zero_point" in t:
+    if weights.get("zero_point") or not weights.get("symmetric", True) or t["weight_zero_point"] in d.tensors:
         raise CheckpointFormatError(f"key {key!r}: asymmetric compressed-tensors weights are not read yet")
     if fmt in ("naive-quantized", "float-quantized", "int-quantized"):
         shape = d.tensors[key][1]

@@ -9,6 +9,7 @@ streaming writer (``save_file`` needs every tensor of a file in memory); reading
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -67,17 +68,28 @@ def header_bytes(tensors: Sequence[TensorOut], metadata: Mapping[str, str]) -> b
 
 
 class ShardWriter:
-    """Writes one safetensors file: the header at open, then each planned tensor in order."""
+    """Writes one safetensors file: the header at open, then each planned tensor in order. As a
+    context manager it closes the file on exit, checking every planned tensor was written unless
+    the block raised."""
 
     def __init__(self, path: str, tensors: Sequence[TensorOut], metadata: Mapping[str, str]) -> None:
         self.path = path
-        self._pending = list(tensors)
+        self._pending = collections.deque(tensors)
         self._file: IO[bytes] = open(path, "wb")
         self._file.write(header_bytes(tensors, metadata))
 
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._file.close()
+
     def write(self, name: str, value: torch.Tensor) -> None:
         """Append ``value``'s bytes as tensor ``name`` (the next one planned, same shape and dtype)."""
-        want = self._pending.pop(0) if self._pending else None
+        want = self._pending.popleft() if self._pending else None
         if want is None or want.name != name or tuple(value.shape) != want.shape or value.dtype != want.dtype:
             raise QdcpError(f"{self.path}: tensor {name!r} {tuple(value.shape)} {value.dtype} does not match "
                             f"the planned {want}")
@@ -90,9 +102,6 @@ class ShardWriter:
         self._file.close()
         if self._pending:
             raise QdcpError(f"{self.path}: tensors {[t.name for t in self._pending]} were planned but not written")
-
-    def abort(self) -> None:
-        self._file.close()
 
 
 def parse_size(size: int | str) -> int:
