@@ -73,14 +73,27 @@ def read_stored(path: str | os.PathLike, key: str, metadata: Metadata | None = N
     if entry is None or entry.storage != qspec.RAW:
         raise KeyError(f"key {key!r} is not a raw quantized entry of the checkpoint at {os.fspath(path)!r}")
     attrs = decoded_attrs(entry)
+    comps = read_components(path, key, [c.name for c in entry.components], md)
+    return StoredEntry(entry.type, attrs, entry.shape, entry.dtype, comps)
+
+
+def read_components(path: str | os.PathLike, key: str, names, metadata: Metadata | None = None) -> dict[str, torch.Tensor]:
+    """Components ``names`` of the raw entry ``key`` (whole, canonical, on CPU), checked as
+    :func:`read_stored` checks them. Memory: those components only."""
+    md = metadata if metadata is not None else read_metadata(path)
+    entry = qspec.read_specs(md).get(key)
+    if entry is None or entry.storage != qspec.RAW:
+        raise KeyError(f"key {key!r} is not a raw quantized entry of the checkpoint at {os.fspath(path)!r}")
     qspec.layouts_of(entry)
     qspec.check_component_bytes(entry)
     qspec.check_items(entry, md.state_dict_metadata, qspec.stored_components(md.state_dict_metadata).get(key, set()))
-    for c in entry.components:
-        _check_claimed_bytes(md, qspec.component_fqn(key, c.name))
-    comps = {c.name: torch.empty(c.shape, dtype=c.dtype) for c in entry.components}
+    comps = {}
+    for name in names:
+        c = entry.component(name)
+        _check_claimed_bytes(md, qspec.component_fqn(key, name))
+        comps[name] = torch.empty(c.shape, dtype=c.dtype)
     _load_quietly({qspec.component_fqn(key, n): t for n, t in comps.items()}, path)
-    return StoredEntry(entry.type, attrs, entry.shape, entry.dtype, comps)
+    return comps
 
 
 def decoded_attrs(entry: qspec.EntrySpec) -> dict[str, Any]:

@@ -206,11 +206,18 @@ def test_compressed_tensors_refuses_what_it_cannot_hold(tmp_path):
     assert "key 'c.weight'" not in str(e.value)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
-    state = {"m.weight": CASE_BY_NAME["intx_int4_group32_asym"].make(3)}
+    state = {"m.weight": CASE_BY_NAME["intx_int4_group32_asym"].make(3), "n.weight": CASE_BY_NAME["int8_row"].make(4)}
     qdcp_save(tmp_path / "asym", state, no_dist=True)
-    with pytest.raises(qdcp.QdcpError, match="key 'm.weight'.*zero points"):
+    with pytest.raises(qdcp.ExportError, match="key 'm.weight'.*zero points"):
         qdcp.export(tmp_path / "asym", tmp_path / "out", format="compressed-tensors")
     assert not (tmp_path / "out").exists() and sorted(os.listdir(tmp_path)) == ["asym", "ckpt"]
+    result = qdcp.export(tmp_path / "asym", tmp_path / "out", format="compressed-tensors",
+                         dequantize_unsupported=True)
+    assert result.dequantized == ("m.weight",)
+    dense = ct_decompress(tmp_path / "out")
+    assert bits_diff(dense["m.weight"], qdcp.read_entry(tmp_path / "asym", "m.weight", dequantize=True)) is None
+    want = state["n.weight"].dequantize()
+    assert bits_diff(dense["n.weight"].to(want.dtype), want) is None
 
 
 def test_cli_export(tmp_path):

@@ -21,13 +21,14 @@ TE); NVFP4's ``weight_global_scale`` is ``448 * 6 / amax`` (decode: ``scale / gl
 the fp32 reciprocal of the source's decode scale ``amax / (448 * 6)``;
 MXFP8 scales are biased E8M0 exponents as uint8; integers are packed ``value + 2**(bits-1)``
 from the least significant bit of int32 words along K. Integer entries must be symmetric (zero
-points all zero). Schemes are weight-only: an entry's activation settings are not carried.
+points all zero: read when the entry is planned). Schemes are weight-only: an entry's activation settings are not carried.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Mapping, Sequence
 
 import torch
@@ -35,7 +36,7 @@ import torch
 from qdcp.adapters.base import StoredEntry, adapter_for_type
 from qdcp.adapters.formats import MXFP8_FORMS, NVFP4_ROW16, nvfp4_decode_scale, parse_affine_form
 from qdcp.errors import QdcpError
-from qdcp.hf.layout import EntryPlan, HFLayout, Source, UnsupportedEntry
+from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Source, UnsupportedEntry
 from qdcp.hf.safetensors_files import TensorOut
 from qdcp.reader import stored_on_meta
 
@@ -115,10 +116,20 @@ class CompressedTensorsLayout(HFLayout):
                                f"int4 weights; {stored.type_name} with these attributes states none of them "
                                f"(offers {sorted(offered) or 'no raw form'})")
 
-    def plan(self, src: Source) -> EntryPlan:
+    def plan(self, src: Source, read: ComponentReader) -> EntryPlan:
         if len(src.shape) != 2 or not src.key.endswith(".weight"):
             raise UnsupportedEntry("compressed-tensors stores 2-D <module>.weight entries only")
-        form, t = self._form(stored_on_meta(src.spec), src.key)
+        stored = stored_on_meta(src.spec)
+        form, t = self._form(stored, src.key)
+        if "zero_point" in t:  # integers are written symmetric: the zero points decide, read them now
+            logical = math.prod(src.shape)
+            small = [c.name for c in src.spec.components if math.prod(c.shape) < logical]
+            _, t = self._form(dataclasses.replace(stored, components={**stored.components, **read(small)}), src.key)
+            if t["zero_point"].is_meta:
+                _, t = self._form(dataclasses.replace(stored, components=read(list(stored.components))), src.key)
+            if bool(torch.count_nonzero(t["zero_point"])):
+                raise UnsupportedEntry("compressed-tensors int weights are written symmetric; this entry has "
+                                       "non-zero zero points")
         module = src.key[: -len(".weight")]
         scheme, tensors = _plan_form(form, t, src.shape)
         return EntryPlan(src.key, tuple(TensorOut(f"{module}.{n}", s, d) for n, s, d in tensors), scheme=scheme)
@@ -126,7 +137,7 @@ class CompressedTensorsLayout(HFLayout):
     def produce(self, plan: EntryPlan, stored: StoredEntry) -> dict[str, torch.Tensor]:
         form, t = self._form(stored, plan.key)
         module = plan.key[: -len(".weight")]
-        return {f"{module}.{n}": v for n, v in _tensors(form, t, stored.shape, plan.key).items()}
+        return {f"{module}.{n}": v for n, v in _tensors(form, t, stored.shape).items()}
 
     def quantization_config(self, plans: Sequence[EntryPlan]) -> dict | None:
         groups: dict[Scheme, list[str]] = {}
@@ -175,8 +186,8 @@ def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape) -> tuple[Scheme,
              ("weight_shape", (2,), torch.int64)])
 
 
-def _tensors(form: str, t: Mapping[str, torch.Tensor], shape, key: str) -> dict[str, torch.Tensor]:
-    """The entry's tensors from its form, bits carried over."""
+def _tensors(form: str, t: Mapping[str, torch.Tensor], shape) -> dict[str, torch.Tensor]:
+    """The entry's tensors from its form, bits carried over (integers planned symmetric)."""
     if form == NVFP4_ROW16:
         return {"weight_packed": t["data"], "weight_scale": t["scale"].view(torch.float8_e4m3fn),
                 "weight_global_scale": (1.0 / nvfp4_decode_scale(t["amax"])).reshape(1)}
@@ -186,10 +197,6 @@ def _tensors(form: str, t: Mapping[str, torch.Tensor], shape, key: str) -> dict[
     scale = t["scale"].reshape(1) if block == tuple(shape) else t["scale"]
     if kind == "float8":
         return {"weight": t["data"], "weight_scale": scale}
-    zp = t.get("zero_point")
-    if zp is not None and bool(torch.count_nonzero(zp)):
-        raise QdcpError(f"key {key!r}: compressed-tensors int weights are written symmetric; this entry has "
-                        f"non-zero zero points (nothing was written to the output directory)")
     bits = 8 if kind == "int8" else 4
     return {"weight_packed": pack_int32(t["data"], bits), "weight_scale": scale,
             "weight_shape": torch.tensor(list(shape), dtype=torch.int64)}

@@ -11,12 +11,13 @@ are written into a temporary directory beside ``out_dir`` and renamed into place
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
 import sys
 import tempfile
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -25,8 +26,8 @@ from tqdm import tqdm
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 from qdcp.hf import safetensors_files as stf
-from qdcp.hf.layout import EntryPlan, HFLayout, Source, UnsupportedEntry
-from qdcp.reader import read_entry, read_metadata, read_stored
+from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Source, UnsupportedEntry
+from qdcp.reader import read_components, read_entry, read_metadata, read_stored
 
 
 class ExportError(QdcpError):
@@ -75,7 +76,8 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
         raise ExportError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
     md = read_metadata(checkpoint)
     sources, skipped = _sources(md)
-    plans = _plan_all(layout, sources, dequantize_unsupported)
+    plans = _plan_all(layout, sources, dequantize_unsupported,
+                      lambda key: functools.partial(read_components, checkpoint, key, metadata=md))
     config_json = dict(_base_config(config))
     quantization_config = layout.quantization_config(plans)
     if quantization_config is not None:
@@ -121,14 +123,15 @@ def _sources(md) -> tuple[dict[str, Source], list[str]]:
     return dict(sorted(sources.items())), sorted(skipped)
 
 
-def _plan_all(layout: HFLayout, sources: Mapping[str, Source], dequantize_unsupported: bool) -> list[EntryPlan]:
+def _plan_all(layout: HFLayout, sources: Mapping[str, Source], dequantize_unsupported: bool,
+              reader: Callable[[str], ComponentReader]) -> list[EntryPlan]:
     plans, refused = [], []
     for key, src in sources.items():
         if src.spec is None:
             plans.append(layout.plan_plain(key, src.shape, src.dtype))
             continue
         try:
-            plans.append(layout.plan(src))
+            plans.append(layout.plan(src, reader(key)))
         except UnsupportedEntry as e:
             if not dequantize_unsupported:
                 refused.append(f"key {key!r} ({src.spec.type}): {e}")

@@ -9,7 +9,7 @@ components, one entry at a time.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -17,6 +17,10 @@ from qdcp.adapters.base import StoredEntry
 from qdcp.errors import QdcpError
 from qdcp.hf.safetensors_files import TensorOut
 from qdcp.spec import EntrySpec
+
+
+#: ``read(names)``: components of one stored entry, whole, by name
+ComponentReader = Callable[[Sequence[str]], Mapping[str, torch.Tensor]]
 
 
 class UnsupportedEntry(QdcpError):
@@ -53,8 +57,9 @@ class HFLayout:
 
     name: str = ""
 
-    def plan(self, src: Source) -> EntryPlan:
-        """The plan of a raw quantized entry; raises :class:`UnsupportedEntry` if it has no form here."""
+    def plan(self, src: Source, read: ComponentReader) -> EntryPlan:
+        """The plan of a raw quantized entry; raises :class:`UnsupportedEntry` if it has no form here.
+        ``read(names)`` reads components of the entry where the plan depends on their values."""
         raise NotImplementedError
 
     def plan_plain(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, *,

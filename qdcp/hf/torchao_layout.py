@@ -24,7 +24,7 @@ import torch
 
 from qdcp.adapters.base import StoredEntry, adapter_for_type, find_type_adapter
 from qdcp.errors import UnsupportedTensorError
-from qdcp.hf.layout import EntryPlan, HFLayout, Source, UnsupportedEntry
+from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Source, UnsupportedEntry
 from qdcp.hf.safetensors_files import TensorOut
 from qdcp.reader import stored_on_meta
 
@@ -75,7 +75,7 @@ class TorchAOLayout(HFLayout):
                                f"{stored.type_name} (with these attributes) is none of them and has no "
                                f"exact conversion to one")
 
-    def plan(self, src: Source) -> EntryPlan:
+    def plan(self, src: Source, read: ComponentReader) -> EntryPlan:
         if "." not in src.key:
             raise UnsupportedEntry("torchao's layout names inner tensors <module>._<name>_<part>: "
                                    "a key without a module prefix has no such name")
