@@ -1,4 +1,4 @@
-"""Saves a checkpoint and SIGKILLs itself at a chosen point (run by tests/test_reliability.py).
+"""Saves a checkpoint and SIGKILLs itself at a chosen point (run by tests/test_storage_commits.py).
 
     python tests/crash_worker.py PATH VERSION KILL_AT [--overwrite] [--async]
 

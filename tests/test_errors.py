@@ -127,28 +127,6 @@ def test_load_bytes_refuses_pickled_code(tmp_path, capsys):
     assert "pwned" not in capsys.readouterr().out
 
 
-def test_tampered_metadata_pickle_is_refused(tmp_path):
-    path = _saved(tmp_path)
-
-    class Payload:
-        def __reduce__(self):
-            return (print, ("pwned",))
-
-    (path / ".metadata").write_bytes(pickle.dumps(Payload()))
-    with pytest.raises(CheckpointFormatError, match="builtins.print"):
-        qdcp.describe(path)
-    with pytest.raises(CheckpointFormatError):
-        qdcp.CheckpointReader(path).read_metadata()
-
-
-def test_describe_errors(tmp_path):
-    with pytest.raises(FileNotFoundError):
-        qdcp.describe(tmp_path / "nope")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointFormatError, match="no .metadata"):
-        qdcp.describe(tmp_path / "empty")
-
-
 def test_dequantize_argument_type_checked():
     with pytest.raises(TypeError, match="dequantize"):
         QuantizedSavePlanner(dequantize="yes")

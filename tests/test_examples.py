@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from torchrun_jobs import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_quickstart(tmp_path):
@@ -36,7 +30,7 @@ def test_quickstart(tmp_path):
 def test_fsdp2_train_resumes_at_another_world_size(tmp_path):
     def run(n, *extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
-               f"--master-port={_free_port()}", os.path.join(ROOT, "examples", "fsdp2_train.py"),
+               f"--master-port={free_port()}", os.path.join(ROOT, "examples", "fsdp2_train.py"),
                "--dir", str(tmp_path), "--steps", "5", "--ckpt-every", "2", *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

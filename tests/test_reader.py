@@ -3,6 +3,7 @@ behind an fsspec URL."""
 from __future__ import annotations
 
 import math
+import pickle
 import uuid
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import qdcp
-from qdcp import QuantizedSavePlanner
+from qdcp import CheckpointFormatError, QuantizedSavePlanner
 from quantized_cases import CASE_BY_NAME, CASES, qdcp_save
 
 
@@ -38,3 +39,26 @@ def test_describe_and_read_metadata_of_an_fsspec_url():
     info = qdcp.describe(url)
     assert info["nf4"]["stored_as"] == "raw" and info["bias"]["stored_as"] == "plain"
     assert qdcp.read_metadata(url).state_dict_metadata["bias"].size == torch.Size([3])
+
+
+def test_tampered_metadata_pickle_is_refused(tmp_path):
+    path = tmp_path / "ckpt"
+    dcp.save({"w": CASE_BY_NAME["int8_group32"].make(0)}, checkpoint_id=path, planner=QuantizedSavePlanner())
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    (path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointFormatError, match="builtins.print"):
+        qdcp.describe(path)
+    with pytest.raises(CheckpointFormatError):
+        qdcp.CheckpointReader(path).read_metadata()
+
+
+def test_describe_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        qdcp.describe(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointFormatError, match="no .metadata"):
+        qdcp.describe(tmp_path / "empty")

@@ -1,4 +1,4 @@
-"""Atomic commits, crashes (SIGKILL in a subprocess at several points), checksums, overwrite."""
+"""qdcp.storage, its commit protocol: atomic commits, crashes (SIGKILL in a subprocess at several points), checksums found flipped, overwrite rules."""
 
 from __future__ import annotations
 
