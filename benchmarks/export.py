@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -65,9 +66,10 @@ def bench(kind: str, layout: str, gib: float, root: str) -> dict:
     save_file(plain, st_in)
     del plain
     targets = state  # loaded in place, the same bytes both ways
-    times = compare({
-        "export": (lambda: export(ckpt, out, format=layout, overwrite=True, progress=False), None),
-        "safetensors": (lambda: save_file(load_file(st_in), st_out), None),
+    times = compare({  # both write new files (the previous output removed, untimed)
+        "export": (lambda: export(ckpt, out, format=layout, progress=False), lambda: shutil.rmtree(out, ignore_errors=True)),
+        "safetensors": (lambda: save_file(load_file(st_in), st_out),
+                        lambda: os.path.exists(st_out) and os.remove(st_out)),
     }, repeat=3)
     loads = compare({
         "import": (lambda: dcp.load(targets, storage_reader=QuantizedHFReader(out),

@@ -17,6 +17,7 @@ Exit status: 0 success, 1 a check failed, 2 bad usage / missing or unreadable ch
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import logging
@@ -96,11 +97,16 @@ class _Entries:
                 yield key
                 bar.update(self.nbytes(key))
 
+    @functools.cached_property
+    def reading(self):
+        """The checkpoint's :class:`qdcp.reader.CheckpointEntries` (set up at first use)."""
+        from qdcp.reader import CheckpointEntries
+
+        return CheckpointEntries(self.path, self.md)
+
     def values(self, key: str, dtype: torch.dtype | None) -> torch.Tensor | Any:
         """The entry as plain values (raw entries dequantized, in ``dtype`` if given), or an object."""
-        from qdcp.reader import read_entry
-
-        return read_entry(self.path, key, self.md, dequantize=True, dtype=dtype)
+        return self.reading.entry(key, dequantize=True, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -230,8 +236,6 @@ def _to_safetensors(entries: _Entries, out: str, dequantize: bool, dtype: torch.
     plain tensors under their key. With ``dequantize``: every tensor entry as a plain tensor under
     its key. Objects are skipped.
     """
-    from qdcp.reader import read_entry, read_stored
-
     plan, skipped = _tensor_plan(entries, dequantize, dtype)
     bad = next((row for row in plan if row[2] not in SAFETENSORS_DTYPES), None)
     if bad is not None:
@@ -248,10 +252,10 @@ def _to_safetensors(entries: _Entries, out: str, dequantize: bool, dtype: torch.
             if not rows:
                 continue
             if rows[0][4] is not None:  # raw components, as stored
-                stored = read_stored(entries.path, key, entries.md).components
+                stored = entries.reading.stored(key).components
                 tensors = [stored[comp] for *_, comp in rows]
             else:
-                tensors = [read_entry(entries.path, key, entries.md, dequantize=True, dtype=rows[0][2])]
+                tensors = [entries.values(key, rows[0][2])]
             for (name, _, dt, _, _), t in zip(rows, tensors):
                 writer.write(name, t.to(dt))
     os.replace(tmp, out)

@@ -7,13 +7,17 @@ checksums).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from qdcp import spec as qspec
 from qdcp.adapters.base import StoredEntry, adapter_for_type
+from qdcp.dcp_copies import read_items
+from qdcp.errors import CheckpointFormatError
+from qdcp.placement import narrow
 from qdcp.storage import storage_reader
 
 def read_metadata(path: str | os.PathLike, **storage_options: Any) -> Metadata:
@@ -64,36 +68,124 @@ def describe(path: str | os.PathLike) -> dict[str, dict]:
     return out
 
 
+class CheckpointEntries:
+    """One checkpoint's entries, read one at a time on CPU without a target: the metadata is read,
+    checked and indexed once (reading many entries costs no more per entry than reading one).
+
+    Each read assembles whole items from their stored chunks (a checkpoint saved at any world
+    size) and verifies them as a load does; a stored chunk that is a whole item is kept as loaded,
+    without a second copy. Memory: the entry read.
+    """
+
+    def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None) -> None:
+        self.path = path
+        self._storage = storage_reader(path)
+        self.metadata = metadata if metadata is not None else self._storage.read_metadata()
+        self._storage.set_up_storage_reader(self.metadata, True)
+        self.specs = qspec.read_specs(self.metadata)
+        self._stored = qspec.stored_components(self.metadata.state_dict_metadata)
+
+    def _raw_spec(self, key: str) -> qspec.EntrySpec:
+        entry = self.specs.get(key)
+        if entry is None or entry.storage != qspec.RAW:
+            raise KeyError(f"key {key!r} is not a raw quantized entry of the checkpoint at {os.fspath(self.path)!r}")
+        return entry
+
+    def stored(self, key: str) -> StoredEntry:
+        """The raw entry ``key`` as stored: decoded attributes and canonical components."""
+        entry = self._raw_spec(key)
+        comps = self.components(key, [c.name for c in entry.components])
+        return StoredEntry(entry.type, decoded_attrs(entry), entry.shape, entry.dtype, comps)
+
+    def components(self, key: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Components ``names`` of the raw entry ``key`` (whole, canonical), the entry's spec checked first."""
+        entry = self._raw_spec(key)
+        qspec.layouts_of(entry)
+        qspec.check_component_bytes(entry)
+        qspec.check_items(entry, self.metadata.state_dict_metadata, self._stored.get(key, set()))
+        items = self.tensor_items([qspec.component_fqn(key, n) for n in names])
+        return {n: items[qspec.component_fqn(key, n)] for n in names}
+
+    def tensor_items(self, fqns: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Whole tensor items ``fqns`` of the checkpoint, assembled from their stored chunks."""
+        sd_md = self.metadata.state_dict_metadata
+        reads = []
+        for fqn in fqns:
+            _check_claimed_bytes(self.metadata, fqn)
+            item = sd_md[fqn]
+            reads += read_items(fqn, item, ((0,) * len(item.size), tuple(item.size)))
+        assembler = _Assembler({fqn: sd_md[fqn] for fqn in fqns})
+        self._storage.read_data(LoadPlan(reads), assembler).wait()
+        return assembler.done()
+
+    def entry(self, key: str, *, dequantize: bool = False, dtype: torch.dtype | None = None) -> Any:
+        """What :func:`read_entry` returns for ``key``."""
+        entry = self.specs.get(key)
+        if entry is not None and entry.storage == qspec.RAW:
+            stored = self.stored(key)
+            adapter = adapter_for_type(entry.type, key)
+            return adapter.dequantize_stored(stored, dtype) if dequantize else adapter.rebuild(stored)
+        item = self.metadata.state_dict_metadata.get(key)
+        if item is None:
+            raise KeyError(f"key {key!r} is not in the checkpoint at {os.fspath(self.path)!r}")
+        if not isinstance(item, TensorStorageMetadata):
+            state = {key: None}
+            _load_quietly(state, self.path)
+            return state[key]
+        value = self.tensor_items([key])[key]
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        return value
+
+
+class _Assembler:
+    """The planner side of :meth:`CheckpointEntries.tensor_items`: whole items from their chunks.
+    A read of a whole stored chunk that is the whole item keeps the loaded tensor (no copy);
+    other reads are copied into the item, allocated at its first read."""
+
+    def __init__(self, items: Mapping[str, TensorStorageMetadata]) -> None:
+        self._items = items
+        self._out: dict[str, torch.Tensor] = {}
+
+    def adopt_tensor(self, req: ReadItem, tensor: torch.Tensor) -> bool:
+        fqn = req.dest_index.fqn
+        whole = tuple(self._items[fqn].size)
+        if tuple(tensor.shape) != whole or tuple(req.lengths) != whole or fqn in self._out:
+            return False
+        self._out[fqn] = tensor
+        return True
+
+    def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
+        fqn = req.dest_index.fqn
+        if fqn not in self._out:
+            item = self._items[fqn]
+            self._out[fqn] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        return narrow(self._out[fqn], (tuple(req.dest_offsets), tuple(req.lengths)))
+
+    def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+    def load_bytes(self, req: ReadItem, value) -> None:
+        raise CheckpointFormatError(f"{req.storage_index.fqn!r}: an object where a tensor was expected")
+
+    def done(self) -> dict[str, torch.Tensor]:
+        missing = sorted(set(self._items) - set(self._out))
+        if missing:
+            raise CheckpointFormatError(f"{missing}: no stored chunk holds these items")
+        return self._out
+
+
 def read_stored(path: str | os.PathLike, key: str, metadata: Metadata | None = None) -> StoredEntry:
     """The raw entry ``key`` of the checkpoint at ``path`` as stored: its decoded attributes and
     canonical components, on CPU, checked as a loader checks them. Needs no tensor library.
-    Memory: this entry only."""
-    md = metadata if metadata is not None else read_metadata(path)
-    entry = qspec.read_specs(md).get(key)
-    if entry is None or entry.storage != qspec.RAW:
-        raise KeyError(f"key {key!r} is not a raw quantized entry of the checkpoint at {os.fspath(path)!r}")
-    attrs = decoded_attrs(entry)
-    comps = read_components(path, key, [c.name for c in entry.components], md)
-    return StoredEntry(entry.type, attrs, entry.shape, entry.dtype, comps)
+    Memory: this entry only. (Reading many entries: :class:`CheckpointEntries`.)"""
+    return CheckpointEntries(path, metadata).stored(key)
 
 
 def read_components(path: str | os.PathLike, key: str, names, metadata: Metadata | None = None) -> dict[str, torch.Tensor]:
     """Components ``names`` of the raw entry ``key`` (whole, canonical, on CPU), checked as
     :func:`read_stored` checks them. Memory: those components only."""
-    md = metadata if metadata is not None else read_metadata(path)
-    entry = qspec.read_specs(md).get(key)
-    if entry is None or entry.storage != qspec.RAW:
-        raise KeyError(f"key {key!r} is not a raw quantized entry of the checkpoint at {os.fspath(path)!r}")
-    qspec.layouts_of(entry)
-    qspec.check_component_bytes(entry)
-    qspec.check_items(entry, md.state_dict_metadata, qspec.stored_components(md.state_dict_metadata).get(key, set()))
-    comps = {}
-    for name in names:
-        c = entry.component(name)
-        _check_claimed_bytes(md, qspec.component_fqn(key, name))
-        comps[name] = torch.empty(c.shape, dtype=c.dtype)
-    _load_quietly({qspec.component_fqn(key, n): t for n, t in comps.items()}, path)
-    return comps
+    return CheckpointEntries(path, metadata).components(key, names)
 
 
 def decoded_attrs(entry: qspec.EntrySpec) -> dict[str, Any]:
@@ -119,25 +211,9 @@ def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = No
     in ``dtype``, default the logical dtype; TransformerEngine entries need no TE). Plain and
     dequantized entries come back as plain tensors (cast to ``dtype`` if it is given and they are
     floating), objects as loaded with ``torch.load(weights_only=True)``. Memory: this entry only.
+    (Reading many entries: :class:`CheckpointEntries`.)
     """
-    md = metadata if metadata is not None else read_metadata(path)
-    entry = qspec.read_specs(md).get(key)
-    if entry is not None and entry.storage == qspec.RAW:
-        stored = read_stored(path, key, md)
-        adapter = adapter_for_type(entry.type, key)
-        return adapter.dequantize_stored(stored, dtype) if dequantize else adapter.rebuild(stored)
-    item = md.state_dict_metadata.get(key)
-    if item is None:
-        raise KeyError(f"key {key!r} is not in the checkpoint at {os.fspath(path)!r}")
-    if isinstance(item, TensorStorageMetadata):
-        _check_claimed_bytes(md, key)
-    state = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
-             if isinstance(item, TensorStorageMetadata) else None}
-    _load_quietly(state, path)
-    value = state[key]
-    if dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
-        value = value.to(dtype)
-    return value
+    return CheckpointEntries(path, metadata).entry(key, dequantize=dequantize, dtype=dtype)
 
 
 _stored_cache: tuple[Any, dict[str, int]] = (None, {})
@@ -157,8 +233,6 @@ def _stored_bytes(md: Metadata) -> dict[str, int]:
 
 def _check_claimed_bytes(md: Metadata, fqn: str) -> None:
     """A tensor item cannot hold more elements than its stored bytes: refuse before allocating."""
-    from qdcp.errors import CheckpointFormatError
-
     item = md.state_dict_metadata.get(fqn)
     if not isinstance(item, TensorStorageMetadata):
         raise CheckpointFormatError(f"{fqn!r} is not a tensor item of the checkpoint")

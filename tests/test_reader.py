@@ -62,3 +62,28 @@ def test_describe_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointFormatError, match="no .metadata"):
         qdcp.describe(tmp_path / "empty")
+
+
+def test_entries_read_verifies_every_item(tmp_path):
+    """Reading entries without a target (``read_stored``, ``read_entry``, ``CheckpointEntries``
+    and so ``qdcp export``) checks each item against the checksum its save recorded: a flipped
+    byte in a component's values is a ChecksumError naming the key, never wrong values."""
+    from qdcp.reader import CheckpointEntries
+    from qdcp.storage import ChecksumError
+
+    path = tmp_path / "ckpt"
+    source = CASE_BY_NAME["int8_group32"].make(0)
+    dcp.save({"layer.w": source}, checkpoint_id=path, planner=QuantizedSavePlanner())
+    entries = CheckpointEntries(path)
+    assert torch.equal(entries.stored("layer.w").components["qdata"], source.qdata)
+    info = next(v for k, v in entries.metadata.storage_data.items() if k.fqn == "layer.w.__qdcp__.qdata")
+    data = path / info.relative_path
+    raw = bytearray(data.read_bytes())
+    raw[info.offset + info.length // 2] ^= 0x5A
+    data.write_bytes(bytes(raw))
+    for read in (lambda: qdcp.read_stored(path, "layer.w"), lambda: CheckpointEntries(path).stored("layer.w"),
+                 lambda: qdcp.read_entry(path, "layer.w", dequantize=True),
+                 lambda: qdcp.export(path, tmp_path / "out", format="torchao", progress=False)):
+        with pytest.raises(ChecksumError, match="key 'layer.w'"):
+            read()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no OUT_DIR, no temporary directory

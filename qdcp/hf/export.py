@@ -27,7 +27,7 @@ from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 from qdcp.hf import safetensors_files as stf
 from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Source, UnsupportedEntry
-from qdcp.reader import read_components, read_entry, read_metadata, read_stored
+from qdcp.reader import CheckpointEntries
 
 
 class ExportError(QdcpError):
@@ -74,10 +74,10 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
     checkpoint, out_dir = os.fspath(checkpoint), os.fspath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ExportError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
-    md = read_metadata(checkpoint)
-    sources, skipped = _sources(md)
+    entries = CheckpointEntries(checkpoint)
+    sources, skipped = _sources(entries.metadata)
     plans = _plan_all(layout, sources, dequantize_unsupported,
-                      lambda key: functools.partial(read_components, checkpoint, key, metadata=md))
+                      lambda key: functools.partial(entries.components, key))
     config_json = dict(_base_config(config))
     quantization_config = layout.quantization_config(plans)
     if quantization_config is not None:
@@ -89,7 +89,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
     tmp = tempfile.mkdtemp(prefix=".qdcp-export-", dir=parent)
     try:
         weight_map = _write_files(layout, [[plans[i] for i in s] for s in shards], files,
-                                  _Reading(checkpoint, md, sources), tmp, progress)
+                                  _Reading(entries, sources), tmp, progress)
         if len(files) > 1:
             stf.write_index(tmp, weight_map, sum(p.nbytes for p in plans))
         with open(os.path.join(tmp, stf.CONFIG_FILE), "w") as f:
@@ -161,16 +161,14 @@ def _base_config(config) -> Mapping[str, Any]:
 class _Reading:
     """Where entries are read from."""
 
-    path: str
-    metadata: Any
+    entries: CheckpointEntries
     sources: Mapping[str, Source]
 
     def tensors(self, layout: HFLayout, plan: EntryPlan) -> dict[str, torch.Tensor]:
         """The planned tensors of one entry, read and converted (this entry only in memory)."""
         if self.sources[plan.key].spec is None or plan.dequantized:
-            value = read_entry(self.path, plan.key, self.metadata, dequantize=True, dtype=plan.tensors[0].dtype)
-            return {plan.key: value}
-        return layout.produce(plan, read_stored(self.path, plan.key, self.metadata))
+            return {plan.key: self.entries.entry(plan.key, dequantize=True, dtype=plan.tensors[0].dtype)}
+        return layout.produce(plan, self.entries.stored(plan.key))
 
 
 def _write_files(layout: HFLayout, shards: list[list[EntryPlan]], files: list[str], reading: _Reading,
