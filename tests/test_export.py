@@ -4,6 +4,7 @@ compressed-tensors' compressors, transformers' config classes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +18,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import qdcp
-from qdcp.hf.ct_layout import pack_int32, unpack_int32
+from qdcp.errors import QdcpError
+from qdcp.hf.ct_layout import pack_int32, packed_rows, unpack_int32
+from qdcp.hf.safetensors_files import RowBlocks, ShardWriter, TensorOut
 from hf_helpers import TORCHAO_CASES, ct_decompress, read_dir
 from quantized_cases import CASE_BY_NAME, bits_diff, qdcp_save
 
@@ -193,6 +196,23 @@ def test_int_packing_matches_compressed_tensors():
         assert torch.equal(pack_int32(v, bits), pack_to_int32(v, bits))
         assert torch.equal(unpack_int32(pack_int32(v, bits), bits, 40), v)
         assert torch.equal(unpack_from_int32(pack_int32(v, bits), bits, torch.Size((16, 40))), v)
+        v = torch.arange(lo, hi + 1, dtype=torch.int8).repeat(16, 3)[:, :40]  # every value, every position
+        assert torch.equal(pack_int32(v, bits), pack_to_int32(v, bits))
+        blocks = dataclasses.replace(packed_rows(v, bits), rows=3)  # as the writer makes it: 6 blocks
+        assert torch.equal(torch.cat(list(blocks.blocks())), pack_to_int32(v, bits))
+
+
+def test_writer_checks_row_blocks(tmp_path):
+    v = torch.randint(-8, 8, (10, 16), dtype=torch.int8)
+    good = dataclasses.replace(packed_rows(v, 4), rows=4)
+    with ShardWriter(str(tmp_path / "a.safetensors"), [TensorOut("w", (10, 2), torch.int32)], {}) as w:
+        w.write("w", good)
+    with safe_open(str(tmp_path / "a.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("w"), pack_int32(v, 4))
+    short = RowBlocks((10, 2), torch.int32, lambda a, b: pack_int32(v[a:b], 4)[:1], 4)
+    with pytest.raises(QdcpError, match="'w': 24 bytes written, 80 planned"):
+        with ShardWriter(str(tmp_path / "b.safetensors"), [TensorOut("w", (10, 2), torch.int32)], {}) as w:
+            w.write("w", short)
 
 
 def test_compressed_tensors_refuses_what_it_cannot_hold(tmp_path):

@@ -37,7 +37,7 @@ from qdcp.adapters.base import StoredEntry, adapter_for_type
 from qdcp.adapters.formats import MXFP8_FORMS, NVFP4_ROW16, nvfp4_decode_scale, parse_affine_form
 from qdcp.errors import QdcpError
 from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Source, UnsupportedEntry
-from qdcp.hf.safetensors_files import TensorOut
+from qdcp.hf.safetensors_files import RowBlocks, TensorOut
 from qdcp.reader import stored_on_meta
 
 CT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this writes
@@ -66,17 +66,28 @@ def _scheme(fmt: str, **weights) -> Scheme:
 def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
     """compressed-tensors' ``pack-quantized`` words (4 or 8 bits): ``values + 2**(bits-1)`` packed
     from the least significant bit, ``32 // bits`` a word along the last dim (zero padded). Bytes
-    are built in uint8 and read as little-endian int32 words."""
+    are built in uint8 (the offset is a bit flip of the two's complement byte) and read as
+    little-endian int32 words."""
     per = 32 // bits
-    u = (values.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+    if bits not in (4, 8):
+        raise ValueError(f"pack_int32: {bits}-bit integers are not written (4 and 8 are)")
+    u = values.contiguous().view(torch.uint8)
     pad = -u.shape[-1] % per
     if pad:
         u = torch.nn.functional.pad(u, (0, pad))
-    if bits == 4:
-        u = u[..., 0::2] | (u[..., 1::2] << 4)
-    elif bits != 8:
-        raise ValueError(f"pack_int32: {bits}-bit integers are not written (4 and 8 are)")
-    return u.contiguous().view(torch.int32)
+    if bits == 8:
+        return torch.bitwise_xor(u, 0x80).view(torch.int32)
+    packed = torch.bitwise_xor(u[..., 1::2], 0x8).bitwise_left_shift_(4)
+    return packed.bitwise_or_(torch.bitwise_xor(u[..., 0::2], 0x8).bitwise_and_(0xF)).view(torch.int32)
+
+
+def packed_rows(values: torch.Tensor, bits: int) -> RowBlocks:
+    """:func:`pack_int32` of 2-D ``values``, made a block of rows at a time as it is written (about
+    16 MiB of words a block): exporting holds the entry and one block, not a packed copy."""
+    n, k = values.shape
+    words = -(-k // (32 // bits))
+    rows = max(1, (16 << 20) // max(1, words * 4))
+    return RowBlocks((n, words), torch.int32, lambda a, b: pack_int32(values[a:b], bits), rows)
 
 
 def unpack_int32(words: torch.Tensor, bits: int, length: int) -> torch.Tensor:
@@ -134,7 +145,7 @@ class CompressedTensorsLayout(HFLayout):
         scheme, tensors = _plan_form(form, t, src.shape)
         return EntryPlan(src.key, tuple(TensorOut(f"{module}.{n}", s, d) for n, s, d in tensors), scheme=scheme)
 
-    def produce(self, plan: EntryPlan, stored: StoredEntry) -> dict[str, torch.Tensor]:
+    def produce(self, plan: EntryPlan, stored: StoredEntry) -> dict[str, torch.Tensor | RowBlocks]:
         form, t = self._form(stored, plan.key)
         module = plan.key[: -len(".weight")]
         return {f"{module}.{n}": v for n, v in _tensors(form, t, stored.shape).items()}
@@ -186,7 +197,7 @@ def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape) -> tuple[Scheme,
              ("weight_shape", (2,), torch.int64)])
 
 
-def _tensors(form: str, t: Mapping[str, torch.Tensor], shape) -> dict[str, torch.Tensor]:
+def _tensors(form: str, t: Mapping[str, torch.Tensor], shape) -> dict[str, torch.Tensor | RowBlocks]:
     """The entry's tensors from its form, bits carried over (integers planned symmetric)."""
     if form == NVFP4_ROW16:
         return {"weight_packed": t["data"], "weight_scale": t["scale"].view(torch.float8_e4m3fn),
@@ -198,7 +209,7 @@ def _tensors(form: str, t: Mapping[str, torch.Tensor], shape) -> dict[str, torch
     if kind == "float8":
         return {"weight": t["data"], "weight_scale": scale}
     bits = 8 if kind == "int8" else 4
-    return {"weight_packed": pack_int32(t["data"], bits), "weight_scale": scale,
+    return {"weight_packed": packed_rows(t["data"], bits), "weight_scale": scale,
             "weight_shape": torch.tensor(list(shape), dtype=torch.int64)}
 
 

@@ -15,7 +15,7 @@ import torch
 
 from qdcp.adapters.base import StoredEntry
 from qdcp.errors import QdcpError
-from qdcp.hf.safetensors_files import TensorOut
+from qdcp.hf.safetensors_files import RowBlocks, TensorOut
 from qdcp.spec import EntrySpec
 
 
@@ -67,8 +67,9 @@ class HFLayout:
         """The plan of a plain tensor entry (or a quantized one written dequantized)."""
         return EntryPlan(key, (TensorOut(key, shape, dtype),), dequantized=dequantized)
 
-    def produce(self, plan: EntryPlan, stored: StoredEntry) -> dict[str, torch.Tensor]:
-        """The tensors of a planned raw entry, by name, from its stored components."""
+    def produce(self, plan: EntryPlan, stored: StoredEntry) -> dict[str, torch.Tensor | RowBlocks]:
+        """The tensors of a planned raw entry, by name, from its stored components (a tensor made
+        from a large one may come as :class:`RowBlocks`, made as it is written)."""
         raise NotImplementedError
 
     def file_metadata(self, plans: Sequence[EntryPlan]) -> dict[str, str]:

@@ -15,7 +15,7 @@ import json
 import math
 import os
 import re
-from typing import IO, Mapping, Sequence
+from typing import IO, Callable, Mapping, Sequence
 
 import torch
 
@@ -47,6 +47,22 @@ class TensorOut:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBlocks:
+    """A tensor made and written a block of rows at a time (the whole never in memory at once):
+    ``make(start, stop)`` returns rows ``[start, stop)``, ``rows`` at most per call."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[int, int], torch.Tensor]
+    rows: int
+
+    def blocks(self):
+        """The row blocks in order."""
+        for start in range(0, self.shape[0], max(1, self.rows)):
+            yield self.make(start, min(start + max(1, self.rows), self.shape[0]))
 
 
 def header_bytes(tensors: Sequence[TensorOut], metadata: Mapping[str, str]) -> bytes:
@@ -87,15 +103,23 @@ class ShardWriter:
         else:
             self._file.close()
 
-    def write(self, name: str, value: torch.Tensor) -> None:
+    def write(self, name: str, value: torch.Tensor | RowBlocks) -> None:
         """Append ``value``'s bytes as tensor ``name`` (the next one planned, same shape and dtype)."""
         want = self._pending.popleft() if self._pending else None
         if want is None or want.name != name or tuple(value.shape) != want.shape or value.dtype != want.dtype:
             raise QdcpError(f"{self.path}: tensor {name!r} {tuple(value.shape)} {value.dtype} does not match "
                             f"the planned {want}")
-        if value.numel():
-            data = value.detach().contiguous().reshape(-1).view(torch.uint8)
-            self._file.write(memoryview(data.cpu().numpy()))
+        parts = value.blocks() if isinstance(value, RowBlocks) else (value,)
+        written = 0
+        for part in parts:
+            if part.dtype != want.dtype or tuple(part.shape[1:]) != want.shape[1:]:
+                raise QdcpError(f"{self.path}: a block of {name!r} is {tuple(part.shape)} {part.dtype}")
+            if part.numel():
+                data = part.detach().contiguous().reshape(-1).view(torch.uint8)
+                self._file.write(memoryview(data.cpu().numpy()))
+            written += part.numel() * part.element_size()
+        if written != want.nbytes:
+            raise QdcpError(f"{self.path}: tensor {name!r}: {written} bytes written, {want.nbytes} planned")
 
     def close(self) -> None:
         """Close the file; every planned tensor must have been written."""
