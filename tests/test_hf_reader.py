@@ -99,6 +99,26 @@ def test_compressed_tensors_nvfp4_and_mxfp8_into_torchao_targets_raw(ct_dirs):
     assert bits_diff(mx["fc1.weight"].dequantize(), ct_decompress(ct_dirs["mxfp8"][1])["fc1.weight"]) is None
 
 
+def test_nvfp4_without_per_tensor_scale_round_trips_raw(tmp_path, ct_dirs):
+    """An NVFP4Tensor without a per-tensor scale exports with decode scale 1 and loads back into
+    such a target raw, bit for bit (its first block holds only codes of 0.5: requantizing would
+    pick a smaller scale). The library's own directory (another global scale) loads into one as
+    its values requantized like the target."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+
+    w = NVFP4Tensor.to_nvfp4(torch.randn(64, 128, dtype=torch.bfloat16))
+    w.qdata[0, :8] = 0x11
+    qdcp_save(tmp_path / "ckpt", {"m.weight": w}, no_dist=True)
+    qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="compressed-tensors")
+    got = _load({"m.weight": NVFP4Tensor.to_nvfp4(torch.ones(64, 128, dtype=torch.bfloat16))}, tmp_path / "out")
+    assert got["m.weight"].per_tensor_scale is None and components_diff(got["m.weight"], w) is None
+
+    dense = ct_decompress(ct_dirs["nvfp4"][1])["fc1.weight"]
+    target = NVFP4Tensor.to_nvfp4(torch.ones(dense.shape, dtype=torch.bfloat16))
+    got = _load({"fc1.weight": target}, ct_dirs["nvfp4"][1])["fc1.weight"]
+    assert components_diff(got, NVFP4Tensor.to_nvfp4(dense.to(torch.bfloat16))) is None
+
+
 def test_exported_compressed_tensors_round_trip_into_the_source_type(tmp_path):
     w = CASE_BY_NAME["mx_fp8"].make(3)
     qdcp_save(tmp_path / "ckpt", {"m.weight": w}, no_dist=True)

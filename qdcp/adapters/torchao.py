@@ -467,13 +467,23 @@ class NVFP4TensorAdapter(_BlockScaledAdapter):
                 "amax": amax_for_torchao_scale(pts.float().reshape(()))}
 
     def raw_forms_in(self, target):
-        ok = target.block_size == 16 and target.per_tensor_scale is not None and target.per_tensor_scale.numel() == 1
+        ok = target.block_size == 16 and (target.per_tensor_scale is None or target.per_tensor_scale.numel() == 1)
         return (NVFP4_ROW16,) if ok else ()
 
     def from_raw_form(self, target, form, tensors):
+        """A target without a per-tensor scale takes the bits as they are where the form's decode
+        scale is 1 (what such a tensor exports as); another decode scale it cannot hold, so the
+        values are requantized like it, as a load without a raw path would."""
         pts = nvfp4_decode_scale(tensors["amax"])
-        self.copy_into(target, {"qdata": tensors["data"], "scale": tensors["scale"].view(torch.float8_e4m3fn),
-                                "per_tensor_scale": pts.reshape(target.per_tensor_scale.shape)})
+        scale = tensors["scale"].view(torch.float8_e4m3fn)
+        if target.per_tensor_scale is not None:
+            self.copy_into(target, {"qdata": tensors["data"], "scale": scale,
+                                    "per_tensor_scale": pts.reshape(target.per_tensor_scale.shape)})
+        elif bool((pts == 1).all()):
+            self.copy_into(target, {"qdata": tensors["data"], "scale": scale})
+        else:
+            held = self.new_from_raw_form(form, tensors, shape=tuple(target.shape), dtype=target.orig_dtype)
+            self.copy_into(target, self.components(self.quantize_like(target, held.dequantize(target.orig_dtype))))
 
     def new_from_raw_form(self, form, tensors, *, shape, dtype):
         if form != NVFP4_ROW16:

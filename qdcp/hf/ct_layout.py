@@ -63,31 +63,35 @@ def _scheme(fmt: str, **weights) -> Scheme:
     return Scheme(fmt, json.dumps(base, sort_keys=True))
 
 
-def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_int32(values: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """compressed-tensors' ``pack-quantized`` words (4 or 8 bits): ``values + 2**(bits-1)`` packed
     from the least significant bit, ``32 // bits`` a word along the last dim (zero padded). Bytes
-    are built in uint8 (the offset is a bit flip of the two's complement byte) and read as
-    little-endian int32 words."""
-    per = 32 // bits
+    are built in uint8 and read as little-endian int32 words: the offset is a bit flip of the two's
+    complement byte (``^ 0x80``; two nibbles ``(hi << 4 | lo & 0xF) ^ 0x88``). ``out``: a uint8
+    buffer of at least the packed bytes, reused (the words are a view of it)."""
     if bits not in (4, 8):
         raise ValueError(f"pack_int32: {bits}-bit integers are not written (4 and 8 are)")
     u = values.contiguous().view(torch.uint8)
-    pad = -u.shape[-1] % per
+    pad = -u.shape[-1] % (32 // bits)
     if pad:
         u = torch.nn.functional.pad(u, (0, pad))
+    shape = (*u.shape[:-1], u.shape[-1] * bits // 8)
+    packed = torch.empty(shape, dtype=torch.uint8) if out is None else out.reshape(-1)[: math.prod(shape)].view(shape)
     if bits == 8:
-        return torch.bitwise_xor(u, 0x80).view(torch.int32)
-    packed = torch.bitwise_xor(u[..., 1::2], 0x8).bitwise_left_shift_(4)
-    return packed.bitwise_or_(torch.bitwise_xor(u[..., 0::2], 0x8).bitwise_and_(0xF)).view(torch.int32)
+        return torch.bitwise_xor(u, 0x80, out=packed).view(torch.int32)
+    torch.bitwise_left_shift(u[..., 1::2], 4, out=packed)
+    packed.bitwise_or_(u[..., 0::2] & 0xF).bitwise_xor_(0x88)
+    return packed.view(torch.int32)
 
 
 def packed_rows(values: torch.Tensor, bits: int) -> RowBlocks:
-    """:func:`pack_int32` of 2-D ``values``, made a block of rows at a time as it is written (about
-    16 MiB of words a block): exporting holds the entry and one block, not a packed copy."""
+    """:func:`pack_int32` of 2-D ``values``, made a block of rows at a time in one reused buffer
+    as it is written (about 1 MiB a block): exporting holds the entry and that buffer, not a packed copy."""
     n, k = values.shape
     words = -(-k // (32 // bits))
-    rows = max(1, (16 << 20) // max(1, words * 4))
-    return RowBlocks((n, words), torch.int32, lambda a, b: pack_int32(values[a:b], bits), rows)
+    rows = max(1, (1 << 20) // max(1, words * 4))
+    buffer = torch.empty(min(rows, n) * words * 4, dtype=torch.uint8)
+    return RowBlocks((n, words), torch.int32, lambda a, b: pack_int32(values[a:b], bits, buffer), rows)
 
 
 def unpack_int32(words: torch.Tensor, bits: int, length: int) -> torch.Tensor:
