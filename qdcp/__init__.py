@@ -24,7 +24,7 @@ from qdcp.errors import (
 )
 from qdcp.new_empty import enable_new_empty, register_new_empty, unregister_new_empty
 from qdcp.offload import to_device
-from qdcp.reader import describe, read_entry, read_metadata, read_stored
+from qdcp.reader import CheckpointEntries, describe, read_entry, read_metadata, read_stored
 from qdcp.storage import (
     CheckpointReader,
     CheckpointWriter,
@@ -46,7 +46,7 @@ register_new_empty()  # for torchao classes already imported; QuantizedSavePlann
 __version__ = "0.1.0"
 
 __all__ = [
-    "QuantizedSavePlanner", "QuantizedLoadPlanner", "QuantizedStager", "describe", "read_metadata", "read_entry", "read_stored",
+    "QuantizedSavePlanner", "QuantizedLoadPlanner", "QuantizedStager", "describe", "read_metadata", "read_entry", "read_stored", "CheckpointEntries",
     "CheckpointReader", "CheckpointWriter", "storage_reader",
     "storage_writer", "to_device", "register_new_empty", "unregister_new_empty", "enable_new_empty",
     "Adapter", "StoredEntry", "register_adapter", "find_adapter", "registered_type_names",
