@@ -84,6 +84,7 @@ class CheckpointEntries:
         self._storage.set_up_storage_reader(self.metadata, True)
         self.specs = qspec.read_specs(self.metadata)
         self._stored = qspec.stored_components(self.metadata.state_dict_metadata)
+        self._stored_bytes = _stored_bytes(self.metadata)
 
     def _raw_spec(self, key: str) -> qspec.EntrySpec:
         entry = self.specs.get(key)
@@ -111,8 +112,8 @@ class CheckpointEntries:
         sd_md = self.metadata.state_dict_metadata
         reads = []
         for fqn in fqns:
-            _check_claimed_bytes(self.metadata, fqn)
-            item = sd_md[fqn]
+            item = sd_md.get(fqn)
+            _check_claimed_bytes(item, fqn, self._stored_bytes.get(fqn, 0))
             reads += read_items(fqn, item, ((0,) * len(item.size), tuple(item.size)))
         assembler = _Assembler({fqn: sd_md[fqn] for fqn in fqns})
         self._storage.read_data(LoadPlan(reads), assembler).wait()
@@ -216,31 +217,23 @@ def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = No
     return CheckpointEntries(path, metadata).entry(key, dequantize=dequantize, dtype=dtype)
 
 
-_stored_cache: tuple[Any, dict[str, int]] = (None, {})
-
-
 def _stored_bytes(md: Metadata) -> dict[str, int]:
-    """Bytes stored per item fqn (framing included), computed once per metadata object."""
-    global _stored_cache
-    if _stored_cache[0] is not md:
-        totals: dict[str, int] = {}
-        for idx, info in (md.storage_data or {}).items():
-            fqn = getattr(idx, "fqn", None)
-            totals[fqn] = totals.get(fqn, 0) + int(getattr(info, "length", 0) or 0)
-        _stored_cache = (md, totals)
-    return _stored_cache[1]
+    """Bytes stored per item fqn (framing included)."""
+    totals: dict[str, int] = {}
+    for idx, info in (md.storage_data or {}).items():
+        fqn = getattr(idx, "fqn", None)
+        totals[fqn] = totals.get(fqn, 0) + int(getattr(info, "length", 0) or 0)
+    return totals
 
 
-def _check_claimed_bytes(md: Metadata, fqn: str) -> None:
-    """A tensor item cannot hold more elements than its stored bytes: refuse before allocating."""
-    item = md.state_dict_metadata.get(fqn)
+def _check_claimed_bytes(item: Any, fqn: str, stored: int) -> None:
+    """A tensor item cannot hold more elements than its ``stored`` bytes: refuse before allocating."""
     if not isinstance(item, TensorStorageMetadata):
         raise CheckpointFormatError(f"{fqn!r} is not a tensor item of the checkpoint")
     claimed = 1
     for s in item.size:
         claimed *= int(s)
     claimed *= item.properties.dtype.itemsize
-    stored = _stored_bytes(md).get(fqn, 0)
     if claimed > stored:
         raise CheckpointFormatError(
             f"{fqn!r} claims {claimed} bytes but its stored items hold {stored}; the checkpoint's "
