@@ -245,8 +245,8 @@ def _to_safetensors(entries: _Entries, out: str, dequantize: bool, dtype: torch.
     for row in plan:
         by_key.setdefault(row[3], []).append(row)
     tmp = out + ".tmp"
-    with ShardWriter(tmp, [TensorOut(name, tuple(shape), dt) for name, shape, dt, _, _ in plan],
-                     _file_metadata(entries, dequantize)) as writer:
+    outs = [TensorOut(name, tuple(shape), dt) for name, shape, dt, _, _ in plan]
+    with ShardWriter(tmp, outs, _file_metadata(entries, dequantize)) as writer:
         for key in entries:
             rows = by_key.get(key, ())
             if not rows:
@@ -261,7 +261,7 @@ def _to_safetensors(entries: _Entries, out: str, dequantize: bool, dtype: torch.
     os.replace(tmp, out)
     for key in skipped:
         print(f"qdcp: skipped non-tensor entry {key!r} (safetensors holds tensors only)", file=sys.stderr)
-    print(f"wrote {out}: {len(plan)} tensors, {sum(math.prod(r[1]) * r[2].itemsize for r in plan)} bytes")
+    print(f"wrote {out}: {len(plan)} tensors, {sum(t.nbytes for t in outs)} bytes")
     return EXIT_OK
 
 
