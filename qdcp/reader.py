@@ -75,10 +75,16 @@ class CheckpointEntries:
     Each read assembles whole items from their stored chunks (a checkpoint saved at any world
     size) and verifies them as a load does; a stored chunk that is a whole item is kept as loaded,
     without a second copy. Memory: the entry read.
+
+    ``reuse_memory=True`` reads every entry into one buffer kept from read to read (grown to the
+    largest entry): no allocation per entry, but what a read returns views that buffer and is
+    overwritten by the next read. Use each entry before reading the next (as export does).
     """
 
-    def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None, *,
+                 reuse_memory: bool = False) -> None:
         self.path = path
+        self._memory = _Arena() if reuse_memory else None
         self._storage = storage_reader(path)
         self.metadata = metadata if metadata is not None else self._storage.read_metadata()
         self._storage.set_up_storage_reader(self.metadata, True)
@@ -115,7 +121,12 @@ class CheckpointEntries:
             item = sd_md.get(fqn)
             _check_claimed_bytes(item, fqn, self._stored_bytes.get(fqn, 0))
             reads += read_items(fqn, item, ((0,) * len(item.size), tuple(item.size)))
-        assembler = _Assembler({fqn: sd_md[fqn] for fqn in fqns})
+        arena = None
+        if self._memory is not None:  # room for every stored chunk that is a whole item
+            whole = [r for r in reads if _reads_whole_item(r, sd_md[r.dest_index.fqn])]
+            self._memory.reset([self.metadata.storage_data[r.storage_index].length for r in whole])
+            arena = self._memory
+        assembler = _Assembler({fqn: sd_md[fqn] for fqn in fqns}, arena)
         self._storage.read_data(LoadPlan(reads), assembler).wait()
         return assembler.done()
 
@@ -139,14 +150,53 @@ class CheckpointEntries:
         return value
 
 
+def _reads_whole_item(req: ReadItem, item: TensorStorageMetadata) -> bool:
+    """Whether ``req`` reads a stored chunk that is the whole item, all of it."""
+    whole = tuple(item.size)
+    return tuple(req.lengths) == whole and not any(req.storage_offsets) and not any(req.dest_offsets) \
+        and len(item.chunks) == 1 and tuple(item.chunks[0].sizes) == whole
+
+
+class _Arena:
+    """One uint8 buffer handed out in 64-byte aligned slots, reset before each read (grown when a
+    read needs more; what earlier reads returned keeps the old buffer alive)."""
+
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._used = 0
+
+    def reset(self, sizes: Sequence[int]) -> None:
+        need = sum(-(-n // self.ALIGN) * self.ALIGN for n in sizes)
+        if self._buffer.numel() < need:
+            self._buffer = torch.empty(0, dtype=torch.uint8)  # the old one freed first
+            self._buffer = torch.empty(need, dtype=torch.uint8)
+        self._used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        start = self._used
+        if start + nbytes > self._buffer.numel():
+            return None
+        self._used = start + -(-nbytes // self.ALIGN) * self.ALIGN
+        return self._buffer[start: start + nbytes]
+
+
 class _Assembler:
     """The planner side of :meth:`CheckpointEntries.tensor_items`: whole items from their chunks.
-    A read of a whole stored chunk that is the whole item keeps the loaded tensor (no copy);
-    other reads are copied into the item, allocated at its first read."""
+    A read of a whole stored chunk that is the whole item keeps the loaded tensor (no copy; read
+    into ``arena`` when one is given); other reads are copied into the item, allocated at its
+    first read."""
 
-    def __init__(self, items: Mapping[str, TensorStorageMetadata]) -> None:
+    def __init__(self, items: Mapping[str, TensorStorageMetadata], arena: _Arena | None = None) -> None:
         self._items = items
+        self._arena = arena
         self._out: dict[str, torch.Tensor] = {}
+
+    def buffer_for(self, req: ReadItem, nbytes: int) -> torch.Tensor | None:
+        if self._arena is None or not _reads_whole_item(req, self._items[req.dest_index.fqn]):
+            return None
+        return self._arena.take(nbytes)
 
     def adopt_tensor(self, req: ReadItem, tensor: torch.Tensor) -> bool:
         fqn = req.dest_index.fqn

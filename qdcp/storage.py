@@ -20,6 +20,7 @@ import dataclasses
 import io
 import os
 import pickle
+import re
 import struct
 import threading
 import uuid
@@ -276,6 +277,15 @@ class _FileSlice(_ViewReader):
         return got
 
 
+def _record_start(payload: memoryview, info: zipfile.ZipInfo) -> int:
+    """Where the bytes of the zip record ``info`` start in ``payload`` (after its local header)."""
+    head = bytes(payload[info.header_offset: info.header_offset + 30])
+    if len(head) < 30 or head[:4] != b"PK\x03\x04":
+        raise zipfile.BadZipFile(f"bad local header of {info.filename!r}")
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
 def _check_zip_crcs(payload: memoryview, where: str) -> None:
     """Verify the CRC-32 that ``torch.save`` writes for every record of its zip archive (the only
     integrity check of an item stored without qdcp checksums; ``torch.load`` does not check them)."""
@@ -289,17 +299,45 @@ def _check_zip_crcs(payload: memoryview, where: str) -> None:
                         while f.read(1 << 24):
                             pass
                     continue
-                head = bytes(payload[info.header_offset: info.header_offset + 30])
-                if len(head) < 30 or head[:4] != b"PK\x03\x04":
-                    raise zipfile.BadZipFile(f"bad local header of {info.filename!r}")
-                name_len, extra_len = struct.unpack("<HH", head[26:30])
-                start = info.header_offset + 30 + name_len + extra_len
+                start = _record_start(payload, info)
                 record = payload[start: start + info.compress_size]
                 if len(record) != info.compress_size or zlib.crc32(record) != info.CRC:
                     raise zipfile.BadZipFile(f"Bad CRC-32 for file {info.filename!r}")
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, NotImplementedError,
             KeyError, struct.error) as e:
         raise ChecksumError(f"{where}: the stored item is corrupt ({e})") from None
+
+
+_STORAGE_RECORD = re.compile(r"[^/]+/data/[0-9]+")
+
+
+def _archived_tensor(payload: memoryview, memory: torch.Tensor) -> torch.Tensor | None:
+    """The tensor of the ``torch.save`` archive ``payload`` as a view of ``memory`` (the uint8
+    tensor whose first bytes ``payload`` is): no copy. Its size, strides and dtype come from
+    ``torch.load`` onto the meta device (which reads no storage), its bytes from the one storage
+    record the archive's zip directory lists. None where the archive is anything else (the caller
+    then loads it the usual way)."""
+    try:
+        meta = torch.load(_ViewReader(payload), map_location="meta", weights_only=True)
+        if type(meta) is not torch.Tensor or meta.layout != torch.strided or meta.is_quantized:
+            return None
+        nbytes = meta.untyped_storage().nbytes()
+        with zipfile.ZipFile(io.BufferedReader(_ViewReader(payload))) as z:
+            records = [i for i in z.infolist() if _STORAGE_RECORD.fullmatch(i.filename)]
+        if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED or records[0].file_size != nbytes:
+            return None
+        start = _record_start(payload, records[0])
+    except Exception:  # unreadable here: the usual load reports it
+        return None
+    itemsize = meta.element_size()
+    if meta.numel() == 0:
+        return torch.empty(meta.shape, dtype=meta.dtype)
+    last = meta.storage_offset() + sum((n - 1) * s for n, s in zip(meta.shape, meta.stride()))
+    if start + nbytes > len(payload) or any(s < 0 for s in meta.stride()) or meta.storage_offset() < 0 \
+            or (last + 1) * itemsize > nbytes or nbytes % itemsize or (memory.data_ptr() + start) % itemsize:
+        return None
+    flat = memory[start: start + nbytes].view(meta.dtype)
+    return flat.as_strided(meta.shape, meta.stride(), flat.storage_offset() + meta.storage_offset())
 
 
 class _VerifyingTransforms:
@@ -382,7 +420,9 @@ class _SafeReading:
         the dtype and chunk shape the metadata records. Every item is verified once: against its
         ``qdcp-checksum`` trailer, else against the checksum the save planner recorded (left to a
         planner that ``verifies_whole_items`` for items it reads whole), else by torch.save's zip
-        CRCs. Any failure is a :class:`CheckpointFormatError` naming the state-dict key."""
+        CRCs. Any failure is a :class:`CheckpointFormatError` naming the state-dict key. A planner
+        may offer memory for an item (``buffer_for(req, nbytes)``, a uint8 CPU tensor): the item is
+        read there and offered back as a view of it (``adopt_tensor(req, tensor)``), no copy made."""
         per_file: dict[str, list] = {}
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
@@ -437,16 +477,19 @@ class _SafeReading:
                 f"{tuple(req.storage_index.offset or ())} does not match the checksum its save recorded "
                 f"(recorded {expected:016x}, read {got:016x}): the data file is corrupt")
 
-    def _read_buffer(self, length: int) -> memoryview:
+    def _read_buffer(self, length: int) -> torch.Tensor:
         buf = getattr(self, "_qdcp_buffer", None)
-        if buf is None or len(buf) < length:
-            buf = self._qdcp_buffer = bytearray(max(length, 1 << 20))
-        return memoryview(buf)[:length]
+        if buf is None or buf.numel() < length:
+            self._qdcp_buffer = None
+            buf = self._qdcp_buffer = torch.empty(max(length, 1 << 20), dtype=torch.uint8)
+        return buf[:length]
 
-    def _payload(self, stream, offset: int, length: int, rel: str, *, where: str, descriptors, version, req):
-        """The item's stored bytes, read into a reused buffer, trailer checked and transforms undone."""
+    def _payload(self, stream, offset: int, length: int, rel: str, *, where: str, descriptors, version, req,
+                 memory: torch.Tensor):
+        """The item's stored bytes, read into ``memory`` (``length`` bytes), trailer checked and
+        transforms undone (only those other than the checksum make a copy)."""
         stream.seek(offset)
-        data = self._read_buffer(length)  # reused: items are copied out before the next read
+        data = memoryview(memory.numpy())[:length]
         got = stream.readinto(data)
         if got != length:
             raise CheckpointFormatError(f"{where}: {rel!r} ended after {got} of {length} bytes")
@@ -455,6 +498,20 @@ class _SafeReading:
         if version is not None and len(descriptors) == 1:
             return _verified_view(data, where, version)
         return memoryview(self.transforms.transform_load_stream(req, descriptors, io.BytesIO(data)).read(-1))
+
+    @staticmethod
+    def _planner_buffer(planner, req, length: int) -> torch.Tensor | None:
+        """A buffer the planner offers for this stored item (``buffer_for``: the item is read there
+        and the planner adopts the view), or None."""
+        offer = getattr(planner, "buffer_for", None)
+        buffer = offer(req, length) if offer is not None else None
+        if buffer is None:
+            return None
+        if buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous() \
+                or buffer.numel() < length:
+            raise QdcpError(f"{type(planner).__name__}.buffer_for gave {buffer.dtype} {tuple(buffer.shape)} on "
+                            f"{buffer.device}; a contiguous CPU uint8 buffer of {length} bytes is needed")
+        return buffer[:length]
 
     def _requested_part(self, tensor, req, where: str) -> torch.Tensor:
         """The part of a loaded stored chunk that ``req`` reads, after checking the chunk is the one
@@ -488,13 +545,17 @@ class _SafeReading:
         by_planner = self._planner_checks(req, planner)
         recorded = self._recorded(req) if version is None and not by_planner else None
         zip_crcs = version is None and recorded is None and not by_planner  # nothing else checks it
+        in_place = req.type != LoadItemType.BYTE_IO and (not descriptors or (version is not None and len(descriptors) == 1))
+        buffer = self._planner_buffer(planner, req, length) if in_place else None
+        adoptable = True  # a view of the reader's own scratch buffer is copied out, never kept
         try:
-            if not descriptors and not zip_crcs and req.type != LoadItemType.BYTE_IO:
+            if buffer is None and not descriptors and not zip_crcs and req.type != LoadItemType.BYTE_IO:
                 # checked after loading, by this reader or the planner: load straight from the file
                 tensor = torch.load(_FileSlice(stream, offset, length), map_location="cpu", weights_only=True)
             else:
+                memory = buffer if buffer is not None else self._read_buffer(length)
                 payload = self._payload(stream, offset, length, rel, where=where, descriptors=descriptors,
-                                        version=version, req=req)
+                                        version=version, req=req, memory=memory)
                 if req.type == LoadItemType.BYTE_IO:
                     if recorded is not None:
                         self._compare(req, checksums.of_bytes(payload), recorded)
@@ -504,7 +565,11 @@ class _SafeReading:
                     return
                 if zip_crcs:
                     _check_zip_crcs(payload, where)
-                tensor = torch.load(_ViewReader(payload), map_location="cpu", weights_only=True)
+                tensor = _archived_tensor(payload, memory) if in_place else None
+                if tensor is None:
+                    tensor = torch.load(_ViewReader(payload), map_location="cpu", weights_only=True)
+                else:
+                    adoptable = buffer is not None
             if recorded is not None:
                 self._compare(req, checksums.of_tensor(tensor), recorded)
         except QdcpError:
@@ -513,7 +578,7 @@ class _SafeReading:
             raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
         tensor = self._requested_part(tensor, req, where)
         adopt = getattr(planner, "adopt_tensor", None)  # qdcp's entry reader keeps a whole chunk as loaded
-        if adopt is not None and adopt(req, tensor):
+        if adoptable and adopt is not None and adopt(req, tensor):
             return
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():

@@ -87,3 +87,43 @@ def test_entries_read_verifies_every_item(tmp_path):
         with pytest.raises(ChecksumError, match="key 'layer.w'"):
             read()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no OUT_DIR, no temporary directory
+
+
+@pytest.mark.parametrize("writer", ["dcp", "qdcp"])
+def test_entries_reuse_memory_read_in_place(tmp_path, writer):
+    """``CheckpointEntries(reuse_memory=True)`` reads each entry into one buffer kept from read to
+    read: the tensors are views of it (strides as saved: a transposed tensor stays transposed),
+    bit-equal to an ordinary read, and the next read of an entry the same size lands at the same
+    address. Items are still verified: a flipped byte is a ChecksumError naming the key, both for
+    checksums qdcp's planner recorded and for torch.save's zip CRCs (a stock DCP save)."""
+    from qdcp.reader import CheckpointEntries
+    from qdcp.storage import ChecksumError
+
+    torch.manual_seed(0)
+    state = {"a": torch.randn(64, 48), "b": torch.randn(64, 48), "t": torch.randn(48, 32).t(),
+             "mask": torch.rand(17) > 0.5, "empty": torch.empty(0, 8), "q": CASE_BY_NAME["int8_group32"].make(0)}
+    planner = QuantizedSavePlanner() if writer == "qdcp" else None
+    dcp.save({k: v for k, v in state.items() if writer == "qdcp" or k != "q"}, checkpoint_id=tmp_path / "c",
+             planner=planner)
+    plain = CheckpointEntries(tmp_path / "c")
+    reused = CheckpointEntries(tmp_path / "c", reuse_memory=True)
+    for key in ("t", "mask", "empty"):
+        got = reused.entry(key)
+        assert torch.equal(got, state[key]) and got.dtype == state[key].dtype
+        assert torch.equal(plain.entry(key), state[key])
+    assert reused.entry("t").stride() == state["t"].stride()  # as saved, not made contiguous
+    first = reused.entry("a")
+    assert torch.equal(first, state["a"]) and torch.equal(first, plain.entry("a"))
+    second = reused.entry("b")
+    assert torch.equal(second, state["b"]) and second.data_ptr() == first.data_ptr()
+    if writer == "qdcp":
+        stored = reused.stored("q")
+        for name, value in plain.stored("q").components.items():
+            assert torch.equal(stored.components[name], value)
+    info = next(v for k, v in reused.metadata.storage_data.items() if k.fqn == "b")
+    data = tmp_path / "c" / info.relative_path
+    raw = bytearray(data.read_bytes())
+    raw[info.offset + info.length // 2] ^= 0x5A
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumError, match="key 'b'"):
+        CheckpointEntries(tmp_path / "c", reuse_memory=True).entry("b")

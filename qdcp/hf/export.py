@@ -10,7 +10,6 @@ are written into a temporary directory beside ``out_dir`` and renamed into place
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import json
@@ -75,7 +74,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
     checkpoint, out_dir = os.fspath(checkpoint), os.fspath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ExportError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
-    entries = CheckpointEntries(checkpoint)
+    entries = CheckpointEntries(checkpoint, reuse_memory=True)  # one entry in memory at a time
     sources, skipped = _sources(entries.metadata)
     plans = _plan_all(layout, sources, dequantize_unsupported,
                       lambda key: functools.partial(entries.components, key))
@@ -188,26 +187,8 @@ def _write_files(layout: HFLayout, shards: list[list[EntryPlan]], files: list[st
                         writer.write(t.name, values[t.name])
                         weight_map[t.name] = name
                     del values
-                    _return_freed_memory()
                     bar.update(plan.nbytes)
     return weight_map
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc
-    except (OSError, AttributeError):
-        return None
-
-
-def _return_freed_memory() -> None:
-    """Hand the freed pages of the last entry back to the system. glibc keeps freed blocks below
-    its mmap threshold (up to 32 MiB) in the heap, where the next entry's buffers do not always
-    fit: without this, an export of many such entries holds up to twice the largest one."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def _replace_dir(tmp: str, out_dir: str) -> None:
