@@ -18,6 +18,7 @@ A plain entry into a plain target is not an action: DCP's own path loads it.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Mapping
 
 import torch
@@ -27,8 +28,30 @@ from qdcp.adapters.base import Adapter, RawConversion, StoredEntry, adapter_for_
 from qdcp.layouts import Chunk
 from qdcp.placement import Placed, narrow, relative
 
-__all__ = ["ItemRead", "StoredSource", "LoadAction", "InPlace", "RawCopy", "Requantize", "IntoPlain",
+__all__ = ["Destination", "ItemRead", "StoredSource", "LoadAction", "InPlace", "RawCopy", "Requantize", "IntoPlain",
            "FromPlain"]
+
+
+class Destination:
+    """Where a read lands: the target's own buffer, or a temporary of ``shape`` / ``dtype`` made at
+    its first use (the read, not the plan: only the entries being read hold temporaries) and
+    dropped when its action has finished."""
+
+    def __init__(self, shape, dtype: torch.dtype, own: torch.Tensor | None = None) -> None:
+        self.shape, self.dtype, self._tensor, self.temporary = tuple(shape), dtype, own, own is None
+        self._lock = threading.Lock()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            with self._lock:
+                if self._tensor is None:
+                    self._tensor = torch.empty(self.shape, dtype=self.dtype)
+        return self._tensor
+
+    def release(self) -> None:
+        if self.temporary:
+            self._tensor = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +62,13 @@ class ItemRead:
     stored: str                      #: checkpoint item read (another key's, for a member of a group)
     md: TensorStorageMetadata        #: the checkpoint's metadata of ``stored``
     chunk: Chunk                     #: chunk of ``stored`` needed
-    buffer: torch.Tensor             #: destination: the target's own buffer or a temporary
+    dest: Destination                #: the target's own buffer or a temporary
     component: str | None = None     #: canonical component a temporary holds (None: already in place)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The destination tensor (a temporary is made here, at first use)."""
+        return self.dest.tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +95,11 @@ class LoadAction:
     def finish(self) -> None:
         """Turn what was read into the target's values, in place (all reads are in)."""
         raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop the temporaries (after :meth:`finish`)."""
+        for r in self.reads:
+            r.dest.release()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -144,6 +144,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         action = hit.action
         if self._count_down(self._pending, action.fqn):
             action.finish()
+            action.release()
             group = self._groups.get(action.fqn)
             if group is not None and group.one_done(self._lock):
                 group.target.adapter.members_loaded(group.target.target)

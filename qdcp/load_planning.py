@@ -17,8 +17,8 @@ from qdcp import spec as qspec
 from qdcp.adapters.base import Adapter, adapter_for_type, find_adapter, find_type_adapter, raw_conversion
 from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Chunk
-from qdcp.load_actions import (FromPlain, InPlace, IntoPlain, ItemRead, LoadAction, RawCopy, Requantize,
-                               StoredSource)
+from qdcp.load_actions import (Destination, FromPlain, InPlace, IntoPlain, ItemRead, LoadAction, RawCopy,
+                               Requantize, StoredSource)
 from qdcp.placement import Placed, describe_tensor, expand, is_empty, place, with_local
 
 __all__ = ["KeyPlan", "KeyPlanner", "GroupTarget", "Decoded"]
@@ -141,11 +141,9 @@ class KeyPlanner:
               buffer: torch.Tensor | None = None) -> ItemRead:
         """A read of ``chunk`` of component ``name``, into ``buffer`` or a new temporary."""
         stored = qspec.component_fqn(src_fqn, name)
-        temp = buffer is None
-        if temp:
-            buffer = torch.empty(chunk[1], dtype=source.component(name).dtype)
-        return ItemRead(qspec.component_fqn(fqn, name), stored, self.md[stored], chunk, buffer,
-                        name if temp else None)
+        dest = Destination(chunk[1], source.component(name).dtype, buffer)
+        return ItemRead(qspec.component_fqn(fqn, name), stored, self.md[stored], chunk, dest,
+                        name if dest.temporary else None)
 
     def _in_place(self, fqn, placed, adapter, source, *, src_fqn, layouts) -> InPlace:
         native = adapter.native_components(placed.local)
@@ -202,7 +200,7 @@ class KeyPlanner:
                 f"key {fqn!r}: checkpoint shape {tuple(plain_md.size)} != target shape {placed.global_shape}")
         _check_can_quantize(fqn, adapter, placed.local, "a plain tensor")
         read_chunk = _amax_chunk(adapter, placed) or placed.chunk
-        temp = torch.empty(read_chunk[1], dtype=plain_md.properties.dtype)
+        temp = Destination(read_chunk[1], plain_md.properties.dtype)
         return FromPlain(fqn, placed, (ItemRead(fqn, src_fqn, plain_md, read_chunk, temp),), adapter, read_chunk)
 
     # ------------------------------------------------------------------ groups

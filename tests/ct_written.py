@@ -49,7 +49,7 @@ def schemes() -> dict:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
 
     def weights_only(**kw):
-        return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(symmetric=True, **kw))
+        return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**{"symmetric": True, **kw}))
     return {
         "nvfp4": preset_name_to_scheme("NVFP4A16", ["Linear"]),
         "mxfp8": preset_name_to_scheme("MXFP8A16", ["Linear"]),
@@ -59,6 +59,8 @@ def schemes() -> dict:
         "int8_w8a8": preset_name_to_scheme("W8A8", ["Linear"]),
         "int8_channel": weights_only(num_bits=8, type="int", strategy="channel"),
         "int4_group32": weights_only(num_bits=4, type="int", strategy="group", group_size=32),
+        "int4_group32_asym": weights_only(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False),
+        "int8_channel_asym": weights_only(num_bits=8, type="int", strategy="channel", symmetric=False),
     }
 
 

@@ -156,6 +156,8 @@ CT_CASES = {
     "float8_block128": (_float8_block128, "naive-quantized"),
     "int8_row": (lambda: CASE_BY_NAME["int8_row"].make(4), "pack-quantized"),
     "int4_group32": (lambda: CASE_BY_NAME["intx_int4_group32"].make(5), "pack-quantized"),
+    "int8_row_asym": (lambda: CASE_BY_NAME["int8_asym_row"].make(6), "pack-quantized"),
+    "int4_group32_asym": (lambda: CASE_BY_NAME["intx_int4_group32_asym"].make(7), "pack-quantized"),
 }
 
 
@@ -181,7 +183,14 @@ def test_compressed_tensors_layout_decompresses_to_the_sources_dequantize(tmp_pa
     if fmt == "pack-quantized":  # packed by the library's own packer from the same integers
         from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-        assert torch.equal(payload, pack_to_int32(w.qdata, 8 if name == "int8_row" else 4))
+        bits = 8 if name.startswith("int8") else 4
+        assert torch.equal(payload, pack_to_int32(w.qdata, bits))
+        asymmetric = name.endswith("_asym")
+        assert qc["config_groups"]["group_0"]["weights"]["symmetric"] is not asymmetric
+        zero = tensors.get("model.layers.0.mlp.up.weight_zero_point")
+        assert (zero is not None) == asymmetric
+        if asymmetric:  # the zero points, packed along N
+            assert torch.equal(zero, pack_to_int32(w.zero_point, bits, packed_dim=0))
     else:
         assert bits_diff(payload.view(torch.uint8), w.qdata.view(torch.uint8)) is None
 
@@ -195,6 +204,8 @@ def test_int_packing_matches_compressed_tensors():
         v = torch.randint(lo, hi + 1, (16, 40), dtype=torch.int8)
         assert torch.equal(pack_int32(v, bits), pack_to_int32(v, bits))
         assert torch.equal(unpack_int32(pack_int32(v, bits), bits, 40), v)
+        odd = v[:, :37]  # a padded last word, an odd number of nibbles
+        assert torch.equal(unpack_int32(pack_to_int32(odd, bits), bits, 37), odd)
         assert torch.equal(unpack_from_int32(pack_int32(v, bits), bits, torch.Size((16, 40))), v)
         v = torch.arange(lo, hi + 1, dtype=torch.int8).repeat(16, 3)[:, :40]  # every value, every position
         assert torch.equal(pack_int32(v, bits), pack_to_int32(v, bits))
@@ -226,9 +237,15 @@ def test_compressed_tensors_refuses_what_it_cannot_hold(tmp_path):
     assert "key 'c.weight'" not in str(e.value)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
-    state = {"m.weight": CASE_BY_NAME["intx_int4_group32_asym"].make(3), "n.weight": CASE_BY_NAME["int8_row"].make(4)}
+    from torchao.quantization import Int8Tensor
+    from torchao.quantization.granularity import PerTensor
+    from torchao.quantization.quant_primitives import MappingType
+
+    asym_per_tensor = Int8Tensor.from_hp(CASE_BY_NAME["int8_row"].hp(3), PerTensor(), mapping_type=MappingType.ASYMMETRIC)
+    assert bool(asym_per_tensor.zero_point.count_nonzero())
+    state = {"m.weight": asym_per_tensor, "n.weight": CASE_BY_NAME["int8_row"].make(4)}
     qdcp_save(tmp_path / "asym", state, no_dist=True)
-    with pytest.raises(qdcp.ExportError, match="key 'm.weight'.*zero points"):
+    with pytest.raises(qdcp.ExportError, match="key 'm.weight'.*asymmetric per tensor"):
         qdcp.export(tmp_path / "asym", tmp_path / "out", format="compressed-tensors")
     assert not (tmp_path / "out").exists() and sorted(os.listdir(tmp_path)) == ["asym", "ckpt"]
     result = qdcp.export(tmp_path / "asym", tmp_path / "out", format="compressed-tensors",

@@ -71,7 +71,7 @@ def ct_dirs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp8", "fp8_tensor", "fp8_channel_dynamic", "fp8_block", "int8_w8a8",
-                                    "int8_channel", "int4_group32"])
+                                    "int8_channel", "int4_group32", "int4_group32_asym", "int8_channel_asym"])
 def test_directory_written_by_compressed_tensors_into_plain_targets(ct_dirs, scheme):
     _, out = ct_dirs[scheme]
     dense = ct_decompress(out)
@@ -97,6 +97,85 @@ def test_compressed_tensors_nvfp4_and_mxfp8_into_torchao_targets_raw(ct_dirs):
     assert bits_diff(mx["fc1.weight"].qdata, stored["fc1.weight"]) is None
     assert bits_diff(mx["fc1.weight"].scale.view(torch.uint8), stored["fc1.weight_scale"]) is None
     assert bits_diff(mx["fc1.weight"].dequantize(), ct_decompress(ct_dirs["mxfp8"][1])["fc1.weight"]) is None
+
+
+def _affine_target(scheme: str, hp: torch.Tensor):
+    """A torchao target of the kind and block of compressed-tensors ``scheme`` (values ``hp``)."""
+    from torchao.quantization import Float8Tensor, Int8Tensor, IntxUnpackedToInt8Tensor
+    from torchao.quantization.granularity import PerBlock, PerRow, PerTensor
+
+    if scheme.startswith("fp8"):
+        g = {"fp8_tensor": PerTensor(), "fp8_channel_dynamic": PerRow(), "fp8_block": PerBlock([128, 128])}[scheme]
+        return Float8Tensor.from_hp(hp, granularity=g)
+    from torchao.quantization.quant_primitives import MappingType
+
+    mapping = MappingType.ASYMMETRIC if scheme.endswith("_asym") else MappingType.SYMMETRIC
+    if scheme.startswith("int8"):
+        return Int8Tensor.from_hp(hp, PerRow(), mapping_type=mapping)
+    return IntxUnpackedToInt8Tensor.from_hp(hp, (1, 32), torch.int4, mapping_type=mapping)
+
+
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_channel_dynamic", "fp8_block", "int8_w8a8", "int8_channel",
+                                    "int4_group32", "int4_group32_asym", "int8_channel_asym"])
+def test_compressed_tensors_fp8_and_int_into_torchao_targets_raw(ct_dirs, scheme):
+    """A directory the library wrote, loaded into torchao's Float8Tensor / Int8Tensor /
+    IntxUnpackedToInt8Tensor of the same kind and block (asymmetric targets for asymmetric
+    schemes): the library's codes, scales and zero points as stored (packed ones unpacked by the
+    library's own ``unpack_from_int32``); zero points zero for symmetric schemes."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    stored, out = ct_dirs[scheme]
+    for module in ("fc1", "fc2"):
+        packed = stored.get(f"{module}.weight_packed")
+        bits = 4 if scheme.startswith("int4") else 8
+        if packed is None:
+            codes = stored[f"{module}.weight"]
+        else:
+            shape = torch.Size(stored[f"{module}.weight_shape"].tolist())
+            codes = unpack_from_int32(packed, bits, shape)
+        target = _affine_target(scheme, torch.ones(codes.shape, dtype=torch.bfloat16))
+        got = _load({f"{module}.weight": target}, out)[f"{module}.weight"]
+        assert bits_diff(got.qdata, codes) is None, module
+        scale = stored[f"{module}.weight_scale"]
+        assert torch.equal(got.scale.to(scale.dtype).reshape(scale.shape), scale), module
+        if scheme.endswith("_asym"):
+            zero = unpack_from_int32(stored[f"{module}.weight_zero_point"], bits, scale.shape, packed_dim=0)
+            assert bool(zero.count_nonzero()) and bits_diff(got.zero_point, zero) is None, module
+        else:
+            assert getattr(got, "zero_point", None) is None or not bool(got.zero_point.count_nonzero()), module
+
+
+@pytest.mark.parametrize("name", ["int8_row", "int8_group32", "float8_row", "float8_group64", "intx_int4_group32",
+                                  "int8_asym_row", "intx_int4_group32_asym"])
+def test_affine_entries_round_trip_through_compressed_tensors_raw(tmp_path, name):
+    """A torchao affine tensor exported to compressed-tensors loads back into its own type bit for
+    bit, even where quantizing its values again would not reproduce it (its first row's codes
+    halved: a requantize would pick a smaller scale)."""
+    case = CASE_BY_NAME[name]
+    w = case.make(0)
+    half = (w.qdata[0].float() / 2).round() if w.qdata.dtype == torch.int8 else w.qdata[0].float() / 2
+    w.qdata[0] = half.to(w.qdata.dtype)
+    qdcp_save(tmp_path / "ckpt", {"m.weight": w}, no_dist=True)
+    qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="compressed-tensors")
+    got = _load({"m.weight": case.make(1)}, tmp_path / "out")["m.weight"]
+    assert components_diff(got, w) is None
+    assert components_diff(case.from_hp(w.dequantize()), w) is not None  # what a requantize would give differs
+
+
+def test_affine_scale_the_target_cannot_hold_is_requantized(tmp_path):
+    """A qdcp checkpoint's Int8Tensor (fp32 scales) into an IntxUnpackedToInt8Tensor (bf16 scales) that rounding would change: the
+    values are quantized like the target instead, as a load without a raw path would."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    w = CASE_BY_NAME["int8_row"].make(0)
+    w.scale.copy_(w.scale * (1 + 2 ** -12))  # not a bf16 value
+    qdcp_save(tmp_path / "ckpt", {"m.weight": w}, no_dist=True)
+    target = IntxUnpackedToInt8Tensor.from_hp(torch.ones(w.shape, dtype=torch.bfloat16), (1, w.shape[1]), torch.int8)
+    state = {"m.weight": target}
+    dcp.load(state, checkpoint_id=tmp_path / "ckpt", planner=qdcp.QuantizedLoadPlanner(), no_dist=True)
+    got = state["m.weight"]
+    want = IntxUnpackedToInt8Tensor.from_hp(w.dequantize().to(torch.bfloat16), (1, w.shape[1]), torch.int8)
+    assert components_diff(got, want) is None
 
 
 def test_nvfp4_without_per_tensor_scale_round_trips_raw(tmp_path, ct_dirs):
@@ -167,3 +246,32 @@ def test_dtensor_targets_at_two_ranks(tmp_path):
     results = mp.Manager().dict()
     mp.spawn(_load_sharded, args=(str(tmp_path / "out"), results), nprocs=2, join=True)
     assert dict(results) == {(r, n): None for r in (0, 1) for n in (*_sharded_sources(), "plain")}
+
+
+def test_temporaries_live_only_while_their_entry_is_read(tmp_path):
+    """Loading compressed-tensors weights into torchao targets converts each entry through
+    temporaries: they are made when the entry is read and dropped when it is done, so a load holds
+    one entry's temporaries, not the whole model's (they were all made at planning)."""
+    import weakref
+
+    from torchao.quantization import Int8Tensor
+    from torchao.quantization.granularity import PerRow
+
+    state = {f"m{i}.weight": CASE_BY_NAME["int8_row"].make(i) for i in range(6)}
+    qdcp_save(tmp_path / "ckpt", state, no_dist=True)
+    qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="compressed-tensors")
+    alive_at_read = []
+
+    class Watching(qdcp.QuantizedLoadPlanner):
+        seen: list = []
+
+        def resolve_tensor(self, read_item):
+            buffer = super().resolve_tensor(read_item)
+            alive_at_read.append(sum(r() is not None for r in self.seen))
+            self.seen.append(weakref.ref(buffer._base if buffer._base is not None else buffer))
+            return buffer
+
+    targets = {k: Int8Tensor.from_hp(torch.ones(v.shape, dtype=torch.bfloat16), PerRow()) for k, v in state.items()}
+    dcp.load(targets, storage_reader=qdcp.QuantizedHFReader(tmp_path / "out"), planner=Watching(), no_dist=True)
+    assert all(components_diff(targets[k], v) is None for k, v in state.items())
+    assert len(alive_at_read) == 2 * len(state) and max(alive_at_read) <= 1, alive_at_read

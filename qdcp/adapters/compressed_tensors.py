@@ -3,10 +3,10 @@
 compressed-tensors has no tensor class: a quantized ``<module>.weight`` is a set of parameters
 (``weight_packed``, ``weight_scale``...). These adapters describe such a stored entry so the load
 planner can fill any target from it: raw into torchao's or TransformerEngine's NVFP4 / MXFP8 types
-through the neutral forms, and plain targets (or other types, dequantized then quantized like the
+and torchao's Float8Tensor / Int8Tensor / IntxUnpackedToInt8Tensor through the neutral forms, and plain targets (or other types, dequantized then quantized like the
 target) with the values compressed-tensors' own decompression computes, in plain torch: NVFP4 and
 MXFP8 in bf16, the others in the scale's dtype. Integer weights are presented unpacked (int8
-values), so they shard like the logical tensor.
+values; asymmetric ones with their unpacked zero points), so they shard like the logical tensor.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from qdcp.adapters.base import Adapter, StoredEntry
-from qdcp.adapters.formats import (MXFP8_FORMS, NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, e2m1_to_float, repeat_blocks,
-                                   unpack_fp4)
+from qdcp.adapters.formats import (MXFP8_FORMS, NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, affine_form, e2m1_to_float,
+                                   repeat_blocks, unpack_fp4)
 from qdcp.errors import UnsupportedTensorError
 
 PREFIX = "compressed_tensors."
@@ -54,9 +54,12 @@ class CompressedTensorsAdapter(Adapter):
             scale = torch.pow(2.0, c["weight_scale"].to(torch.float32) - 127).to(torch.bfloat16)
             w = c["weight"].to(torch.bfloat16).reshape(shape[0], -1, 32)
             out = (w * scale.unsqueeze(-1)).reshape(shape)
-        else:
-            scale = c["weight_scale"]
-            out = c["weight"].to(scale.dtype) * _expand(scale, tuple(stored.attrs["block"]), shape)
+        else:  # as the library: (weight - zero_point) * scale, in the scale's dtype
+            scale, block = c["weight_scale"], tuple(stored.attrs["block"])
+            out = c["weight"].to(scale.dtype)
+            if "weight_zero_point" in c:
+                out = out - _expand(c["weight_zero_point"].to(scale.dtype), block, shape)
+            out = out * _expand(scale, block, shape)
         return out if dtype is None else out.to(dtype)
 
     def raw_forms_out(self, type_name, attrs):
@@ -64,6 +67,11 @@ class CompressedTensorsAdapter(Adapter):
             return {NVFP4_ROW16: ["weight_packed", "weight_scale", "weight_global_scale"]}
         if type_name == MXFP8:
             return {MXFP8_FORMS[torch.float8_e4m3fn]: ["weight", "weight_scale"]}
+        block = attrs.get("block")
+        if type_name in (FLOAT, INT) and isinstance(block, (list, tuple)) and len(block) == 2:
+            kind = "float8" if type_name == FLOAT else f"int{int(attrs.get('bits', 8))}"
+            zero = ["weight_zero_point"] if attrs.get("symmetric", True) is False else []
+            return {affine_form(kind, block): ["weight", "weight_scale", *zero]}
         return {}
 
     def to_raw_form(self, type_name, attrs, form, components):
@@ -72,7 +80,13 @@ class CompressedTensorsAdapter(Adapter):
             decode = 1.0 / components["weight_global_scale"].float().reshape(())
             return {"data": components["weight_packed"], "scale": components["weight_scale"].view(torch.uint8),
                     "amax": decode * divisor}
-        return {"data": components["weight"].view(torch.uint8), "scale": components["weight_scale"]}
+        if type_name == MXFP8:
+            return {"data": components["weight"].view(torch.uint8), "scale": components["weight_scale"]}
+        scale = components["weight_scale"]
+        out = {"data": components["weight"], "scale": scale.reshape(1, 1) if scale.ndim < 2 else scale}
+        if "weight_zero_point" in components:
+            out["zero_point"] = components["weight_zero_point"].reshape(out["scale"].shape)
+        return out
 
 
 def builtin_adapters() -> list[Adapter]:

@@ -18,7 +18,8 @@ import torch
 
 from qdcp.adapters.base import Adapter, StoredEntry
 from qdcp.adapters.formats import (MXFP8_FORMS, NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, affine_form, as_u8, ceil_div,
-                                   mxfp8_form, nvfp4_decode_scale, swizzle_128x4, unswizzle_128x4)
+                                   mxfp8_form, nvfp4_decode_scale, parse_affine_form, repeat_blocks, swizzle_128x4,
+                                   unswizzle_128x4)
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Blocked, Flat, Layout, Replicated
 
@@ -216,8 +217,9 @@ def _symmetric(zero_point: torch.Tensor | None) -> bool:
 class _AffineAdapter(TorchAOAdapter):
     """qdata elementwise; scale (and zero_point) one per ``block_size`` block.
 
-    Raw interchange (out only: exports): 2-D tensors state their bits in the affine form of their
-    element kind and block (``qdcp.adapters.formats.affine_form``)."""
+    Raw interchange: 2-D tensors state their bits in the affine form of their element kind and
+    block (``qdcp.adapters.formats.affine_form``), and take them from it where the values fit the
+    target's buffers exactly (see :meth:`from_raw_form`)."""
 
     _zero_point = True  # the class always carries a zero_point
 
@@ -239,6 +241,39 @@ class _AffineAdapter(TorchAOAdapter):
         if components.get("zero_point") is not None:
             out["zero_point"] = components["zero_point"]
         return out
+
+    def raw_forms_in(self, target):
+        form = self._form(self.attributes(target)) if target.ndim == 2 else None
+        return (form,) if form else ()
+
+    def from_raw_form(self, target, form, tensors):
+        """The form's bits as they are where the target holds them exactly and keeps its
+        configuration: the same element dtype, the scale unchanged by the target's scale dtype,
+        symmetric data for a symmetric target (zero points all zero, or none). Otherwise the form's
+        values ``(data - zero_point) * scale`` are quantized like the target, as a load without a
+        raw path would."""
+        native = self.native_components(target)
+        data, scale, zero = tensors["data"], tensors["scale"], tensors.get("zero_point")
+        held = scale.to(native["scale"].dtype)
+        exact = data.dtype == native["qdata"].dtype and tuple(scale.shape) == tuple(native["scale"].shape) \
+            and torch.equal(held.to(scale.dtype), scale)
+        symmetric = zero is None or not bool(torch.count_nonzero(zero))
+        if "zero_point" in native and not _symmetric(native["zero_point"]):  # an asymmetric target
+            zero = torch.zeros_like(native["zero_point"]) if zero is None else zero
+            exact = exact and tuple(zero.shape) == tuple(native["zero_point"].shape) \
+                and torch.equal(zero.to(native["zero_point"].dtype).to(zero.dtype), zero)
+        else:  # a symmetric one stays symmetric
+            exact = exact and symmetric
+            zero = torch.zeros_like(native["zero_point"]) if "zero_point" in native else None
+        if exact:
+            self.copy_into(target, {"qdata": data, "scale": held,
+                                    **({"zero_point": zero} if "zero_point" in native else {})})
+            return
+        _, block = parse_affine_form(form)
+        given = tensors.get("zero_point")
+        values = data.float() if given is None else data.float() - repeat_blocks(given.float(), *block, data.shape)
+        values = values * repeat_blocks(scale.float(), *block, data.shape)
+        self.copy_into(target, self.components(self.quantize_like(target, values.to(target.dtype))))
 
     def layouts(self, t):
         scale_layout = _block_layout(t.block_size, t.shape)

@@ -13,15 +13,18 @@ stored bits (neutral form)  format                 tensors of ``<module>``
                                                    (N/bn, K/bk): tensor, channel or block strategy
 ``affine_int8_b..``         pack-quantized (8)     ``weight_packed`` i32 (N, K/4), ``weight_scale``,
 ``affine_int4_b..``         pack-quantized (4)     ``weight_packed`` i32 (N, K/8), ``weight_scale``,
-                                                   ``weight_shape`` i64 (2,)
+                                                   ``weight_shape`` i64 (2,), asymmetric also
+                                                   ``weight_zero_point`` i32 (N*bits/32, groups)
 ==========================  =====================  =======================================================
 
 The library's conventions: two E2M1 codes a byte, element 2k in the low nibble (as torchao and
 TE); NVFP4's ``weight_global_scale`` is ``448 * 6 / amax`` (decode: ``scale / global_scale``), written as
 the fp32 reciprocal of the source's decode scale ``amax / (448 * 6)``;
 MXFP8 scales are biased E8M0 exponents as uint8; integers are packed ``value + 2**(bits-1)``
-from the least significant bit of int32 words along K. Integer entries must be symmetric (zero
-points all zero: read when the entry is planned). Schemes are weight-only: an entry's activation settings are not carried.
+from the least significant bit of int32 words along K. Integer entries with a non-zero zero point
+(read when the entry is planned) are written asymmetric (``symmetric: false``), their zero points
+packed the same way along N (``weight_zero_point`` int32 ``(N / (32 / bits), groups)``), channel
+and group strategies only. Schemes are weight-only: an entry's activation settings are not carried.
 """
 
 from __future__ import annotations
@@ -94,14 +97,27 @@ def packed_rows(values: torch.Tensor, bits: int) -> RowBlocks:
     return RowBlocks((n, words), torch.int32, lambda a, b: pack_int32(values[a:b], bits, buffer), rows)
 
 
-def unpack_int32(words: torch.Tensor, bits: int, length: int) -> torch.Tensor:
-    """Inverse of :func:`pack_int32`: int8 values, ``length`` along the last dim."""
+def unpack_int32(words: torch.Tensor, bits: int, length: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`pack_int32`: int8 values, ``length`` along the last dim (into ``out``, an
+    int8 tensor of that shape, where given). The offset comes off as it went on: a bit flip of
+    each byte (8 bits), or of each nibble before it is sign-extended (4 bits: ``nibble - 8``)."""
     b = words.contiguous().view(torch.uint8)
-    if bits == 4:
-        b = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(*b.shape[:-1], -1)
-    elif bits != 8:
+    if bits not in (4, 8):
         raise ValueError(f"unpack_int32: {bits}-bit integers are not read (4 and 8 are)")
-    return (b[..., :length].to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+    shape = (*b.shape[:-1], length)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int8)
+    u = out.view(torch.uint8)
+    if bits == 8:
+        torch.bitwise_xor(b[..., :length], 0x80, out=u)
+        return out
+    if length % 2 == 0:
+        pairs = u.view(*shape[:-1], length // 2, 2)
+        torch.bitwise_and(b[..., : length // 2], 0xF, out=pairs[..., 0])
+        torch.bitwise_right_shift(b[..., : length // 2], 4, out=pairs[..., 1])
+    else:
+        u.copy_(torch.stack([b & 0xF, b >> 4], dim=-1).reshape(*b.shape[:-1], -1)[..., :length])
+    return out.sub_(8)
 
 
 def _strategy(block: tuple[int, int], shape: tuple[int, ...]) -> dict:
@@ -136,15 +152,12 @@ class CompressedTensorsLayout(HFLayout):
             raise UnsupportedEntry("compressed-tensors stores 2-D <module>.weight entries only")
         stored = stored_on_meta(src.spec)
         form, t = self._form(stored, src.key)
-        if "zero_point" in t:  # integers are written symmetric: the zero points decide, read them now
+        if "zero_point" in t:  # symmetric or not: the zero points (small) decide, read them now
             logical = math.prod(src.shape)
             small = [c.name for c in src.spec.components if math.prod(c.shape) < logical]
             _, t = self._form(dataclasses.replace(stored, components={**stored.components, **read(small)}), src.key)
             if t["zero_point"].is_meta:
                 _, t = self._form(dataclasses.replace(stored, components=read(list(stored.components))), src.key)
-            if bool(torch.count_nonzero(t["zero_point"])):
-                raise UnsupportedEntry("compressed-tensors int weights are written symmetric; this entry has "
-                                       "non-zero zero points")
         module = src.key[: -len(".weight")]
         scheme, tensors = _plan_form(form, t, src.shape)
         return EntryPlan(src.key, tuple(TensorOut(f"{module}.{n}", s, d) for n, s, d in tensors), scheme=scheme)
@@ -196,9 +209,21 @@ def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape) -> tuple[Scheme,
         raise UnsupportedEntry(f"compressed-tensors packs int8 and int4 per tensor, channel or group; "
                                f"this entry is {kind} with blocks of {block}")
     per = 32 // bits
-    return (_scheme("pack-quantized", num_bits=bits, type="int", **strategy),
-            [("weight_packed", (n, -(-k // per)), torch.int32), ("weight_scale", scale_shape, scale.dtype),
-             ("weight_shape", (2,), torch.int64)])
+    tensors = [("weight_packed", (n, -(-k // per)), torch.int32), ("weight_scale", scale_shape, scale.dtype),
+               ("weight_shape", (2,), torch.int64)]
+    zero = _zero_points(t)
+    if zero is not None:
+        if strategy["strategy"] == "tensor":
+            raise UnsupportedEntry("compressed-tensors packs the zero points of channel and group ints; this "
+                                   "entry is asymmetric per tensor")
+        tensors.append(("weight_zero_point", (-(-zero.shape[0] // per), zero.shape[1]), torch.int32))
+    return _scheme("pack-quantized", num_bits=bits, type="int", symmetric=zero is None, **strategy), tensors
+
+
+def _zero_points(t: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """An int entry's zero points where any is non-zero (asymmetric), else None (symmetric)."""
+    zero = t.get("zero_point")
+    return zero if zero is not None and bool(torch.count_nonzero(zero)) else None
 
 
 def _tensors(form: str, t: Mapping[str, torch.Tensor], shape) -> dict[str, torch.Tensor | RowBlocks]:
@@ -213,8 +238,12 @@ def _tensors(form: str, t: Mapping[str, torch.Tensor], shape) -> dict[str, torch
     if kind == "float8":
         return {"weight": t["data"], "weight_scale": scale}
     bits = 8 if kind == "int8" else 4
-    return {"weight_packed": packed_rows(t["data"], bits), "weight_scale": scale,
-            "weight_shape": torch.tensor(list(shape), dtype=torch.int64)}
+    out = {"weight_packed": packed_rows(t["data"], bits), "weight_scale": scale,
+           "weight_shape": torch.tensor(list(shape), dtype=torch.int64)}
+    zero = _zero_points(t)
+    if zero is not None:  # packed along the output dim, as the library packs them
+        out["weight_zero_point"] = pack_int32(zero.t(), bits).t().contiguous()
+    return out
 
 
 def read_quantization_config(config: Mapping) -> dict:

@@ -47,8 +47,9 @@ class _Item:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    tensor: str | None = None                              #: the file tensor holding it as presented
-    build: Callable[[Getter], torch.Tensor] | None = None   #: else: computed from file tensors
+    tensor: str | None = None   #: the file tensor holding it as presented
+    #: else: computed from file tensors (into the given buffer where it can: it returns what it filled)
+    build: Callable[[Getter, torch.Tensor | None], torch.Tensor] | None = None
 
 
 @dataclasses.dataclass
@@ -134,8 +135,9 @@ class QuantizedHFReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        """Read each requested part: by byte range where the item is a file tensor, else from the
-        item computed whole (once per plan)."""
+        """Read each requested part into the planner's buffer: by byte range where the item is a
+        file tensor, else from the item computed whole (straight into the buffer when the part is
+        the item, else once per plan)."""
         from safetensors import safe_open
 
         handles: dict[str, Any] = {}
@@ -154,14 +156,19 @@ class QuantizedHFReader(StorageReader):
                 fqn = req.storage_index.fqn
                 item = self._items[fqn]
                 region = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
+                target = planner.resolve_tensor(req).detach()
                 if item.tensor is not None:
                     value = handle(item.tensor).get_slice(item.tensor)[region] if region else whole(item.tensor)
+                    target.copy_(value.reshape(target.shape))
+                elif fqn not in built and tuple(req.lengths) == item.shape and target.is_contiguous() \
+                        and target.dtype == item.dtype:
+                    value = item.build(whole, target)
+                    if value.data_ptr() != target.data_ptr():
+                        target.copy_(value.reshape(target.shape))
                 else:
                     if fqn not in built:
-                        built[fqn] = item.build(whole)
-                    value = built[fqn][region]
-                target = planner.resolve_tensor(req).detach()
-                target.copy_(value.reshape(target.shape))
+                        built[fqn] = item.build(whole, None)
+                    target.copy_(built[fqn][region].reshape(target.shape))
                 planner.commit_tensor(req, target)
         fut: Future = Future()
         fut.set_result(None)
@@ -205,7 +212,7 @@ def _torchao_entry(d: _Directory, key: str, desc: dict):
         if name in names and value is getattr(t, name):
             items[name] = _Item(tuple(value.shape), value.dtype, tensor=names[name])
         else:  # computed from the whole entry (e.g. a swizzled scale, unswizzled)
-            def build(get: Getter, name=name) -> torch.Tensor:
+            def build(get: Getter, out=None, name=name) -> torch.Tensor:
                 return adapter.components(instance({p: get(n) for p, n in names.items()}))[name]
             items[name] = _Item(tuple(value.shape), value.dtype, build=build)
     spec = qspec.EntrySpec(key, qspec.RAW, adapter.type_name(t), tuple(t.shape), t.dtype, attrs,
@@ -265,8 +272,10 @@ def _ct_entry(d: _Directory, module: str, fmt: str, weights: Mapping):
         shape = d.tensors[key][1]
         comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (Blocked((1, 32)), t["weight_scale"])}
         return _ct_spec(d, key, ct.MXFP8, shape, torch.bfloat16, {}, comps)
-    if weights.get("zero_point") or not weights.get("symmetric", True) or t["weight_zero_point"] in d.tensors:
-        raise CheckpointFormatError(f"key {key!r}: asymmetric compressed-tensors weights are not read yet")
+    asymmetric = not weights.get("symmetric", True) or t["weight_zero_point"] in d.tensors
+    if asymmetric and (fmt != "pack-quantized" or weights.get("strategy") not in ("channel", "group")):
+        raise CheckpointFormatError(f"key {key!r}: asymmetric compressed-tensors weights are read as pack-quantized "
+                                    f"channel or group ints only (this is {fmt}, {weights.get('strategy')})")
     if fmt in ("naive-quantized", "float-quantized", "int-quantized"):
         shape = d.tensors[key][1]
         kind = ct.INT if d.tensors[key][2] == torch.int8 else ct.FLOAT
@@ -281,11 +290,18 @@ def _ct_entry(d: _Directory, module: str, fmt: str, weights: Mapping):
         bits = int(weights.get("num_bits", 4))
         block = _ct_block(weights, shape, tuple(scale.shape))
         packed = t["weight_packed"]
-        comps = {"weight": (Blocked((1, 1)), lambda get: unpack_int32(get(packed), bits, shape[1])),
+        comps = {"weight": (Blocked((1, 1)), lambda get, out: unpack_int32(get(packed), bits, shape[1], out)),
                  "weight_scale": (_scale_layout(block, shape, scale), t["weight_scale"])}
-        spec, items, used = _ct_spec(d, key, ct.INT, shape, scale.dtype, {"block": list(block), "bits": bits},
-                                     comps, built={"weight": (shape, torch.int8)})
-        return spec, items, used | {packed, t["weight_shape"]}
+        attrs, built = {"block": list(block), "bits": bits}, {"weight": (shape, torch.int8)}
+        if asymmetric:  # zero points packed along N, one column per group
+            zero = t["weight_zero_point"]
+            if zero not in d.tensors:
+                raise CheckpointFormatError(f"key {key!r}: an asymmetric scheme without {zero!r}")
+            comps["weight_zero_point"] = (_scale_layout(block, shape, scale),
+                                          lambda get, out: unpack_int32(get(zero).t(), bits, shape[0]).t())
+            attrs["symmetric"], built["weight_zero_point"] = False, (tuple(scale.shape), torch.int8)
+        spec, items, used = _ct_spec(d, key, ct.INT, shape, scale.dtype, attrs, comps, built=built)
+        return spec, items, used | {packed, t["weight_shape"]} | ({t["weight_zero_point"]} if asymmetric else set())
     raise CheckpointFormatError(f"key {key!r}: compressed-tensors format {fmt!r} is not read by qdcp "
                                 f"(nvfp4-pack-quantized, mxfp8-quantized, naive/float/int-quantized, pack-quantized are)")
 
