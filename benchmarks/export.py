@@ -8,7 +8,7 @@ Prints, per quantized format and layout:
 - ``dcp.load`` through ``QuantizedHFReader`` into quantized targets / ``dcp.load`` of the raw qdcp
   checkpoint into the same targets (goal <= 1.2). Both hot (files in the page cache).
 
-    python benchmarks/export.py [--gib 1.0] [--kinds int8,mxfp8,nvfp4] [--dir /tmp/qdcp-bench-export]
+    python benchmarks/export.py [--gib 1.0] [--kinds int8,mxfp8,nvfp4] [--shape 4096x4096] [--dir /tmp/qdcp-bench-export]
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def _peak_extra(ckpt: str, warm: str, out: str, layout: str) -> int:
     return json.loads(run.stdout.strip().splitlines()[-1])["extra"]
 
 
-def bench(kind: str, layout: str, gib: float, root: str) -> dict:
-    state = quantized_state(kind, gib)
+def bench(kind: str, layout: str, gib: float, root: str, shape: tuple[int, int] = (4096, 4096)) -> dict:
+    state = quantized_state(kind, gib, *shape)
     ckpt, out = fresh_dir(f"{root}/ckpt"), fresh_dir(f"{root}/out")
     dcp.save(state, checkpoint_id=ckpt, planner=QuantizedSavePlanner(), no_dist=True)
     plain = plain_twin(state)
@@ -91,13 +91,15 @@ def main() -> None:
     p.add_argument("--kinds", default="int8,mxfp8,nvfp4")
     p.add_argument("--layouts", default="torchao,compressed-tensors")
     p.add_argument("--dir", default="/tmp/qdcp-bench-export")
+    p.add_argument("--shape", default="4096x4096", help="ROWSxCOLS of each layer's weight")
     args = p.parse_args()
     torch.manual_seed(0)
     cols = ["kind", "layout", "bytes", "export_s", "safetensors_s", "export_ratio", "peak_extra_ratio", "import_ratio"]
     print(" | ".join(cols))
     for kind in args.kinds.split(","):
         for layout in args.layouts.split(","):
-            print(table_row(bench(kind, layout, args.gib, args.dir), cols), flush=True)
+            shape = tuple(int(n) for n in args.shape.split("x"))
+            print(table_row(bench(kind, layout, args.gib, args.dir, shape), cols), flush=True)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import pickle
 import re
 import struct
+import sys
 import threading
 import uuid
 import zipfile
@@ -309,35 +311,57 @@ def _check_zip_crcs(payload: memoryview, where: str) -> None:
 
 
 _STORAGE_RECORD = re.compile(r"[^/]+/data/[0-9]+")
+#: the tensor a ``torch.save`` pickle (``data.pkl``) describes: dtype, size, strides, storage
+#: offset, storage bytes (the same pickle always describes the same tensor; bounded)
+_DESCRIBED: dict[bytes, tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]] = {}
+_DESCRIBED_MAX = 4096
 
 
 def _archived_tensor(payload: memoryview, memory: torch.Tensor) -> torch.Tensor | None:
     """The tensor of the ``torch.save`` archive ``payload`` as a view of ``memory`` (the uint8
-    tensor whose first bytes ``payload`` is): no copy. Its size, strides and dtype come from
-    ``torch.load`` onto the meta device (which reads no storage), its bytes from the one storage
-    record the archive's zip directory lists. None where the archive is anything else (the caller
-    then loads it the usual way)."""
+    tensor whose first bytes ``payload`` is): no copy. Its bytes are the one storage record the
+    archive's zip directory lists; its size, strides and dtype come from ``torch.load`` onto the
+    meta device (which reads no storage), once per distinct pickle. None where the archive is
+    anything else (the caller then loads it the usual way)."""
     try:
-        meta = torch.load(_ViewReader(payload), map_location="meta", weights_only=True)
-        if type(meta) is not torch.Tensor or meta.layout != torch.strided or meta.is_quantized:
-            return None
-        nbytes = meta.untyped_storage().nbytes()
         with zipfile.ZipFile(io.BufferedReader(_ViewReader(payload))) as z:
-            records = [i for i in z.infolist() if _STORAGE_RECORD.fullmatch(i.filename)]
-        if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED or records[0].file_size != nbytes:
+            infos = z.infolist()
+        storage = [i for i in infos if _STORAGE_RECORD.fullmatch(i.filename)]
+        pickled = [i for i in infos if i.filename.endswith("/data.pkl")]
+        order = [i for i in infos if i.filename.endswith("/byteorder")]
+        if len(storage) != 1 or len(pickled) != 1 or len(order) > 1 \
+                or any(i.compress_type != zipfile.ZIP_STORED for i in storage + pickled + order):
             return None
-        start = _record_start(payload, records[0])
+        if order:
+            at = _record_start(payload, order[0])
+            if bytes(payload[at: at + order[0].file_size]) != sys.byteorder.encode():
+                return None
+        at = _record_start(payload, pickled[0])
+        key = bytes(payload[at: at + pickled[0].file_size])
+        described = _DESCRIBED.get(key)
+        if described is None:
+            meta = torch.load(_ViewReader(payload), map_location="meta", weights_only=True)
+            if type(meta) is not torch.Tensor or meta.layout != torch.strided or meta.is_quantized:
+                return None
+            described = (meta.dtype, tuple(meta.shape), meta.stride(), meta.storage_offset(),
+                         meta.untyped_storage().nbytes())
+            if len(_DESCRIBED) < _DESCRIBED_MAX:
+                _DESCRIBED[key] = described
+        start = _record_start(payload, storage[0])
     except Exception:  # unreadable here: the usual load reports it
         return None
-    itemsize = meta.element_size()
-    if meta.numel() == 0:
-        return torch.empty(meta.shape, dtype=meta.dtype)
-    last = meta.storage_offset() + sum((n - 1) * s for n, s in zip(meta.shape, meta.stride()))
-    if start + nbytes > len(payload) or any(s < 0 for s in meta.stride()) or meta.storage_offset() < 0 \
+    dtype, shape, stride, offset, nbytes = described
+    itemsize = dtype.itemsize
+    if storage[0].file_size != nbytes:
+        return None
+    if math.prod(shape) == 0:
+        return torch.empty(shape, dtype=dtype)
+    last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
+    if start + nbytes > len(payload) or any(s < 0 for s in stride) or offset < 0 \
             or (last + 1) * itemsize > nbytes or nbytes % itemsize or (memory.data_ptr() + start) % itemsize:
         return None
-    flat = memory[start: start + nbytes].view(meta.dtype)
-    return flat.as_strided(meta.shape, meta.stride(), flat.storage_offset() + meta.storage_offset())
+    flat = memory[start: start + nbytes].view(dtype)
+    return flat.as_strided(shape, stride, flat.storage_offset() + offset)
 
 
 class _VerifyingTransforms:
