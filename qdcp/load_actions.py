@@ -24,21 +24,46 @@ from typing import Any, Mapping
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from qdcp.adapters.base import Adapter, RawConversion, StoredEntry, adapter_for_type
+from qdcp.adapters.base import Adapter, RawConversion, StoredEntry, adapter_for_type, find_adapter
 from qdcp.layouts import Chunk
 from qdcp.placement import Placed, narrow, relative
 
-__all__ = ["Destination", "ItemRead", "StoredSource", "LoadAction", "InPlace", "RawCopy", "Requantize", "IntoPlain",
+__all__ = ["Temporaries", "Destination", "ItemRead", "StoredSource", "LoadAction", "InPlace", "RawCopy", "Requantize", "IntoPlain",
            "FromPlain"]
 
 
-class Destination:
-    """Where a read lands: the target's own buffer, or a temporary of ``shape`` / ``dtype`` made at
-    its first use (the read, not the plan: only the entries being read hold temporaries) and
-    dropped when its action has finished."""
+class Temporaries:
+    """The temporaries of one load: a buffer an action has finished with is handed to the next
+    read of the same shape and dtype (a model's layers repeat their shapes), so a load does not
+    fault in fresh pages for every entry. Holds at most ``keep`` idle buffers, newest first."""
 
-    def __init__(self, shape, dtype: torch.dtype, own: torch.Tensor | None = None) -> None:
+    def __init__(self, keep: int = 8) -> None:
+        self._idle: list[torch.Tensor] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            for i, t in enumerate(self._idle):
+                if t.dtype == dtype and tuple(t.shape) == shape:
+                    return self._idle.pop(i)
+        return torch.empty(shape, dtype=dtype)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._idle.insert(0, tensor)
+            del self._idle[self._keep:]
+
+
+class Destination:
+    """Where a read lands: the target's own buffer, or a temporary of ``shape`` / ``dtype`` taken
+    at its first use (the read, not the plan: only the entries being read hold temporaries) and
+    given back when its action has finished."""
+
+    def __init__(self, shape, dtype: torch.dtype, own: torch.Tensor | None = None,
+                 pool: Temporaries | None = None) -> None:
         self.shape, self.dtype, self._tensor, self.temporary = tuple(shape), dtype, own, own is None
+        self._pool = pool
         self._lock = threading.Lock()
 
     @property
@@ -46,12 +71,17 @@ class Destination:
         if self._tensor is None:
             with self._lock:
                 if self._tensor is None:
-                    self._tensor = torch.empty(self.shape, dtype=self.dtype)
+                    self._tensor = self._pool.take(self.shape, self.dtype) if self._pool is not None \
+                        else torch.empty(self.shape, dtype=self.dtype)
         return self._tensor
 
-    def release(self) -> None:
-        if self.temporary:
-            self._tensor = None
+    def release(self, held: set[int] | None) -> None:
+        """Drop a temporary; it goes back to the pool unless the target may hold its memory
+        (``held``: the storages of the target's buffers, None if unknown)."""
+        tensor, self._tensor = self._tensor, (None if self.temporary else self._tensor)
+        if self.temporary and tensor is not None and self._pool is not None and held is not None \
+                and tensor.untyped_storage().data_ptr() not in held:
+            self._pool.give(tensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +128,21 @@ class LoadAction:
 
     def release(self) -> None:
         """Drop the temporaries (after :meth:`finish`)."""
-        for r in self.reads:
-            r.dest.release()
+        if any(r.dest.temporary for r in self.reads):
+            held = _storages(self.placed.local)
+            for r in self.reads:
+                r.dest.release(held)
+
+
+def _storages(t: torch.Tensor) -> set[int] | None:
+    """The storages holding ``t``'s data (its adapter's inner buffers, for a quantized tensor);
+    None where they cannot be told (then no temporary is reused)."""
+    try:
+        adapter = find_adapter(t)
+        buffers = adapter.inner_buffers(t).values() if adapter is not None else [t]
+        return {b.untyped_storage().data_ptr() for b in buffers if isinstance(b, torch.Tensor)}
+    except Exception:  # noqa: BLE001 (a tensor whose storage cannot be read: keep nothing)
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from qdcp.adapters.base import Adapter, adapter_for_type, find_adapter, find_typ
 from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Chunk
 from qdcp.load_actions import (Destination, FromPlain, InPlace, IntoPlain, ItemRead, LoadAction, RawCopy,
-                               Requantize, StoredSource)
+                               Requantize, StoredSource, Temporaries)
 from qdcp.placement import Placed, describe_tensor, expand, is_empty, place, with_local
 
 __all__ = ["KeyPlan", "KeyPlanner", "GroupTarget", "Decoded"]
@@ -64,6 +64,7 @@ class KeyPlanner:
         self._structures: dict[tuple, Decoded] = {}  # structure -> decoded attrs and layouts
         self._configs: dict[tuple, bool] = {}      # (structure, target structure) -> same config?
         self._members: dict[str, tuple[str, int]] | None = None
+        self.temporaries = Temporaries()  # shared by this load's actions
 
     def plan_key(self, fqn: str, target: Any) -> KeyPlan | None:
         """The plan for target key ``fqn``, or None where DCP's own path loads it as it is."""
@@ -141,7 +142,7 @@ class KeyPlanner:
               buffer: torch.Tensor | None = None) -> ItemRead:
         """A read of ``chunk`` of component ``name``, into ``buffer`` or a new temporary."""
         stored = qspec.component_fqn(src_fqn, name)
-        dest = Destination(chunk[1], source.component(name).dtype, buffer)
+        dest = Destination(chunk[1], source.component(name).dtype, buffer, self.temporaries)
         return ItemRead(qspec.component_fqn(fqn, name), stored, self.md[stored], chunk, dest,
                         name if dest.temporary else None)
 
@@ -200,7 +201,7 @@ class KeyPlanner:
                 f"key {fqn!r}: checkpoint shape {tuple(plain_md.size)} != target shape {placed.global_shape}")
         _check_can_quantize(fqn, adapter, placed.local, "a plain tensor")
         read_chunk = _amax_chunk(adapter, placed) or placed.chunk
-        temp = Destination(read_chunk[1], plain_md.properties.dtype)
+        temp = Destination(read_chunk[1], plain_md.properties.dtype, pool=self.temporaries)
         return FromPlain(fqn, placed, (ItemRead(fqn, src_fqn, plain_md, read_chunk, temp),), adapter, read_chunk)
 
     # ------------------------------------------------------------------ groups
