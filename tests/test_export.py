@@ -13,16 +13,18 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import qdcp
+from qdcp.adapters.base import find_adapter
 from qdcp.errors import QdcpError
 from qdcp.hf.ct_layout import pack_int32, packed_rows, unpack_int32
 from qdcp.hf.safetensors_files import RowBlocks, ShardWriter, TensorOut
 from hf_helpers import TORCHAO_CASES, ct_decompress, read_dir
-from quantized_cases import CASE_BY_NAME, bits_diff, qdcp_save
+from quantized_cases import CASE_BY_NAME, bits_diff, components_diff, qdcp_save
 
 warnings.filterwarnings("ignore")
 
@@ -171,6 +173,7 @@ def test_compressed_tensors_layout_decompresses_to_the_sources_dequantize(tmp_pa
     qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == fmt
     assert qc["config_groups"]["group_0"]["targets"] == ["model.layers.0.mlp.up"]
+    _assert_the_librarys_formats(qc)
     dense = ct_decompress(tmp_path / "out")
     got, want = dense["model.layers.0.mlp.up.weight"], w.dequantize()
     # compressed-tensors computes NVFP4 / MXFP8 values as bf16, the others in the scale's dtype:
@@ -224,6 +227,81 @@ def test_writer_checks_row_blocks(tmp_path):
     with pytest.raises(QdcpError, match="'w': 24 bytes written, 80 planned"):
         with ShardWriter(str(tmp_path / "b.safetensors"), [TensorOut("w", (10, 2), torch.int32)], {}) as w:
             w.write("w", short)
+
+
+def _assert_the_librarys_formats(qc: dict) -> None:
+    """Every scheme's format is the one the library itself picks for it (``infer_module_format``)."""
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationConfig
+
+    for name, group in QuantizationConfig.model_validate(qc).config_groups.items():
+        assert infer_module_format(torch.nn.Linear, group).value == group.format, (name, group.format)
+
+
+def _act_cases():
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor, QuantizeTensorToMXKwargs
+    from torchao.quantization import Float8Tensor
+    from torchao.quantization.granularity import PerRow
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import QuantizeTensorToFloat8Kwargs
+
+    hp = torch.randn(128, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(8))
+    return {  # compressed-tensors preset whose input_activations the entry's dynamic activations are
+        "W8A8": CASE_BY_NAME["int8_dynamic_act"].make(0),
+        "FP8_DYNAMIC": Float8Tensor.from_hp(hp, granularity=PerRow(),
+                                            act_quant_kwargs=QuantizeTensorToFloat8Kwargs(granularity=PerRow())),
+        "MXFP8": MXTensor.to_mx(hp, torch.float8_e4m3fn, 32, act_quant_kwargs=QuantizeTensorToMXKwargs()),
+    }
+
+
+def test_compressed_tensors_carries_dynamic_activation_quantization(tmp_path):
+    """An entry quantizing its activations dynamically (torchao's act_quant_kwargs) exports with
+    the library's own ``input_activations`` for that scheme (its presets W8A8, FP8_DYNAMIC, MXFP8),
+    read back by the library; an entry without them stays weight-only."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    cases = _act_cases()
+    state = {f"{preset.lower()}.weight": t for preset, t in cases.items()}
+    state["plain_int8.weight"] = CASE_BY_NAME["int8_row"].make(1)
+    qdcp_save(tmp_path / "ckpt", state, no_dist=True)
+    qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="compressed-tensors")
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    _assert_the_librarys_formats(qc)  # int8 with activations: int-quantized; FP8: float-quantized
+    config = QuantizationConfig.model_validate(qc)
+    by_target = {tuple(g.targets): g for g in config.config_groups.values()}
+    for preset in cases:
+        got = by_target[(f"{preset.lower()}",)].input_activations
+        want = preset_name_to_scheme(preset, ["Linear"]).input_activations
+        assert got is not None and got.model_dump() == want.model_dump(), preset
+    assert by_target[("plain_int8",)].input_activations is None
+    dense = ct_decompress(tmp_path / "out")  # the weights decompress as before
+    for key, t in state.items():
+        want = t.dequantize()
+        assert bits_diff(dense[key].to(want.dtype), want) is None, key
+    targets = {**{f"{preset.lower()}.weight": t for preset, t in _act_cases().items()},
+               "plain_int8.weight": CASE_BY_NAME["int8_row"].make(9)}
+    for t in targets.values():  # the same configurations, other bits
+        for value in find_adapter(t).native_components(t).values():
+            if value.element_size() == 1:
+                value.view(torch.uint8).bitwise_xor_(1)
+            else:
+                value.mul_(2)
+    dcp.load(targets, storage_reader=qdcp.QuantizedHFReader(tmp_path / "out"), planner=qdcp.QuantizedLoadPlanner(),
+             no_dist=True)
+    assert all(components_diff(targets[k], v) is None for k, v in state.items())  # back raw, bit for bit
+
+
+def test_compressed_tensors_refuses_an_activation_pre_scale(tmp_path):
+    """An Int8Tensor with an activation pre-scale (the layer multiplies its input by it) has no
+    compressed-tensors form: refused naming the key, nothing written."""
+    from torchao.quantization import Int8Tensor
+    from torchao.quantization.granularity import PerRow
+
+    hp = CASE_BY_NAME["int8_row"].hp(2)
+    w = Int8Tensor.from_hp(hp, PerRow(), act_pre_scale=torch.rand(hp.shape[1], dtype=hp.dtype) + 0.5)
+    qdcp_save(tmp_path / "ckpt", {"m.weight": w}, no_dist=True)
+    with pytest.raises(qdcp.ExportError, match="key 'm.weight'.*pre-scale"):
+        qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="compressed-tensors")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
 def test_compressed_tensors_refuses_what_it_cannot_hold(tmp_path):

@@ -10,11 +10,14 @@ stored bits (neutral form)  format                 tensors of ``<module>``
                                                    (N, K/16), ``weight_global_scale`` f32 (1,)
 ``mxfp8_e4m3_row32``        mxfp8-quantized        ``weight`` e4m3 (N, K), ``weight_scale`` u8 (N, K/32)
 ``affine_float8_b..`` e4m3  naive-quantized        ``weight`` e4m3 (N, K), ``weight_scale`` (1,) / (N, 1) /
-                                                   (N/bn, K/bk): tensor, channel or block strategy
+                            (float-quantized with  (N/bn, K/bk): tensor, channel or block strategy
+                            dynamic activations)
 ``affine_int8_b..``         pack-quantized (8)     ``weight_packed`` i32 (N, K/4), ``weight_scale``,
 ``affine_int4_b..``         pack-quantized (4)     ``weight_packed`` i32 (N, K/8), ``weight_scale``,
                                                    ``weight_shape`` i64 (2,), asymmetric also
                                                    ``weight_zero_point`` i32 (N*bits/32, groups)
+``affine_int*`` with        int-quantized          ``weight`` i8 (N, K), ``weight_scale``, asymmetric
+dynamic activations                                also ``weight_zero_point`` i8 like the scale
 ==========================  =====================  =======================================================
 
 The library's conventions: two E2M1 codes a byte, element 2k in the low nibble (as torchao and
@@ -24,7 +27,9 @@ MXFP8 scales are biased E8M0 exponents as uint8; integers are packed ``value + 2
 from the least significant bit of int32 words along K. Integer entries with a non-zero zero point
 (read when the entry is planned) are written asymmetric (``symmetric: false``), their zero points
 packed the same way along N (``weight_zero_point`` int32 ``(N / (32 / bits), groups)``), channel
-and group strategies only. Schemes are weight-only: an entry's activation settings are not carried.
+and group strategies only. Dynamic activation quantization the source states (torchao's
+``act_quant_kwargs``) becomes the scheme's ``input_activations`` where the library has its args
+(:func:`input_activations`); other activation settings are not carried (weight-only).
 """
 
 from __future__ import annotations
@@ -49,21 +54,51 @@ _MXFP8 = MXFP8_FORMS[torch.float8_e4m3fn]
 
 @dataclasses.dataclass(frozen=True)
 class Scheme:
-    """One entry's compressed-tensors scheme: its format and ``weights`` quantization args."""
+    """One entry's compressed-tensors scheme: its format, ``weights`` and ``input_activations``
+    quantization args."""
 
     format: str
-    weights: str   #: the ``weights`` dict as canonical JSON
+    weights: str            #: the ``weights`` dict as canonical JSON
+    inputs: str = "null"    #: the ``input_activations`` dict as canonical JSON (null: weight-only)
 
     def to_json(self) -> dict:
-        return {"format": self.format, "input_activations": None, "output_activations": None,
+        return {"format": self.format, "input_activations": json.loads(self.inputs), "output_activations": None,
                 "weights": json.loads(self.weights)}
 
 
-def _scheme(fmt: str, **weights) -> Scheme:
+def _args(**given) -> str:
+    """compressed-tensors ``QuantizationArgs`` as canonical JSON."""
     base = {"dynamic": False, "symmetric": True, "group_size": None, "block_structure": None,
             "actorder": None, "observer": None, "observer_kwargs": {}, "scale_dtype": None, "zp_dtype": None}
-    base.update(weights)
-    return Scheme(fmt, json.dumps(base, sort_keys=True))
+    return json.dumps({**base, **given}, sort_keys=True)
+
+
+def _scheme(fmt: str, **weights) -> Scheme:
+    return Scheme(fmt, _args(**weights))  # weight-only
+
+
+_ACT_STRATEGIES = {"PerRow": "token", "PerToken": "token", "PerTensor": "tensor"}
+
+
+def input_activations(attrs: Mapping) -> str:
+    """The ``input_activations`` args (canonical JSON) for the dynamic activation quantization a
+    torchao tensor's attributes state: Float8Tensor FP8 E4M3 and Int8Tensor int8 per token or
+    tensor, IntxUnpackedToInt8Tensor's int8 asymmetric per token, MXTensor MXFP8 E4M3. "null"
+    (weight-only) where there is none or it has no compressed-tensors args."""
+    kwargs, intx = attrs.get("act_quant_kwargs"), attrs.get("activation_quantization")
+    name = type(kwargs).__name__
+    strategy = _ACT_STRATEGIES.get(type(getattr(kwargs, "granularity", None)).__name__)
+    if name == "QuantizeTensorToFloat8Kwargs" and kwargs.float8_dtype == torch.float8_e4m3fn and strategy:
+        return _args(num_bits=8, type="float", strategy=strategy, dynamic=True)
+    if name == "QuantizeTensorToInt8Kwargs" and strategy and not kwargs.reduce_range:
+        return _args(num_bits=8, type="int", strategy=strategy, dynamic=True,
+                     symmetric=getattr(kwargs.mapping_type, "name", "") == "SYMMETRIC")
+    if intx is not None and str(getattr(intx, "value", intx)).lower() == "int8_asym_per_token":
+        return _args(num_bits=8, type="int", strategy="token", dynamic=True, symmetric=False)
+    if name == "QuantizeTensorToMXKwargs" and kwargs.elem_dtype == torch.float8_e4m3fn and kwargs.block_size == 32:
+        return _args(num_bits=8, type="float", strategy="group", group_size=32, dynamic=True,
+                     scale_dtype="torch.uint8")
+    return "null"
 
 
 def pack_int32(values: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,14 +193,18 @@ class CompressedTensorsLayout(HFLayout):
             _, t = self._form(dataclasses.replace(stored, components={**stored.components, **read(small)}), src.key)
             if t["zero_point"].is_meta:
                 _, t = self._form(dataclasses.replace(stored, components=read(list(stored.components))), src.key)
+        if stored.components.keys() & {"act_pre_scale", "act_quant_scale"}:
+            raise UnsupportedEntry("its activation pre-scale / static activation scale has no compressed-tensors "
+                                   "form (the layer's output depends on it)")
         module = src.key[: -len(".weight")]
-        scheme, tensors = _plan_form(form, t, src.shape)
+        scheme, tensors = _plan_form(form, t, src.shape, input_activations(stored.attrs))
         return EntryPlan(src.key, tuple(TensorOut(f"{module}.{n}", s, d) for n, s, d in tensors), scheme=scheme)
 
     def produce(self, plan: EntryPlan, stored: StoredEntry) -> dict[str, torch.Tensor | RowBlocks]:
         form, t = self._form(stored, plan.key)
         module = plan.key[: -len(".weight")]
-        return {f"{module}.{n}": v for n, v in _tensors(form, t, stored.shape).items()}
+        inputs = input_activations(stored.attrs)
+        return {f"{module}.{n}": v for n, v in _tensors(form, t, stored.shape, inputs).items()}
 
     def quantization_config(self, plans: Sequence[EntryPlan]) -> dict | None:
         groups: dict[Scheme, list[str]] = {}
@@ -183,8 +222,10 @@ class CompressedTensorsLayout(HFLayout):
                 "transform_config": {}, "version": CT_VERSION}
 
 
-def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape) -> tuple[Scheme, list]:
-    """The scheme and ``(name, shape, dtype)`` of each tensor of a form's entry (shapes only)."""
+def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape, inputs: str) -> tuple[Scheme, list]:
+    """The scheme and ``(name, shape, dtype)`` of each tensor of a form's entry (shapes only). The
+    format is the one the library picks for the scheme (``infer_module_format``): with quantized
+    activations, FP8 is ``float-quantized`` and integers ``int-quantized`` (unpacked int8)."""
     n, k = shape
     if form == NVFP4_ROW16:
         return (_scheme("nvfp4-pack-quantized", num_bits=4, type="float", strategy="tensor_group", group_size=16,
@@ -192,8 +233,8 @@ def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape) -> tuple[Scheme,
                 [("weight_packed", (n, k // 2), torch.uint8), ("weight_scale", (n, k // 16), torch.float8_e4m3fn),
                  ("weight_global_scale", (1,), torch.float32)])
     if form == _MXFP8:
-        return (_scheme("mxfp8-quantized", num_bits=8, type="float", strategy="group", group_size=32,
-                        scale_dtype="torch.uint8"),
+        return (Scheme("mxfp8-quantized", _args(num_bits=8, type="float", strategy="group", group_size=32,
+                                                scale_dtype="torch.uint8"), inputs),
                 [("weight", (n, k), torch.float8_e4m3fn), ("weight_scale", (n, k // 32), torch.uint8)])
     kind, block = parse_affine_form(form)
     scale = t["scale"]
@@ -202,22 +243,29 @@ def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape) -> tuple[Scheme,
     if kind == "float8":
         if t["data"].dtype != torch.float8_e4m3fn:
             raise UnsupportedEntry(f"compressed-tensors FP8 is E4M3; this entry holds {t['data'].dtype}")
-        return (_scheme("naive-quantized", num_bits=8, type="float", **strategy),
+        fmt = "naive-quantized" if inputs == "null" else "float-quantized"
+        return (Scheme(fmt, _args(num_bits=8, type="float", **strategy), inputs),
                 [("weight", (n, k), torch.float8_e4m3fn), ("weight_scale", scale_shape, scale.dtype)])
     bits = {"int8": 8, "int4": 4}.get(kind)
     if bits is None or strategy["strategy"] == "block":
         raise UnsupportedEntry(f"compressed-tensors packs int8 and int4 per tensor, channel or group; "
                                f"this entry is {kind} with blocks of {block}")
+    zero = _zero_points(t)
+    weights = _args(num_bits=bits, type="int", symmetric=zero is None, **strategy)
+    if inputs != "null":  # int-quantized: the int8 values as they are
+        tensors = [("weight", (n, k), torch.int8), ("weight_scale", scale_shape, scale.dtype)]
+        if zero is not None:
+            tensors.append(("weight_zero_point", scale_shape, zero.dtype))
+        return Scheme("int-quantized", weights, inputs), tensors
     per = 32 // bits
     tensors = [("weight_packed", (n, -(-k // per)), torch.int32), ("weight_scale", scale_shape, scale.dtype),
                ("weight_shape", (2,), torch.int64)]
-    zero = _zero_points(t)
     if zero is not None:
         if strategy["strategy"] == "tensor":
             raise UnsupportedEntry("compressed-tensors packs the zero points of channel and group ints; this "
                                    "entry is asymmetric per tensor")
         tensors.append(("weight_zero_point", (-(-zero.shape[0] // per), zero.shape[1]), torch.int32))
-    return _scheme("pack-quantized", num_bits=bits, type="int", symmetric=zero is None, **strategy), tensors
+    return Scheme("pack-quantized", weights), tensors
 
 
 def _zero_points(t: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
@@ -226,8 +274,8 @@ def _zero_points(t: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     return zero if zero is not None and bool(torch.count_nonzero(zero)) else None
 
 
-def _tensors(form: str, t: Mapping[str, torch.Tensor], shape) -> dict[str, torch.Tensor | RowBlocks]:
-    """The entry's tensors from its form, bits carried over (integers planned symmetric)."""
+def _tensors(form: str, t: Mapping[str, torch.Tensor], shape, inputs: str) -> dict[str, torch.Tensor | RowBlocks]:
+    """The entry's tensors from its form, bits carried over (as :func:`_plan_form` plans them)."""
     if form == NVFP4_ROW16:
         return {"weight_packed": t["data"], "weight_scale": t["scale"].view(torch.float8_e4m3fn),
                 "weight_global_scale": (1.0 / nvfp4_decode_scale(t["amax"])).reshape(1)}
@@ -237,10 +285,15 @@ def _tensors(form: str, t: Mapping[str, torch.Tensor], shape) -> dict[str, torch
     scale = t["scale"].reshape(1) if block == tuple(shape) else t["scale"]
     if kind == "float8":
         return {"weight": t["data"], "weight_scale": scale}
+    zero = _zero_points(t)
+    if inputs != "null":
+        out = {"weight": t["data"], "weight_scale": scale}
+        if zero is not None:
+            out["weight_zero_point"] = zero.reshape(scale.shape)
+        return out
     bits = 8 if kind == "int8" else 4
     out = {"weight_packed": packed_rows(t["data"], bits), "weight_scale": scale,
            "weight_shape": torch.tensor(list(shape), dtype=torch.int64)}
-    zero = _zero_points(t)
     if zero is not None:  # packed along the output dim, as the library packs them
         out["weight_zero_point"] = pack_int32(zero.t(), bits).t().contiguous()
     return out

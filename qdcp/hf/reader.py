@@ -273,15 +273,27 @@ def _ct_entry(d: _Directory, module: str, fmt: str, weights: Mapping):
         comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (Blocked((1, 32)), t["weight_scale"])}
         return _ct_spec(d, key, ct.MXFP8, shape, torch.bfloat16, {}, comps)
     asymmetric = not weights.get("symmetric", True) or t["weight_zero_point"] in d.tensors
-    if asymmetric and (fmt != "pack-quantized" or weights.get("strategy") not in ("channel", "group")):
-        raise CheckpointFormatError(f"key {key!r}: asymmetric compressed-tensors weights are read as pack-quantized "
-                                    f"channel or group ints only (this is {fmt}, {weights.get('strategy')})")
-    if fmt in ("naive-quantized", "float-quantized", "int-quantized"):
+    unpacked = fmt in ("naive-quantized", "float-quantized", "int-quantized")
+    is_int = weights.get("type") == "int" or (key in d.tensors and d.tensors[key][2] == torch.int8)
+    if asymmetric and not (is_int and (unpacked or weights.get("strategy") in ("channel", "group"))):
+        raise CheckpointFormatError(f"key {key!r}: asymmetric compressed-tensors weights are read as integers "
+                                    f"(packed per channel or group, or unpacked); this is {fmt}, "
+                                    f"{weights.get('type')} {weights.get('strategy')}")
+    if unpacked:
         shape = d.tensors[key][1]
         kind = ct.INT if d.tensors[key][2] == torch.int8 else ct.FLOAT
         block = _ct_block(weights, shape, tuple(scale.shape))
-        comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (_scale_layout(block, shape, scale), t["weight_scale"])}
-        return _ct_spec(d, key, kind, shape, scale.dtype, {"block": list(block)}, comps)
+        layout = _scale_layout(block, shape, scale)
+        comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (layout, t["weight_scale"])}
+        attrs = {"block": list(block)}
+        if kind == ct.INT:
+            attrs["bits"] = int(weights.get("num_bits", 8))
+        if asymmetric:
+            if t["weight_zero_point"] not in d.tensors:
+                raise CheckpointFormatError(f"key {key!r}: an asymmetric scheme without {t['weight_zero_point']!r}")
+            comps["weight_zero_point"] = (layout, t["weight_zero_point"])
+            attrs["symmetric"] = False
+        return _ct_spec(d, key, kind, shape, scale.dtype, attrs, comps)
     if fmt == "pack-quantized":
         from safetensors import safe_open
 
