@@ -17,7 +17,6 @@ Exit status: 0 success, 1 a check failed, 2 bad usage / missing or unreadable ch
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import json
 import logging
@@ -68,11 +67,12 @@ class _Entries:
     bytes each stores, iterated in key order under a progress bar."""
 
     def __init__(self, path: str, quiet: bool, what: str) -> None:
-        from qdcp.reader import read_metadata
+        from qdcp.reader import CheckpointEntries
 
         self.path, self.quiet, self.what = path, quiet, what
-        self.md: Metadata = read_metadata(path)
-        self.specs = qspec.read_specs(self.md)
+        self.reading = CheckpointEntries(path)  #: reads each entry (metadata and specs parsed once)
+        self.md: Metadata = self.reading.metadata
+        self.specs = self.reading.specs
         self.owned = {qspec.component_fqn(e.fqn, c.name) for e in self.specs.values() for c in e.components}
         self.keys = sorted(set(self.specs) | {k for k in self.md.state_dict_metadata if k not in self.owned})
 
@@ -96,13 +96,6 @@ class _Entries:
                 bar.set_postfix_str(f"entry {i + 1}/{len(self.keys)}", refresh=False)
                 yield key
                 bar.update(self.nbytes(key))
-
-    @functools.cached_property
-    def reading(self):
-        """The checkpoint's :class:`qdcp.reader.CheckpointEntries` (set up at first use)."""
-        from qdcp.reader import CheckpointEntries
-
-        return CheckpointEntries(self.path, self.md)
 
     def values(self, key: str, dtype: torch.dtype | None) -> torch.Tensor | Any:
         """The entry as plain values (raw entries dequantized, in ``dtype`` if given), or an object."""

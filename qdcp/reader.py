@@ -87,7 +87,7 @@ class CheckpointEntries:
         self._memory = _Arena() if reuse_memory else None
         self._storage = storage_reader(path)
         self.metadata = metadata if metadata is not None else self._storage.read_metadata()
-        self._storage.set_up_storage_reader(self.metadata, True)
+        self._set_up = False  # the storage reader (which checks the chunk geometry) at the first read
         self.specs = qspec.read_specs(self.metadata)
         self._stored = qspec.stored_components(self.metadata.state_dict_metadata)
         self._stored_bytes = _stored_bytes(self.metadata)
@@ -127,6 +127,9 @@ class CheckpointEntries:
             self._memory.reset([self.metadata.storage_data[r.storage_index].length for r in whole])
             arena = self._memory
         assembler = _Assembler({fqn: sd_md[fqn] for fqn in fqns}, arena)
+        if not self._set_up:
+            self._storage.set_up_storage_reader(self.metadata, True)
+            self._set_up = True
         self._storage.read_data(LoadPlan(reads), assembler).wait()
         return assembler.done()
 

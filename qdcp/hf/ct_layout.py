@@ -1,7 +1,7 @@
 """The ``compressed-tensors`` layout (what vLLM and transformers load as ``quant_method:
 "compressed-tensors"``), written from raw bits: nothing is requantized.
 
-Per quantized ``<module>.weight`` (see docs/export.md for the full table):
+Per quantized ``<module>.weight`` (see docs/export_compressed_tensors.md for the full table):
 
 ==========================  =====================  =======================================================
 stored bits (neutral form)  format                 tensors of ``<module>``
