@@ -28,8 +28,8 @@ from qdcp.adapters.base import Adapter, RawConversion, StoredEntry, adapter_for_
 from qdcp.layouts import Chunk
 from qdcp.placement import Placed, narrow, relative
 
-__all__ = ["Temporaries", "Destination", "ItemRead", "StoredSource", "LoadAction", "InPlace", "RawCopy", "Requantize", "IntoPlain",
-           "FromPlain"]
+__all__ = ["Temporaries", "Destination", "ItemRead", "StoredSource", "LoadAction", "InPlace", "RawCopy",
+           "Requantize", "IntoPlain", "FromPlain"]
 
 
 class Temporaries:
@@ -53,6 +53,10 @@ class Temporaries:
         with self._lock:
             self._idle.insert(0, tensor)
             del self._idle[self._keep:]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
 
 
 class Destination:

@@ -20,7 +20,7 @@ from qdcp import checksums as sums
 from qdcp import spec as qspec
 from qdcp.dcp_copies import pre_2_4_state_dict, read_items
 from qdcp.errors import CheckpointFormatError, LoadMismatchError
-from qdcp.load_actions import ItemRead, LoadAction
+from qdcp.load_actions import ItemRead, LoadAction, Temporaries
 from qdcp.load_planning import GroupTarget, KeyPlan, KeyPlanner
 from qdcp.placement import narrow, planning
 
@@ -46,9 +46,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     the action each planned item name feeds, ``_handled`` the checkpoint keys they account for;
     keys left in ``state_dict`` go DCP's own way); ``create_local_plan`` (DCP's reads, plus each
     action's); ``finish_plan`` (``_pending`` counts the reads each action still waits for); then,
-    per read, ``resolve_tensor`` (the action's buffer) and ``commit_tensor`` (checksum; the
-    action's ``finish`` once its last read is in, and a group's ``members_loaded`` after its
-    last member), or ``load_bytes`` for objects.
+    per read, ``resolve_tensor`` (the action's buffer; a temporary is taken here) and
+    ``commit_tensor`` (checksum; the action's ``finish`` once its last read is in, its temporaries
+    handed on, and a group's ``members_loaded`` after its last member), or ``load_bytes`` for
+    objects. The idle temporaries are dropped when the last action has finished.
     """
 
     def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
@@ -61,6 +62,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self._by_item: dict[str, _Dest] = {}
         self._handled: set[str] = set()
         self._pending: dict[str, int] = {}
+        self._open: dict[str, int] = {}
+        self._temporaries = Temporaries()
         self._groups: dict[str, _Group] = {}  # action key -> its group, where filled member by member
         self._lock = threading.Lock()
         self._verify = sums.ReadVerifier(None)
@@ -82,6 +85,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 if plan is not None:
                     self._take(fqn, plan)
         self._specs = keys.specs
+        self._temporaries = keys.temporaries
 
     def _take(self, fqn: str, plan: KeyPlan) -> None:
         del self.state_dict[fqn]
@@ -121,6 +125,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             hit = self._by_item.get(item.dest_index.fqn)
             if hit is not None:
                 self._pending[hit.action.fqn] += 1
+        self._open = {"actions": sum(1 for n in self._pending.values() if n)}  # actions yet to finish
         with planning():
             self._verify.plan(new_plan.items)
         return super().finish_plan(new_plan)
@@ -145,6 +150,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         if self._count_down(self._pending, action.fqn):
             action.finish()
             action.release()
+            if self._count_down(self._open, "actions"):
+                self._temporaries.clear()  # the last one: nothing is kept past the load
             group = self._groups.get(action.fqn)
             if group is not None and group.one_done(self._lock):
                 group.target.adapter.members_loaded(group.target.target)

@@ -252,22 +252,29 @@ def test_load_temporaries_are_made_at_the_read_and_reused(tmp_path):
     """Loading compressed-tensors weights into torchao targets converts each entry through
     temporaries: they are made when the first entry is read and handed on to the next entry of
     the same shape when one is done, so a load of six layers uses one temporary per component
-    shape (they were all made at planning: twelve)."""
+    shape (they were all made at planning: twelve), and none outlives the load (the planner does)."""
+    import gc
+    import weakref
+
     from torchao.quantization import Int8Tensor
     from torchao.quantization.granularity import PerRow
 
     state = {f"m{i}.weight": CASE_BY_NAME["int8_row"].make(i) for i in range(6)}
     qdcp_save(tmp_path / "ckpt", state, no_dist=True)
     qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="compressed-tensors")
-    buffers = []
+    buffers, alive = [], []
 
     class Watching(qdcp.QuantizedLoadPlanner):
         def resolve_tensor(self, read_item):
             buffer = super().resolve_tensor(read_item)
             buffers.append((tuple(buffer.shape), buffer.untyped_storage().data_ptr()))
+            alive.append(weakref.ref(buffer._base if buffer._base is not None else buffer))
             return buffer
 
     targets = {k: Int8Tensor.from_hp(torch.ones(v.shape, dtype=torch.bfloat16), PerRow()) for k, v in state.items()}
-    dcp.load(targets, storage_reader=qdcp.QuantizedHFReader(tmp_path / "out"), planner=Watching(), no_dist=True)
+    planner = Watching()
+    dcp.load(targets, storage_reader=qdcp.QuantizedHFReader(tmp_path / "out"), planner=planner, no_dist=True)
     assert all(components_diff(targets[k], v) is None for k, v in state.items())
     assert len(buffers) == 2 * len(state) and len({ptr for _, ptr in buffers}) == 2, buffers
+    gc.collect()
+    assert planner is not None and all(ref() is None for ref in alive)
