@@ -569,7 +569,8 @@ class _SafeReading:
         by_planner = self._planner_checks(req, planner)
         recorded = self._recorded(req) if version is None and not by_planner else None
         zip_crcs = version is None and recorded is None and not by_planner  # nothing else checks it
-        in_place = req.type != LoadItemType.BYTE_IO and (not descriptors or (version is not None and len(descriptors) == 1))
+        in_place = req.type != LoadItemType.BYTE_IO \
+            and (not descriptors or (version is not None and len(descriptors) == 1))
         buffer = self._planner_buffer(planner, req, length) if in_place else None
         adoptable = True  # a view of the reader's own scratch buffer is copied out, never kept
         try:

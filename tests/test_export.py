@@ -319,7 +319,8 @@ def test_compressed_tensors_refuses_what_it_cannot_hold(tmp_path):
     from torchao.quantization.granularity import PerTensor
     from torchao.quantization.quant_primitives import MappingType
 
-    asym_per_tensor = Int8Tensor.from_hp(CASE_BY_NAME["int8_row"].hp(3), PerTensor(), mapping_type=MappingType.ASYMMETRIC)
+    asym_per_tensor = Int8Tensor.from_hp(CASE_BY_NAME["int8_row"].hp(3), PerTensor(),
+                                         mapping_type=MappingType.ASYMMETRIC)
     assert bool(asym_per_tensor.zero_point.count_nonzero())
     state = {"m.weight": asym_per_tensor, "n.weight": CASE_BY_NAME["int8_row"].make(4)}
     qdcp_save(tmp_path / "asym", state, no_dist=True)
