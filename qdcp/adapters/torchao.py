@@ -253,24 +253,23 @@ class _AffineAdapter(TorchAOAdapter):
         values ``(data - zero_point) * scale`` are quantized like the target, as a load without a
         raw path would."""
         native = self.native_components(target)
-        data, scale, zero = tensors["data"], tensors["scale"], tensors.get("zero_point")
+        data, scale, given = tensors["data"], tensors["scale"], tensors.get("zero_point")
         held = scale.to(native["scale"].dtype)
         exact = data.dtype == native["qdata"].dtype and tuple(scale.shape) == tuple(native["scale"].shape) \
             and torch.equal(held.to(scale.dtype), scale)
-        symmetric = zero is None or not bool(torch.count_nonzero(zero))
-        if "zero_point" in native and not _symmetric(native["zero_point"]):  # an asymmetric target
-            zero = torch.zeros_like(native["zero_point"]) if zero is None else zero
-            exact = exact and tuple(zero.shape) == tuple(native["zero_point"].shape) \
+        rest = {}
+        if "zero_point" in native:
+            zero = torch.zeros_like(native["zero_point"]) if given is None else given
+            exact = exact and (_symmetric(given) or not _symmetric(native["zero_point"])) \
+                and tuple(zero.shape) == tuple(native["zero_point"].shape) \
                 and torch.equal(zero.to(native["zero_point"].dtype).to(zero.dtype), zero)
-        else:  # a symmetric one stays symmetric
-            exact = exact and symmetric
-            zero = torch.zeros_like(native["zero_point"]) if "zero_point" in native else None
+            rest["zero_point"] = zero
+        else:
+            exact = exact and _symmetric(given)
         if exact:
-            self.copy_into(target, {"qdata": data, "scale": held,
-                                    **({"zero_point": zero} if "zero_point" in native else {})})
+            self.copy_into(target, {"qdata": data, "scale": held, **rest})
             return
         _, block = parse_affine_form(form)
-        given = tensors.get("zero_point")
         values = data.float() if given is None else data.float() - repeat_blocks(given.float(), *block, data.shape)
         values = values * repeat_blocks(scale.float(), *block, data.shape)
         self.copy_into(target, self.components(self.quantize_like(target, values.to(target.dtype))))
