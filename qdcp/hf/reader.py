@@ -279,6 +279,8 @@ def _ct_entry(d: _Directory, module: str, fmt: str, weights: Mapping):
         raise CheckpointFormatError(f"key {key!r}: asymmetric compressed-tensors weights are read as integers "
                                     f"(packed per channel or group, or unpacked); this is {fmt}, "
                                     f"{weights.get('type')} {weights.get('strategy')}")
+    if asymmetric and t["weight_zero_point"] not in d.tensors:
+        raise CheckpointFormatError(f"key {key!r}: an asymmetric scheme without {t['weight_zero_point']!r}")
     if unpacked:
         shape = d.tensors[key][1]
         kind = ct.INT if d.tensors[key][2] == torch.int8 else ct.FLOAT
@@ -289,8 +291,6 @@ def _ct_entry(d: _Directory, module: str, fmt: str, weights: Mapping):
         if kind == ct.INT:
             attrs["bits"] = int(weights.get("num_bits", 8))
         if asymmetric:
-            if t["weight_zero_point"] not in d.tensors:
-                raise CheckpointFormatError(f"key {key!r}: an asymmetric scheme without {t['weight_zero_point']!r}")
             comps["weight_zero_point"] = (layout, t["weight_zero_point"])
             attrs["symmetric"] = False
         return _ct_spec(d, key, kind, shape, scale.dtype, attrs, comps)
@@ -301,19 +301,15 @@ def _ct_entry(d: _Directory, module: str, fmt: str, weights: Mapping):
             shape = tuple(int(s) for s in f.get_tensor(t["weight_shape"]).tolist())
         bits = int(weights.get("num_bits", 4))
         block = _ct_block(weights, shape, tuple(scale.shape))
-        packed = t["weight_packed"]
+        packed, zero, layout = t["weight_packed"], t["weight_zero_point"], _scale_layout(block, shape, scale)
         comps = {"weight": (Blocked((1, 1)), lambda get, out: unpack_int32(get(packed), bits, shape[1], out)),
-                 "weight_scale": (_scale_layout(block, shape, scale), t["weight_scale"])}
+                 "weight_scale": (layout, t["weight_scale"])}
         attrs, built = {"block": list(block), "bits": bits}, {"weight": (shape, torch.int8)}
         if asymmetric:  # zero points packed along N, one column per group
-            zero = t["weight_zero_point"]
-            if zero not in d.tensors:
-                raise CheckpointFormatError(f"key {key!r}: an asymmetric scheme without {zero!r}")
-            comps["weight_zero_point"] = (_scale_layout(block, shape, scale),
-                                          lambda get, out: unpack_int32(get(zero).t(), bits, shape[0]).t())
+            comps["weight_zero_point"] = (layout, lambda get, out: unpack_int32(get(zero).t(), bits, shape[0]).t())
             attrs["symmetric"], built["weight_zero_point"] = False, (tuple(scale.shape), torch.int8)
         spec, items, used = _ct_spec(d, key, ct.INT, shape, scale.dtype, attrs, comps, built=built)
-        return spec, items, used | {packed, t["weight_shape"]} | ({t["weight_zero_point"]} if asymmetric else set())
+        return spec, items, used | {packed, t["weight_shape"]} | ({zero} if asymmetric else set())
     raise CheckpointFormatError(f"key {key!r}: compressed-tensors format {fmt!r} is not read by qdcp "
                                 f"(nvfp4-pack-quantized, mxfp8-quantized, naive/float/int-quantized, pack-quantized are)")
 
