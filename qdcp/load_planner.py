@@ -9,11 +9,12 @@ import math
 import pickle
 import re
 import threading
+import warnings
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from qdcp import checksums as sums
@@ -22,6 +23,7 @@ from qdcp.dcp_copies import pre_2_4_state_dict, read_items
 from qdcp.errors import CheckpointFormatError, LoadMismatchError
 from qdcp.load_actions import ItemRead, LoadAction, Temporaries
 from qdcp.load_planning import GroupTarget, KeyPlan, KeyPlanner
+from qdcp.load_shadows import Shadows
 from qdcp.placement import narrow, planning
 
 __all__ = ["QuantizedLoadPlanner"]
@@ -39,7 +41,11 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     objects with ``torch.load(weights_only=True)``, so a checkpoint cannot run code; pass False only
     for checkpoints you trust. ``checksums`` (default True): every item read whole is checked
     against the checksum the save recorded (:class:`~qdcp.ChecksumError`); items read in part are
-    checked by :class:`~qdcp.CheckpointReader`.
+    checked by :class:`~qdcp.CheckpointReader`. ``atomic`` (default False, DCP's in-place load):
+    True loads into copies of the targets and copies them in only once every read of this rank has
+    arrived and been verified, so a failed load leaves every target as it was (:mod:`qdcp.load_shadows`;
+    costs one copy of the loaded state). With ``allow_partial_load``, ``loaded_keys`` and
+    ``missing_keys`` say which target keys the checkpoint had; a load that matches none warns.
 
     DCP calls, in order, on every rank: ``set_up_planner`` (plans every target key against the
     checkpoint's metadata: ``_actions`` holds the :mod:`qdcp.load_actions` by target key, ``_by_item``
@@ -53,11 +59,17 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     """
 
     def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
-                 allow_partial_load: bool = False, weights_only: bool = True, checksums: bool = True) -> None:
+                 allow_partial_load: bool = False, weights_only: bool = True, checksums: bool = True,
+                 atomic: bool = False) -> None:
         super().__init__(flatten_state_dict=flatten_state_dict, flatten_sharded_tensors=flatten_sharded_tensors,
                          allow_partial_load=allow_partial_load)
         self.weights_only = weights_only
         self.checksums = bool(checksums)
+        self.atomic = bool(atomic)
+        self._shadows: Shadows | None = None
+        self._reads_left = 0
+        self.loaded_keys: list[str] = []   #: target keys the checkpoint holds (after planning)
+        self.missing_keys: list[str] = []  #: target keys it lacks (a partial load skips them)
         self._actions: dict[str, LoadAction] = {}
         self._by_item: dict[str, _Dest] = {}
         self._handled: set[str] = set()
@@ -75,17 +87,27 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         return self._verify.record is not None
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        _check_is_load(metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self._verify = sums.ReadVerifier(sums.record(metadata) if self.checksums else None)
         self._actions, self._by_item, self._handled, self._groups = {}, {}, set(), {}
+        self._shadows = Shadows() if self.atomic else None
         keys = KeyPlanner(metadata, allow_partial_load=self.allow_partial_load)
+        self.loaded_keys, self.missing_keys = [], []
         with planning():
+            if self._shadows is not None:
+                self.state_dict = self._shadows.of_dict(self.state_dict)
             for fqn, target in list(self.state_dict.items()):
                 plan = keys.plan_key(fqn, target)
+                found = fqn in metadata.state_dict_metadata or fqn in keys.specs or \
+                    (plan is not None and bool(plan.actions or plan.handled))
+                (self.loaded_keys if found else self.missing_keys).append(fqn)
                 if plan is not None:
                     self._take(fqn, plan)
         self._specs = keys.specs
         self._temporaries = keys.temporaries
+        if self.allow_partial_load:
+            _report_partial(self.loaded_keys, self.missing_keys, metadata, keys.specs)
 
     def _take(self, fqn: str, plan: KeyPlan) -> None:
         del self.state_dict[fqn]
@@ -117,6 +139,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         found = pre_2_4_state_dict(self.metadata, self.state_dict, self.original_state_dict, self._handled | owned)
         if found is not None:
             self.state_dict = {k: v for k, v in found[0].items() if k not in self._handled}
+            if self._shadows is not None:  # rebuilt from the user's state dict: shadow those too
+                self.state_dict = self._shadows.of_dict(self.state_dict)
             self.mappings = found[1]
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
@@ -126,9 +150,25 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             if hit is not None:
                 self._pending[hit.action.fqn] += 1
         self._open = {"actions": sum(1 for n in self._pending.values() if n)}  # actions yet to finish
+        self._reads_left = len(new_plan.items)
         with planning():
             self._verify.plan(new_plan.items)
+        if not new_plan.items:
+            self._all_read()
         return super().finish_plan(new_plan)
+
+    def _one_read(self) -> None:
+        """Count a read done (checked, and its action finished); after the last, the shadows go in."""
+        if self._shadows is not None:
+            with self._lock:
+                self._reads_left -= 1
+                last = self._reads_left == 0
+            if last:
+                self._all_read()
+
+    def _all_read(self) -> None:
+        if self._shadows is not None:
+            self._shadows.apply()
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         return self._verify.buffer(read_item, self._destination(read_item))
@@ -145,8 +185,12 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             self._destination(read_item).copy_(tensor)  # it was read into a host buffer to check it
             tensor = self._destination(read_item)
         if hit is None:
-            return super().commit_tensor(read_item, tensor)
-        action = hit.action
+            super().commit_tensor(read_item, tensor)
+        else:
+            self._finish_read(hit.action)
+        self._one_read()
+
+    def _finish_read(self, action: LoadAction) -> None:
         if self._count_down(self._pending, action.fqn):
             action.finish()
             action.release()
@@ -164,10 +208,18 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self._verify.check_bytes(read_item, value.getbuffer(), read_item.dest_index.fqn)
         obj = _load_object(value, read_item.dest_index.fqn, self.weights_only)
+        fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            put = lambda: set_element(self.original_state_dict, self.mappings[fqn], obj)  # noqa: E731
+        elif self._shadows is not None:  # the user's dict, not the planner's copy of it
+            put = lambda: self.original_state_dict.__setitem__(fqn, obj)  # noqa: E731
         else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+            put = lambda: self.state_dict.__setitem__(fqn, obj)  # noqa: E731
+        if self._shadows is not None:
+            self._shadows.defer(put)
+        else:
+            put()
+        self._one_read()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +241,29 @@ class _Group:
         with lock:
             self.pending -= 1
             return self.pending == 0
+
+
+def _check_is_load(metadata) -> None:
+    """Refuse a save's arguments: ``dcp.save`` gives a planner a ``StorageMeta`` (or, through DCP's
+    fallback for planners without that argument, a bool) where a load gives the checkpoint's Metadata."""
+    if metadata is not None and not isinstance(metadata, Metadata):
+        raise TypeError(
+            f"QuantizedLoadPlanner is a load planner, but it was set up with a "
+            f"{type(metadata).__name__} instead of a checkpoint's Metadata: it was passed to dcp.save "
+            f"or dcp.async_save. Pass QuantizedSavePlanner() there, QuantizedLoadPlanner() to dcp.load.")
+
+
+def _report_partial(loaded: list[str], missing: list[str], metadata: Metadata, specs) -> None:
+    """A partial load that matched none of the target's keys warns: the state dict's nesting (or
+    the checkpoint) is most likely not the one meant."""
+    if loaded or not missing:
+        return
+    stored = sorted({k for k in metadata.state_dict_metadata if qspec.COMPONENT_SEPARATOR not in k} | set(specs))
+    warnings.warn(
+        f"QuantizedLoadPlanner(allow_partial_load=True) matched 0 of the {len(missing)} target keys "
+        f"(e.g. {missing[:3]}) in the checkpoint, which holds {len(stored)} keys (e.g. {stored[:3]}): "
+        f"nothing was loaded. Check the state dict's nesting against the checkpoint's keys "
+        f"(qdcp.describe(path) lists them).", UserWarning, stacklevel=2)
 
 
 def _load_object(value: io.BytesIO, fqn: str, weights_only: bool):

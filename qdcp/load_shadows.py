@@ -1,0 +1,102 @@
+"""All-or-nothing loads: every target is loaded into a shadow, copied in once every read is in.
+
+``QuantizedLoadPlanner(atomic=True)`` hands DCP and its load actions a shadow of each target (a copy
+of the same kind: a plain tensor, the same quantized type over fresh inner buffers, a DTensor over a
+shadow of its local tensor) and keeps the objects it reads aside. Only once this rank's last read
+has arrived and been verified are the shadows copied into the targets' own buffers and the objects
+put in place, so a load that fails (a corrupt byte, a truncated file, a mismatched entry) leaves
+every target as it was. The copy-in is plain ``copy_`` of buffers of equal shape and dtype.
+
+Shadows start as copies of their targets, so a target the load fills only in part (a partial load,
+a component the checkpoint does not carry) keeps the rest of its values. Cost: one extra copy of the
+loaded state on each rank, on the targets' devices, for the duration of the load, and two copies of
+its bytes (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+from qdcp.adapters.base import find_adapter
+from qdcp.errors import LoadMismatchError
+from qdcp.placement import place, with_local
+
+__all__ = ["Shadows"]
+
+
+class Shadows:
+    """The shadows of one load's targets, and the objects read for them, until :meth:`apply`."""
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a target's buffer, its shadow's)
+        self._made: dict[int, Any] = {}   # id(target value) -> its shadow value
+        self._keep: list[Any] = []        # the targets, so their ids stay theirs until apply
+        self._deferred: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def of_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A copy of a flat state dict with every tensor replaced by its shadow."""
+        return {fqn: self.of(fqn, value) for fqn, value in state_dict.items()}
+
+    def of(self, fqn: str, value: Any) -> Any:
+        """The shadow of target ``value`` (made once per target); non-tensors as they are."""
+        made = self._made.get(id(value))
+        if made is not None:
+            return made
+        placed = place(value)
+        if placed is None:
+            return value
+        real, shadow_local = _shadow_local(fqn, placed.local)
+        shadow = with_local(value, shadow_local)
+        copies = _buffers(shadow_local)
+        self._pairs.extend((buffer, copies[name]) for name, buffer in real.items())
+        self._made[id(value)] = shadow
+        self._keep.append(value)
+        return shadow
+
+    def defer(self, put: Callable[[], None]) -> None:
+        """Run ``put`` (an object read for the state dict) at :meth:`apply` instead of now."""
+        with self._lock:
+            self._deferred.append(put)
+
+    def apply(self) -> None:
+        """Copy every shadow into its target and put the objects read in place."""
+        with torch.no_grad():
+            for target, shadow in self._pairs:
+                target.copy_(shadow)
+        for put in self._deferred:
+            put()
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop the shadows (after :meth:`apply`, or when the load is abandoned)."""
+        self._pairs, self._made, self._keep, self._deferred = [], {}, [], []
+
+
+def _shadow_local(fqn: str, local: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``(the target's buffers by name, a shadow holding a copy of them)`` for one local tensor."""
+    adapter = find_adapter(local)
+    if adapter is None:
+        if type(local) not in (torch.Tensor, torch.nn.Parameter):
+            raise LoadMismatchError(
+                f"key {fqn!r}: an atomic load cannot stage a {type(local).__name__} target (a tensor "
+                f"subclass qdcp has no adapter for). Load with QuantizedLoadPlanner(atomic=False), or "
+                f"register an adapter for it (qdcp.register_adapter).")
+        return {"": local}, local.detach().clone()
+    real = adapter.inner_buffers(local)
+    try:
+        shadow = adapter.from_inner_buffers(local, {n: b.detach().clone() for n, b in real.items()})
+    except NotImplementedError:
+        raise LoadMismatchError(
+            f"key {fqn!r}: an atomic load cannot stage a {type(local).__name__} target (its adapter "
+            f"cannot build one over new buffers). Load with QuantizedLoadPlanner(atomic=False).") from None
+    return real, shadow
+
+
+def _buffers(shadow: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The shadow's buffers by name (a plain tensor's under "")."""
+    adapter = find_adapter(shadow)
+    return {"": shadow} if adapter is None else adapter.inner_buffers(shadow)
