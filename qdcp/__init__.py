@@ -1,10 +1,14 @@
 """qdcp: PyTorch Distributed Checkpoint for quantized tensors.
 
-    import torch.distributed.checkpoint as dcp
-    from qdcp import QuantizedSavePlanner, QuantizedLoadPlanner
+    import qdcp
 
-    dcp.save(state, checkpoint_id=path, planner=QuantizedSavePlanner())
-    dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner())
+    qdcp.save(state, path)   # dcp.save with qdcp's writer and planner: atomic, checksummed, no overwrite
+    qdcp.load(state, path)   # dcp.load with qdcp's reader and planner: verified, all-or-nothing
+
+or DCP's own calls with qdcp's planners passed in::
+
+    dcp.save(state, checkpoint_id=path, planner=qdcp.QuantizedSavePlanner())
+    dcp.load(state, checkpoint_id=path, planner=qdcp.QuantizedLoadPlanner())
 """
 
 from qdcp.adapters import Adapter, StoredEntry, find_adapter, register_adapter, registered_type_names
@@ -32,6 +36,7 @@ from qdcp.storage import (
     storage_writer,
 )
 from qdcp.planner import QuantizedLoadPlanner, QuantizedSavePlanner
+from qdcp.checkpoint import async_save, load, save
 from qdcp.hf import ExportError, ExportResult, QuantizedHFReader, export
 from qdcp.stager import QuantizedStager
 
@@ -46,7 +51,7 @@ register_new_empty()  # for torchao classes already imported; QuantizedSavePlann
 __version__ = "0.1.0"
 
 __all__ = [
-    "QuantizedSavePlanner", "QuantizedLoadPlanner", "QuantizedStager", "describe", "read_metadata", "read_entry", "read_stored", "CheckpointEntries",
+    "save", "async_save", "load", "QuantizedSavePlanner", "QuantizedLoadPlanner", "QuantizedStager", "describe", "read_metadata", "read_entry", "read_stored", "CheckpointEntries",
     "CheckpointReader", "CheckpointWriter", "storage_reader",
     "storage_writer", "to_device", "register_new_empty", "unregister_new_empty", "enable_new_empty",
     "Adapter", "StoredEntry", "register_adapter", "find_adapter", "registered_type_names",

@@ -1,0 +1,68 @@
+"""The safe front door: DCP's ``save`` / ``async_save`` / ``load`` with all of qdcp's protections.
+
+    qdcp.save(state, path)        # dcp.save: atomic commit, refuses an existing checkpoint, checksums
+    qdcp.load(state, path)        # dcp.load: verified, all-or-nothing, .metadata never runs code
+
+Each call is exactly DCP's own call with qdcp's storage writer or reader and planner passed in
+(``qdcp.CheckpointWriter`` / ``qdcp.CheckpointReader``, ``QuantizedSavePlanner`` /
+``QuantizedLoadPlanner``); the checkpoints are ordinary DCP checkpoints that stock ``dcp.load`` reads.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+
+from qdcp.load_planner import QuantizedLoadPlanner
+from qdcp.save_planner import DequantizeChoice, QuantizedSavePlanner
+from qdcp.storage import storage_reader, storage_writer
+
+__all__ = ["save", "async_save", "load"]
+
+
+def save(state_dict: dict[str, Any], path: str | os.PathLike, *, overwrite: bool = False,
+         dequantize: DequantizeChoice = False, process_group=None,
+         storage_options: dict[str, Any] | None = None) -> Metadata:
+    """Save ``state_dict`` to ``path`` (a directory or an fsspec URL) with ``dcp.save``.
+
+    Quantized tensors raw (``dequantize=True``: as plain tensors), every item checksummed, committed
+    atomically; an existing checkpoint at ``path`` is refused unless ``overwrite=True`` (then
+    replaced atomically: a failed save leaves the old one loadable).
+    """
+    return dcp.save(state_dict, storage_writer=storage_writer(path, overwrite=overwrite, **(storage_options or {})),
+                    planner=QuantizedSavePlanner(dequantize=dequantize), process_group=process_group)
+
+
+def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=None, overwrite: bool = False,
+               dequantize: DequantizeChoice = False, process_group=None,
+               storage_options: dict[str, Any] | None = None):
+    """:func:`save` in the background with ``dcp.async_save``; returns what it returns (a Future).
+
+    ``stager``: a :class:`qdcp.QuantizedStager` kept for the whole run (its buffers are reused
+    from save to save); without one the writer stages through a ``QuantizedStager`` of its own.
+    Wait for the previous save's future before the next save.
+    """
+    kwargs = {"async_stager": stager} if stager is not None else {}
+    return dcp.async_save(state_dict, storage_writer=storage_writer(path, overwrite=overwrite,
+                                                                    **(storage_options or {})),
+                          planner=QuantizedSavePlanner(dequantize=dequantize), process_group=process_group,
+                          **kwargs)
+
+
+def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = True,
+         allow_partial_load: bool = False, weights_only: bool = True, process_group=None,
+         storage_options: dict[str, Any] | None = None) -> None:
+    """Load the checkpoint at ``path`` into ``state_dict``, in place, with ``dcp.load``.
+
+    Fills whatever ``state_dict`` holds (same quantized types bit-exact, other types requantized,
+    plain tensors dequantized); every item is verified against its recorded checksum and the
+    metadata is read without unpickling code. ``atomic`` (default True): the targets are changed
+    only once every read of this rank is in and verified, so a failed load leaves them as they
+    were (it holds one extra copy of the loaded state meanwhile; False loads in place, as DCP does).
+    """
+    dcp.load(state_dict, storage_reader=storage_reader(path, **(storage_options or {})),
+             planner=QuantizedLoadPlanner(atomic=atomic, allow_partial_load=allow_partial_load,
+                                          weights_only=weights_only), process_group=process_group)

@@ -1,0 +1,106 @@
+"""qdcp.save / qdcp.async_save / qdcp.load: the README's first path, with every protection of
+qdcp's writer, reader and planners, tried as a user types it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import qdcp
+from qdcp import CheckpointFormatError, QdcpError, QuantizedStager
+from quantized_cases import CASE_BY_NAME, raise_inner
+from state_dicts import assert_same_state, snapshot
+
+
+def _state(seed: int) -> dict:
+    return {"model": {"w": CASE_BY_NAME["int8_row"].make(seed), "nf4": CASE_BY_NAME["nf4"].make(seed),
+                      "b": torch.randn(32, generator=torch.Generator().manual_seed(seed))},
+            "step": seed}
+
+
+def _files(path) -> dict[str, str]:
+    return {n: hashlib.sha256((path / n).read_bytes()).hexdigest() for n in sorted(os.listdir(path))}
+
+
+def test_save_load_round_trip_bit_exact_and_readable_by_stock_dcp(tmp_path):
+    source = _state(0)
+    qdcp.save(source, tmp_path / "c")
+    target = _state(5)
+    qdcp.load(target, tmp_path / "c")
+    assert_same_state(target, source)
+    plain = {"model": {"b": torch.zeros(32)}}
+    dcp.load(plain, checkpoint_id=tmp_path / "c")  # an ordinary DCP checkpoint
+    assert torch.equal(plain["model"]["b"], source["model"]["b"])
+
+
+def test_second_save_is_refused_and_first_checkpoint_kept(tmp_path):
+    path = tmp_path / "c"
+    qdcp.save(_state(0), path)
+    before = _files(path)
+    with pytest.raises(QdcpError, match="already exists.*overwrite=True"):
+        raise_inner(lambda: qdcp.save(_state(1), path))
+    assert _files(path) == before
+    qdcp.save(_state(1), path, overwrite=True)
+    target = _state(5)
+    qdcp.load(target, path)
+    assert_same_state(target, _state(1))
+
+
+def test_async_save_with_a_stager(tmp_path):
+    stager = QuantizedStager()
+    source = _state(0)
+    fut = qdcp.async_save(source, tmp_path / "c", stager=stager)
+    fut.result()
+    stager.close()
+    target = _state(5)
+    qdcp.load(target, tmp_path / "c")
+    assert_same_state(target, source)
+
+
+def test_truncated_file_names_key_and_file_and_leaves_targets(tmp_path):
+    path = tmp_path / "c"
+    qdcp.save(_state(0), path)
+    (name,) = [n for n in os.listdir(path) if n.endswith(".distcp")]
+    data = (path / name).read_bytes()
+    (path / name).write_bytes(data[:-300])
+    target = _state(5)
+    before = snapshot(target)
+    with pytest.raises(CheckpointFormatError, match=rf"key '[\w.]+'.*{name}.*truncated"):
+        raise_inner(lambda: qdcp.load(target, path))
+    assert_same_state(target, before)
+
+
+class _Payload:
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+def test_crafted_metadata_runs_no_code(tmp_path):
+    path = tmp_path / "c"
+    qdcp.save(_state(0), path)
+    marker = tmp_path / "PWNED"
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    target = _state(5)
+    before = snapshot(target)
+    with pytest.raises(BaseException, match="refusing to unpickle"):
+        raise_inner(lambda: qdcp.load(target, path))
+    assert not marker.exists()
+    assert_same_state(target, before)
+
+
+def test_in_place_load_is_available(tmp_path):
+    source = _state(0)
+    qdcp.save(source, tmp_path / "c")
+    target = _state(5)
+    ids = id(target["model"]["w"].qdata)
+    qdcp.load(target, tmp_path / "c", atomic=False)
+    assert_same_state(target, source)
+    assert id(target["model"]["w"].qdata) == ids
