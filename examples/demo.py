@@ -1,9 +1,11 @@
 """The qdcp demo: the main job in two minutes on a laptop's CPU.
 
 1. FSDP2 training under ``torchrun`` on 2 CPU ranks (gloo): a frozen NF4 weight and a layer trained
-   with torchao's AdamW8bit (quantized optimizer states), checkpointed every 3 steps through the
-   plain ``dcp.async_save(..., planner=QuantizedSavePlanner())`` while training goes on.
-2. A resume from the step-6 checkpoint at another world size (4 ranks): the losses of steps 7-9
+   with torchao's AdamW8bit (quantized optimizer states), checkpointed every 3 steps through
+   ``qdcp.async_save(state, path)`` (DCP's ``async_save`` with qdcp's atomic, checksummed writer and
+   planner) while training goes on.
+2. A resume from the step-6 checkpoint at another world size (4 ranks) through ``qdcp.load``
+   (verified, all-or-nothing): the losses of steps 7-9
    are the uninterrupted run's, bit for bit.
 3. A summary: checkpoint bytes against the same state in bf16, and how long training was blocked
    per save against the save's whole time.

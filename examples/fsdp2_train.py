@@ -2,11 +2,13 @@
 
 A frozen NF4 base weight (QLoRA style) feeds a trainable layer optimized by torchao's AdamW8bit
 (its states are quantized ``OptimState8bit`` DTensors). Every ``--ckpt-every`` steps the model and
-optimizer state are saved with the plain ``dcp.async_save(..., planner=QuantizedSavePlanner())``
-while training goes on (``--stager qdcp`` passes ``async_stager=QuantizedStager()``, the faster
-path with reused buffers). ``--resume`` loads the newest checkpoint at whatever world size this run
-has and continues; the losses it prints from the resumed step on are checked against the log of
-the first run.
+optimizer state are saved with ``qdcp.async_save(state, path)`` (DCP's ``async_save`` with qdcp's
+atomic, checksummed writer and planner) while training goes on; ``--api dcp`` uses the plain
+``dcp.async_save(..., planner=QuantizedSavePlanner())`` instead. ``--stager qdcp`` passes a
+``QuantizedStager`` kept for the run (the faster path with reused buffers). ``--resume`` loads the
+newest checkpoint (``qdcp.load``: verified, all-or-nothing; or ``dcp.load`` with
+``QuantizedLoadPlanner()``) at whatever world size this run has and continues; the losses it prints
+from the resumed step on are checked against the log of the first run.
 
     torchrun --nproc-per-node 2 examples/fsdp2_train.py --dir /tmp/qdcp-fsdp2 --steps 8
     torchrun --nproc-per-node 1 examples/fsdp2_train.py --dir /tmp/qdcp-fsdp2 --steps 8 --resume
@@ -32,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
+import qdcp  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, QuantizedStager  # noqa: E402
 
 DIM, HIDDEN = 256, 512
@@ -65,13 +68,18 @@ def batch(step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return x.to(device), torch.tanh(x).to(device)
 
 
-def save(model, optim, path: str, stager, group, saves: list, rank: int):
-    """Start an async checkpoint; note how long training was blocked and when it was written."""
+def save(model, optim, path: str, stager, group, saves: list, rank: int, api: str, overwrite: bool):
+    """Start an async checkpoint; note how long training was blocked and when it was written. A
+    resumed run writes the checkpoints after its start again (``overwrite``: replaced atomically)."""
     start = time.perf_counter()
     model_sd, optim_sd = get_state_dict(model, optim)
-    kwargs = {"async_stager": stager} if stager is not None else {}
-    fut = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path,
-                         planner=QuantizedSavePlanner(), process_group=group, **kwargs)
+    state = {"model": model_sd, "optim": optim_sd}
+    if api == "qdcp":
+        fut = qdcp.async_save(state, path, stager=stager, process_group=group, overwrite=overwrite)
+    else:
+        kwargs = {"async_stager": stager} if stager is not None else {}
+        fut = dcp.async_save(state, checkpoint_id=path, planner=QuantizedSavePlanner(overwrite=overwrite),
+                             process_group=group, **kwargs)
     record = {"checkpoint": os.path.basename(path), "blocked_s": time.perf_counter() - start}
     saves.append(record)
 
@@ -91,8 +99,11 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=3)
     parser.add_argument("--resume", action="store_true", help="load the newest checkpoint (or --resume-step's)")
     parser.add_argument("--resume-step", type=int, default=None)
+    parser.add_argument("--api", choices=["qdcp", "dcp"], default="qdcp",
+                        help="qdcp: qdcp.async_save / qdcp.load; dcp: DCP's calls with qdcp's planners")
     parser.add_argument("--stager", choices=["dcp", "qdcp"], default="dcp",
-                        help="dcp: DCP's default stager (the plain call); qdcp: QuantizedStager")
+                        help="dcp: the default (DCP's stager, or with --api qdcp the writer's); "
+                             "qdcp: a QuantizedStager kept for the run")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))
@@ -121,7 +132,11 @@ def main() -> None:
         start = args.resume_step if args.resume_step is not None else saved[-1]
         model_sd, optim_sd = get_state_dict(model, optim)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=os.path.join(args.dir, f"step_{start}"), planner=QuantizedLoadPlanner())
+        path = os.path.join(args.dir, f"step_{start}")
+        if args.api == "qdcp":
+            qdcp.load(state, path)
+        else:
+            dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner())
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if rank == 0:
             print(f"  resumed from step {start} at world size {world}", flush=True)
@@ -141,7 +156,7 @@ def main() -> None:
             if pending is not None:
                 pending.result()  # one checkpoint in flight at a time
             pending = save(model, optim, os.path.join(args.dir, f"step_{step + 1}"), stager, ckpt_group, saves,
-                           rank)
+                           rank, args.api, overwrite=args.resume)
     if pending is not None:
         pending.result()
     if stager is not None:

@@ -19,7 +19,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import qdcp
-from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -78,18 +77,18 @@ def main() -> None:
     shutil.rmtree(deq_dir, ignore_errors=True)
 
     model = quantize(build_model(0))
-    dcp.save(model.state_dict(), checkpoint_id=raw_dir, planner=QuantizedSavePlanner())
-    dcp.save(model.state_dict(), checkpoint_id=deq_dir, planner=QuantizedSavePlanner(dequantize=True))
+    qdcp.save(model.state_dict(), raw_dir)                   # raw: every inner buffer
+    qdcp.save(model.state_dict(), deq_dir, dequantize=True)  # portable: plain bf16 tensors
 
     # 1. raw -> a freshly quantized model (other random weights): buffers bit-identical
     restored = quantize(build_model(1))
-    dcp.load(restored.state_dict(), checkpoint_id=raw_dir, planner=QuantizedLoadPlanner())
+    qdcp.load(restored.state_dict(), raw_dir)
     same_bits = all(_same_bits(a, b) for a, b in zip(model.state_dict().values(),
                                                      restored.state_dict().values()))
 
     # 2. raw and dequantized -> plain bf16 models: equal to the library's own dequantize
     plain_from_raw, plain_from_deq = build_model(2), build_model(3)
-    dcp.load(plain_from_raw.state_dict(), checkpoint_id=raw_dir, planner=QuantizedLoadPlanner())
+    qdcp.load(plain_from_raw.state_dict(), raw_dir)
     dcp.load(plain_from_deq.state_dict(), checkpoint_id=deq_dir)  # stock DCP reads it
 
     info = qdcp.describe(raw_dir)
