@@ -1,6 +1,7 @@
 """Directories written by the ``compressed-tensors`` library itself (its own quantization and
-compressors, on CPU), for import tests: a small model of Linear layers quantized with a scheme,
-weights and scales from min/max, compressed by ``ModelCompressor`` and saved with its config."""
+compressors, on CPU), for import tests: a small model of Linear layers (or a tiny transformers
+Llama) quantized with a scheme, weights and scales from min/max, compressed by ``ModelCompressor``
+and saved with its config; and such a model re-saved by transformers."""
 
 from __future__ import annotations
 
@@ -67,14 +68,47 @@ def schemes() -> dict:
 def write(scheme: str, out, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """Write ``out`` (model.safetensors + config.json) with compressed-tensors; returns the state
     dict it saved. Layers ``fc1`` (with bias) and ``fc2`` are quantized, ``head`` is ignored."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(OrderedDict(
         fc1=torch.nn.Linear(256, 128, bias=True), act=torch.nn.ReLU(),
         fc2=torch.nn.Linear(128, 256, bias=False), head=torch.nn.Linear(256, 128, bias=False))).to(dtype)
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": schemes()[scheme]}, ignore=["head"]))
+    return _quantize_and_save(model, scheme, out, ignore=["head"])
+
+
+def write_model(scheme: str, out) -> dict[str, torch.Tensor]:
+    """A tiny transformers Llama (``hf_helpers.tiny_llama_config``) quantized with ``scheme`` by the
+    library and saved by it (its ``config.json`` holds the model's config), as ``from_pretrained``
+    loads it: every Linear but ``lm_head``. Returns the state dict it saved."""
+    from transformers import LlamaForCausalLM
+
+    from hf_helpers import tiny_llama_config
+
+    torch.manual_seed(0)
+    config = tiny_llama_config()
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    os.makedirs(out, exist_ok=True)
+    config.save_pretrained(str(out))
+    return _quantize_and_save(model, scheme, out, ignore=["lm_head"])
+
+
+def resave_with_transformers(src, out) -> None:
+    """What transformers writes when it re-saves a loaded compressed-tensors model: loaded with
+    ``from_pretrained`` (compressed), run once (its first forward decompresses it in place), saved
+    with ``save_pretrained``: dense weights, the config still naming the format, with
+    ``quantization_status: "decompressed"``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    model.save_pretrained(str(out))
+
+
+def _quantize_and_save(model: torch.nn.Module, scheme: str, out, ignore: list[str]) -> dict[str, torch.Tensor]:
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": schemes()[scheme]}, ignore=ignore))
     _calibrate(model)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)

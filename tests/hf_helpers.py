@@ -1,5 +1,6 @@
 """Helpers of the Hugging Face export / import tests: the torchao cases torchao's layout holds, a
-directory's tensors and metadata, and compressed-tensors' own decompression of a directory."""
+tiny transformers model config, a directory's tensors and metadata, and compressed-tensors' own
+decompression of a directory."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ from torchao.prototype.safetensors.safetensors_utils import ALLOWED_TENSORS_SUBC
 from quantized_cases import CASES
 
 TORCHAO_CASES = [c for c in CASES if c.make(0).__class__.__name__ in ALLOWED_TENSORS_SUBCLASSES]
+
+
+def tiny_llama_config(layers: int = 1):
+    """A transformers Llama small enough for CPU tests whose Linear weights fit every block the
+    quantized types use (128 x 128, 256 x 128, 128 x 256); ``lm_head`` untied from the embedding."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=64, tie_word_embeddings=False)
 
 
 def read_dir(out) -> tuple[dict, dict]:
@@ -40,6 +50,8 @@ def ct_decompress(out) -> dict:
         names = comp.compression_param_names(scheme)
         for mod, _ in match_quantizable_tensors(tensors, ignore=cfg.ignore or [], targets=scheme.targets,
                                                 param_targets=[names[0]]):
+            if f"{mod}.weight_scale" not in tensors:  # matched by name, not quantized (a norm, an embedding)
+                continue
             local = {p: tensors.pop(f"{mod}.{p}") for p in names if f"{mod}.{p}" in tensors}
             dense[f"{mod}.weight"] = comp.decompress(local, scheme)["weight"]
     dense.update(tensors)

@@ -4,7 +4,9 @@ plain targets with the values the format's own library computes, DTensor targets
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import warnings
 
 import pytest
@@ -13,6 +15,8 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 import qdcp
+from qdcp.adapters import find_adapter
+from qdcp.errors import CheckpointFormatError
 from quantized_cases import CASE_BY_NAME, bits_diff, components_diff, qdcp_save
 from hf_helpers import TORCHAO_CASES, ct_decompress
 
@@ -48,6 +52,20 @@ def test_torchao_layout_into_plain_targets_is_torchaos_dequantize(torchao_dir):
     targets = _load({k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}, out)
     for key, want in state.items():
         assert bits_diff(targets[key], want if key == "norm.weight" else want.dequantize()) is None, key
+
+
+def test_torchao_layout_into_float32_targets_is_computed_in_float32(torchao_dir):
+    """float32 targets get the values computed in float32, as from a qdcp checkpoint: NVFP4 and MX
+    equal to torchao's own ``dequantize(torch.float32)``, bit for bit (never rounded through bf16)."""
+    state, out = torchao_dir
+    targets = _load({k: torch.zeros(v.shape, dtype=torch.float32) for k, v in state.items()}, out)
+    for key, want in state.items():
+        if key == "norm.weight":
+            assert bits_diff(targets[key], want) is None
+            continue
+        expected = want.dequantize(torch.float32) if type(want).__name__ in ("NVFP4Tensor", "MXTensor") \
+            else find_adapter(want).dequantize(want, torch.float32)
+        assert bits_diff(targets[key], expected) is None, key
 
 
 def test_plain_safetensors_directory(tmp_path):
@@ -204,6 +222,120 @@ def test_exported_compressed_tensors_round_trip_into_the_source_type(tmp_path):
     qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="compressed-tensors")
     got = _load({"m.weight": CASE_BY_NAME["mx_fp8"].make(4)}, tmp_path / "out")
     assert components_diff(got["m.weight"], w) is None
+
+
+# ----------------------------------------------------------------------------- quantization_status
+
+_RESAVED = ["fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "int8_w8a8", "int4_group32"]
+
+
+@pytest.fixture(scope="module")
+def resaved_dirs(tmp_path_factory):
+    """Per scheme: a tiny Llama the library quantized and saved compressed, and the same model
+    loaded by transformers (its first forward decompresses it) and re-saved: dense bf16 weights
+    under a config that still names the format, ``quantization_status: "decompressed"``."""
+    from ct_written import resave_with_transformers, write_model
+
+    root = tmp_path_factory.mktemp("resaved")
+    for scheme in _RESAVED:
+        write_model(scheme, root / scheme / "compressed")
+        resave_with_transformers(root / scheme / "compressed", root / scheme / "decompressed")
+    return root
+
+
+def _config(path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def _copy_with_config(src, dst, edit) -> None:
+    """``src`` copied to ``dst`` with its ``quantization_config`` changed by ``edit``."""
+    shutil.copytree(src, dst)
+    config = _config(dst)
+    edit(config["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("scheme", _RESAVED)
+def test_decompressed_directory_loads_its_dense_weights(resaved_dirs, scheme):
+    """A directory transformers re-saved after decompressing (dense bf16 ``weight`` beside the
+    quantization parameters, the config still naming the format) loads as the dense tensors it
+    stores, bit for bit (its FP8 / MXFP8 weights were read as codes: every element wrong)."""
+    from safetensors.torch import load_file
+
+    out = resaved_dirs / scheme / "decompressed"
+    qc = _config(out)["quantization_config"]
+    assert qc["quantization_status"] == "decompressed"
+    assert qc["config_groups"]["group_0"]["format"] == _config(out.parent / "compressed")["quantization_config"][
+        "config_groups"]["group_0"]["format"]
+    stored = load_file(out / "model.safetensors")
+    weights = {k: v for k, v in stored.items() if k.endswith(".weight")}
+    assert all(v.dtype == torch.bfloat16 for v in weights.values())
+    got = _load({k: torch.zeros(v.shape, dtype=v.dtype) for k, v in weights.items()}, out)
+    assert all(bits_diff(got[k], v) is None for k, v in weights.items())
+    # the status absent: the stored dtypes decide (dense here; codes in the compressed directory)
+    _copy_with_config(out, out.parent / "no_status", lambda qc: qc.pop("quantization_status"))
+    got = _load({k: torch.zeros(v.shape, dtype=v.dtype) for k, v in weights.items()}, out.parent / "no_status")
+    assert all(bits_diff(got[k], v) is None for k, v in weights.items())
+    compressed = out.parent / "compressed"
+    _copy_with_config(compressed, out.parent / "compressed_no_status", lambda qc: qc.pop("quantization_status"))
+    dense = ct_decompress(compressed)
+    got = _load({k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in weights.items()},
+                out.parent / "compressed_no_status")
+    assert all(bits_diff(got[k], dense[k].to(torch.bfloat16)) is None for k in weights)
+
+
+def test_compressed_tensors_directory_that_contradicts_its_config_is_refused(resaved_dirs, tmp_path):
+    """Whatever the reader cannot interpret is refused, naming the key: dense weights under
+    ``compressed``, codes under ``decompressed``, a parameter stored in a dtype the format's codes
+    or scales cannot have, codes no config group targets."""
+    layer = "model.layers.0.mlp.down_proj.weight"
+    cases = {
+        "dense_as_compressed": (resaved_dirs / "fp8_tensor" / "decompressed",
+                                lambda qc: qc.update(quantization_status="compressed"),
+                                f"key '{layer}': the config's quantization_status is 'compressed' but the directory "
+                                f"stores a dense torch.bfloat16 weight"),
+        "codes_as_decompressed": (resaved_dirs / "mxfp8" / "compressed",
+                                  lambda qc: qc.update(quantization_status="decompressed"),
+                                  f"key '{layer}': .*'decompressed' but the directory stores torch.float8_e4m3fn codes"),
+        "packed_as_decompressed": (resaved_dirs / "int4_group32" / "compressed",
+                                   lambda qc: qc.update(quantization_status="decompressed"),
+                                   f"key '{layer}': .*stores packed codes"),
+        "untargeted_codes": (resaved_dirs / "fp8_tensor" / "compressed",
+                             lambda qc: qc["config_groups"]["group_0"].update(targets=["re:.*self_attn.*"]),
+                             f"key '{layer}': '{layer}' holds compressed-tensors codes .* no config group"),
+        "nvfp4_as_mxfp8": (resaved_dirs / "nvfp4" / "compressed",
+                           lambda qc: qc["config_groups"]["group_0"].update(format="mxfp8-quantized"),
+                           f"key '{layer}': a mxfp8-quantized module stores '{layer}'; the directory lacks it"),
+    }
+    for name, (src, edit, message) in cases.items():
+        _copy_with_config(src, tmp_path / name, edit)
+        _assert_refused(tmp_path / name, {layer: torch.zeros(128, 256, dtype=torch.bfloat16)}, message)
+
+
+def test_compressed_tensors_parameter_of_the_wrong_dtype_is_refused(resaved_dirs, tmp_path):
+    """A compressed directory whose MXFP8 scales are stored as bf16 (not E8M0 bytes) or whose FP8
+    codes are stored as int8 is refused naming the key and the parameter."""
+    from safetensors.torch import load_file, save_file
+
+    layer = "model.layers.0.self_attn.q_proj"
+    for scheme, part, dtype, want in (("mxfp8", "weight_scale", torch.bfloat16, "torch.uint8 or torch.float8_e8m0fnu"),
+                                      ("fp8_tensor", "weight", torch.int8, "torch.float8_e4m3fn")):
+        out = tmp_path / scheme
+        shutil.copytree(resaved_dirs / scheme / "compressed", out)
+        tensors = load_file(out / "model.safetensors")
+        tensors[f"{layer}.{part}"] = tensors[f"{layer}.{part}"].view(torch.uint8).to(dtype)
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        _assert_refused(out, {f"{layer}.weight": torch.zeros(128, 128, dtype=torch.bfloat16)},
+                        f"key '{layer}.weight': '{layer}.{part}' is stored as {dtype}, but .* stores it as {want}")
+
+
+def _assert_refused(path, targets: dict, message: str) -> None:
+    """The reader refuses ``path`` with ``message``; ``dcp.load`` stops with it, the targets untouched."""
+    with pytest.raises(CheckpointFormatError, match=message):
+        qdcp.QuantizedHFReader(path).read_metadata()
+    with pytest.raises(BaseException, match=message):  # DCP quotes the reader's error
+        _load(targets, path)
+    assert not any(bool(t.count_nonzero()) for t in targets.values())
 
 
 # ----------------------------------------------------------------------------- DTensor targets at 2 ranks

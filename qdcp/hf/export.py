@@ -180,7 +180,7 @@ def _write_files(layout: HFLayout, shards: list[list[EntryPlan]], files: list[st
               file=sys.stderr, leave=False) as bar:
         for file_plans, name in zip(shards, files):
             with stf.ShardWriter(os.path.join(out, name), [t for p in file_plans for t in p.tensors],
-                                 layout.file_metadata(file_plans)) as writer:
+                                 layout.file_metadata(file_plans, [p for s in shards for p in s])) as writer:
                 for plan in file_plans:
                     values = reading.tensors(layout, plan)
                     for t in plan.tensors:

@@ -72,8 +72,9 @@ class HFLayout:
         from a large one may come as :class:`RowBlocks`, made as it is written)."""
         raise NotImplementedError
 
-    def file_metadata(self, plans: Sequence[EntryPlan]) -> dict[str, str]:
-        """The ``__metadata__`` of a file holding ``plans``."""
+    def file_metadata(self, plans: Sequence[EntryPlan], directory: Sequence[EntryPlan]) -> dict[str, str]:
+        """The ``__metadata__`` of a file holding ``plans``, in a directory holding ``directory``
+        (every entry, in order)."""
         out = {"format": "pt"}
         for p in plans:
             out.update(p.metadata)

@@ -178,15 +178,22 @@ class QuantizedHFReader(StorageReader):
 # ----------------------------------------------------------------------------- torchao's layout
 
 def _torchao_entries(d: _Directory) -> list:
-    """Entries of torchao's layout: every file's ``tensor_names`` with a torchao class."""
+    """Entries of torchao's layout: those in any file's ``tensor_names`` with a torchao class,
+    once each (transformers and qdcp write the whole directory's metadata into every file; two
+    files describing one entry differently are refused)."""
+    described: dict[str, tuple[str, str]] = {}
+    for file, meta in d.file_metadata.items():
+        for key in json.loads(meta.get("tensor_names", "[]")):
+            desc = meta.get(key, "{}")
+            if key in described and described[key][1] != desc:
+                raise CheckpointFormatError(f"key {key!r}: {described[key][0]} and {file} describe it differently "
+                                            f"in their torchao metadata; which one holds its tensors is unknown")
+            described.setdefault(key, (file, desc))
     out = []
-    for meta in d.file_metadata.values():
-        if "tensor_names" not in meta:
-            continue
-        for key in json.loads(meta["tensor_names"]):
-            desc = json.loads(meta.get(key, "{}"))
-            if desc.get("_type") not in (None, "Tensor"):
-                out.append(_torchao_entry(d, key, desc))
+    for key, (_, desc) in described.items():
+        parsed = json.loads(desc)
+        if parsed.get("_type") not in (None, "Tensor"):
+            out.append(_torchao_entry(d, key, parsed))
     return out
 
 
@@ -238,30 +245,122 @@ def _matches(module: str, patterns) -> bool:
     return False
 
 
+#: quantization_status values: "compressed" stores the format's codes; the others dense weights (with
+#: the quantization parameters beside them): "decompressed" is what transformers saves after a
+#: loaded model decompressed itself, "frozen" / "initialized" / "calibration" a model saved before
+#: compression
+_CT_STATUSES = ("compressed", "decompressed", "frozen", "initialized", "calibration")
+_UNPACKED = ("naive-quantized", "float-quantized", "int-quantized")
+_E4M3, _INTEGERS = (torch.float8_e4m3fn,), (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_DENSE = "a 16-bit or wider floating dtype"
+#: per format, the stored dtype of each parameter (``_DENSE``: any of those), required ones first
+_CT_DTYPES = {
+    "nvfp4-pack-quantized": {"weight_packed": (torch.uint8,), "weight_scale": _E4M3, "weight_global_scale": _DENSE},
+    "mxfp8-quantized": {"weight": _E4M3, "weight_scale": (torch.uint8, torch.float8_e8m0fnu)},
+    "naive-quantized": {"weight": _E4M3 + (torch.int8,), "weight_scale": _DENSE, "weight_zero_point": _INTEGERS},
+    "float-quantized": {"weight": _E4M3, "weight_scale": _DENSE},
+    "int-quantized": {"weight": (torch.int8,), "weight_scale": _DENSE, "weight_zero_point": _INTEGERS},
+    "pack-quantized": {"weight_packed": (torch.int32,), "weight_scale": _DENSE, "weight_shape": _INTEGERS,
+                       "weight_zero_point": (torch.int32,)},
+}
+_REQUIRED = {"nvfp4-pack-quantized": 3, "mxfp8-quantized": 2, "pack-quantized": 3}
+
+
+def _is_dense(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize >= 2
+
+
 def _ct_entries(d: _Directory) -> list:
+    """The quantized entries of a compressed-tensors directory: each module a config group targets
+    that holds quantization parameters, read as the format's codes where ``quantization_status`` is
+    ``compressed`` (or absent and the stored dtypes are codes), else left as the dense tensors they
+    are. A module whose stored dtypes contradict the status, or codes no group targets, are refused."""
     qc = read_quantization_config(d.config)
-    out = []
+    status = qc.get("quantization_status")
+    if status is not None and status not in _CT_STATUSES:
+        raise CheckpointFormatError(f"{d.path}: compressed-tensors quantization_status {status!r} is not one qdcp "
+                                    f"reads ({', '.join(_CT_STATUSES)})")
+    out, seen = [], set()
     for group in (qc.get("config_groups") or {}).values():
         fmt = group.get("format") or qc.get("format")
         weights = group.get("weights") or {}
-        first = "weight" if fmt in ("mxfp8-quantized", "naive-quantized", "float-quantized", "int-quantized") \
-            else "weight_packed"
-        for name in list(d.tensors):
-            if not name.endswith("." + first):
-                continue
-            module = name[: -len(first) - 1]
-            if f"{module}.weight_scale" not in d.tensors or not _matches(module, group.get("targets")) \
-                    or _matches(module, qc.get("ignore")):
-                continue
-            out.append(_ct_entry(d, module, fmt, weights))
+        for module in _ct_modules(d, group.get("targets"), qc.get("ignore")):
+            if module not in seen and _ct_compressed(d, module, status):
+                out.append(_ct_entry(d, module, fmt, weights))
+            seen.add(module)
+    _refuse_unread_codes(d, set().union(*(used for _, _, used in out)), status)
     return out
 
 
+def _ct_modules(d: _Directory, targets, ignore) -> list[str]:
+    """Modules holding quantization parameters (``weight_scale`` or ``weight_packed``) that
+    ``targets`` name and ``ignore`` does not."""
+    found = {n.rsplit(".", 1)[0] for n in d.tensors if n.endswith((".weight_scale", ".weight_packed"))}
+    return sorted(m for m in found if _matches(m, targets) and not _matches(m, ignore))
+
+
+def _ct_compressed(d: _Directory, module: str, status: str | None) -> bool:
+    """Whether ``module``'s tensors are the format's codes (True) or its dense weight (False), as
+    ``quantization_status`` says (absent: as the stored dtypes say); a status the stored dtypes
+    contradict is refused."""
+    weight = d.tensors.get(f"{module}.weight")
+    dense = weight is not None and _is_dense(weight[2]) and f"{module}.weight_packed" not in d.tensors
+    if status is None or dense == (status != "compressed"):
+        return not dense
+    if dense:
+        stored, fix = f"a dense {weight[2]} weight", "'decompressed' if these are the model's dense weights"
+    else:
+        stored = f"{weight[2]} codes" if weight is not None else "packed codes (weight_packed)"
+        fix = "'compressed' if these are the format's codes"
+    raise CheckpointFormatError(f"key {module + '.weight'!r}: the config's quantization_status is {status!r} but "
+                                f"the directory stores {stored}: qdcp cannot tell what it holds and does not "
+                                f"load it (set quantization_status to {fix})")
+
+
+def _refuse_unread_codes(d: _Directory, consumed: set[str], status: str | None) -> None:
+    """Refuse codes no entry reads (a module no config group targets): loaded as plain tensors
+    they would be wrong values."""
+    for name, (_, _, dtype) in d.tensors.items():
+        if name in consumed:
+            continue
+        module = name.rsplit(".", 1)[0]
+        codes = name.endswith(".weight_packed") or (
+            name.endswith(".weight") and not _is_dense(dtype) and f"{module}.weight_scale" in d.tensors)
+        if codes:
+            raise CheckpointFormatError(
+                f"key {module + '.weight'!r}: {name!r} holds compressed-tensors codes ({dtype}) but no config group "
+                f"that reads them targets module {module!r} (quantization_status {status!r}); "
+                f"qdcp will not load them as plain values")
+
+
+def _check_ct_dtypes(d: _Directory, key: str, module: str, fmt: str, weights: Mapping) -> None:
+    """Every parameter the format needs is there with the dtype its codes or scales must have."""
+    expected = dict(_CT_DTYPES[fmt])
+    if fmt == "naive-quantized" and weights.get("type") in ("float", "int"):
+        expected["weight"] = _E4M3 if weights["type"] == "float" else (torch.int8,)
+    for i, (part, allowed) in enumerate(expected.items()):
+        name = f"{module}.{part}"
+        if name not in d.tensors:
+            if i < _REQUIRED.get(fmt, 2):
+                raise CheckpointFormatError(f"key {key!r}: a {fmt} module stores {name!r}; the directory lacks it")
+            continue
+        dtype = d.tensors[name][2]
+        if not (_is_dense(dtype) if allowed == _DENSE else dtype in allowed):
+            want = allowed if allowed == _DENSE else " or ".join(map(str, allowed))
+            raise CheckpointFormatError(
+                f"key {key!r}: {name!r} is stored as {dtype}, but {fmt} stores it as {want}: qdcp cannot tell "
+                f"what it holds (a model re-saved under a config it no longer matches?); it is not loaded")
+
+
 def _ct_entry(d: _Directory, module: str, fmt: str, weights: Mapping):
+    """One quantized module's entry, its parameters checked against what ``fmt`` stores."""
     key = f"{module}.weight"
+    if fmt not in _CT_DTYPES:
+        raise CheckpointFormatError(f"key {key!r}: compressed-tensors format {fmt!r} is not read by qdcp "
+                                    f"({', '.join(_CT_DTYPES)} are)")
+    _check_ct_dtypes(d, key, module, fmt, weights)
     t = {part: f"{module}.{part}" for part in ("weight_packed", "weight_scale", "weight_global_scale",
                                                 "weight_shape", "weight_zero_point")}
-    scale = d.meta(t["weight_scale"])
     if fmt == "nvfp4-pack-quantized":
         n, half = d.tensors[t["weight_packed"]][1]
         comps = {"weight_packed": (Blocked((1, 2)), t["weight_packed"]),
@@ -269,49 +368,59 @@ def _ct_entry(d: _Directory, module: str, fmt: str, weights: Mapping):
                  "weight_global_scale": (Replicated((1,)), t["weight_global_scale"])}
         return _ct_spec(d, key, ct.NVFP4, (n, half * 2), torch.bfloat16, {}, comps)
     if fmt == "mxfp8-quantized":
-        shape = d.tensors[key][1]
         comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (Blocked((1, 32)), t["weight_scale"])}
-        return _ct_spec(d, key, ct.MXFP8, shape, torch.bfloat16, {}, comps)
+        return _ct_spec(d, key, ct.MXFP8, d.tensors[key][1], torch.bfloat16, {}, comps)
     asymmetric = not weights.get("symmetric", True) or t["weight_zero_point"] in d.tensors
-    unpacked = fmt in ("naive-quantized", "float-quantized", "int-quantized")
     is_int = weights.get("type") == "int" or (key in d.tensors and d.tensors[key][2] == torch.int8)
-    if asymmetric and not (is_int and (unpacked or weights.get("strategy") in ("channel", "group"))):
+    if asymmetric and not (is_int and (fmt in _UNPACKED or weights.get("strategy") in ("channel", "group"))):
         raise CheckpointFormatError(f"key {key!r}: asymmetric compressed-tensors weights are read as integers "
                                     f"(packed per channel or group, or unpacked); this is {fmt}, "
                                     f"{weights.get('type')} {weights.get('strategy')}")
     if asymmetric and t["weight_zero_point"] not in d.tensors:
         raise CheckpointFormatError(f"key {key!r}: an asymmetric scheme without {t['weight_zero_point']!r}")
-    if unpacked:
-        shape = d.tensors[key][1]
-        kind = ct.INT if d.tensors[key][2] == torch.int8 else ct.FLOAT
-        block = _ct_block(weights, shape, tuple(scale.shape))
-        layout = _scale_layout(block, shape, scale)
-        comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (layout, t["weight_scale"])}
-        attrs = {"block": list(block)}
-        if kind == ct.INT:
-            attrs["bits"] = int(weights.get("num_bits", 8))
-        if asymmetric:
-            comps["weight_zero_point"] = (layout, t["weight_zero_point"])
-            attrs["symmetric"] = False
-        return _ct_spec(d, key, kind, shape, scale.dtype, attrs, comps)
-    if fmt == "pack-quantized":
-        from safetensors import safe_open
+    if fmt in _UNPACKED:
+        return _ct_unpacked(d, key, t, weights, asymmetric)
+    return _ct_packed(d, key, t, weights, asymmetric)
 
-        with safe_open(d.tensors[t["weight_shape"]][0], "pt") as f:
-            shape = tuple(int(s) for s in f.get_tensor(t["weight_shape"]).tolist())
-        bits = int(weights.get("num_bits", 4))
-        block = _ct_block(weights, shape, tuple(scale.shape))
-        packed, zero, layout = t["weight_packed"], t["weight_zero_point"], _scale_layout(block, shape, scale)
-        comps = {"weight": (Blocked((1, 1)), lambda get, out: unpack_int32(get(packed), bits, shape[1], out)),
-                 "weight_scale": (layout, t["weight_scale"])}
-        attrs, built = {"block": list(block), "bits": bits}, {"weight": (shape, torch.int8)}
-        if asymmetric:  # zero points packed along N, one column per group
-            comps["weight_zero_point"] = (layout, lambda get, out: unpack_int32(get(zero).t(), bits, shape[0]).t())
-            attrs["symmetric"], built["weight_zero_point"] = False, (tuple(scale.shape), torch.int8)
-        spec, items, used = _ct_spec(d, key, ct.INT, shape, scale.dtype, attrs, comps, built=built)
-        return spec, items, used | {packed, t["weight_shape"]} | ({zero} if asymmetric else set())
-    raise CheckpointFormatError(f"key {key!r}: compressed-tensors format {fmt!r} is not read by qdcp "
-                                f"(nvfp4-pack-quantized, mxfp8-quantized, naive/float/int-quantized, pack-quantized are)")
+
+def _ct_unpacked(d: _Directory, key: str, t: Mapping[str, str], weights: Mapping, asymmetric: bool):
+    """naive / float / int-quantized: the codes stored as they are (FP8 E4M3 or int8)."""
+    scale = d.meta(t["weight_scale"])
+    shape = d.tensors[key][1]
+    kind = ct.INT if d.tensors[key][2] == torch.int8 else ct.FLOAT
+    block = _ct_block(weights, shape, tuple(scale.shape))
+    layout = _scale_layout(block, shape, scale)
+    comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (layout, t["weight_scale"])}
+    attrs = {"block": list(block)}
+    if kind == ct.INT:
+        attrs["bits"] = int(weights.get("num_bits", 8))
+    if asymmetric:
+        comps["weight_zero_point"] = (layout, t["weight_zero_point"])
+        attrs["symmetric"] = False
+    return _ct_spec(d, key, kind, shape, scale.dtype, attrs, comps)
+
+
+def _ct_packed(d: _Directory, key: str, t: Mapping[str, str], weights: Mapping, asymmetric: bool):
+    """pack-quantized: int4 / int8 codes packed in int32 words (zero points packed along N)."""
+    from safetensors import safe_open
+
+    with safe_open(d.tensors[t["weight_shape"]][0], "pt") as f:
+        shape = tuple(int(s) for s in f.get_tensor(t["weight_shape"]).tolist())
+    bits = int(weights.get("num_bits", 4))
+    if bits not in (4, 8) or len(shape) != 2:
+        raise CheckpointFormatError(f"key {key!r}: pack-quantized {bits}-bit weights of shape {shape} are not read "
+                                    f"by qdcp (2-D, 4 or 8 bits are)")
+    scale = d.meta(t["weight_scale"])
+    block = _ct_block(weights, shape, tuple(scale.shape))
+    packed, zero, layout = t["weight_packed"], t["weight_zero_point"], _scale_layout(block, shape, scale)
+    comps = {"weight": (Blocked((1, 1)), lambda get, out: unpack_int32(get(packed), bits, shape[1], out)),
+             "weight_scale": (layout, t["weight_scale"])}
+    attrs, built = {"block": list(block), "bits": bits}, {"weight": (shape, torch.int8)}
+    if asymmetric:  # zero points packed along N, one column per group
+        comps["weight_zero_point"] = (layout, lambda get, out: unpack_int32(get(zero).t(), bits, shape[0]).t())
+        attrs["symmetric"], built["weight_zero_point"] = False, (tuple(scale.shape), torch.int8)
+    spec, items, used = _ct_spec(d, key, ct.INT, shape, scale.dtype, attrs, comps, built=built)
+    return spec, items, used | {packed, t["weight_shape"]} | ({zero} if asymmetric else set())
 
 
 def _ct_block(weights: Mapping, shape, scale_shape) -> tuple[int, int]:

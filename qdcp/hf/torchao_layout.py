@@ -93,9 +93,13 @@ class TorchAOLayout(HFLayout):
         t = self.instance(stored, plan.key)
         return {part_name(plan.key, p): getattr(t, p) for p in _parts(t)}
 
-    def file_metadata(self, plans):
-        out = super().file_metadata(plans)
-        out["tensor_names"] = json.dumps([p.key for p in plans])
+    def file_metadata(self, plans, directory):
+        """Every file carries the whole directory's metadata (each entry's description, and
+        ``tensor_names`` listing them all), as transformers' ``save_pretrained`` writes its shards:
+        its loader merges the files' metadata with ``dict.update`` (the last file's
+        ``tensor_names`` wins) and rebuilds each entry from that."""
+        out = super().file_metadata(directory, directory)
+        out["tensor_names"] = json.dumps([p.key for p in directory])
         return out
 
     def quantization_config(self, plans: Sequence[EntryPlan]) -> dict | None:
