@@ -10,10 +10,13 @@ Each call is exactly DCP's own call with qdcp's storage writer or reader and pla
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from qdcp.load_planner import QuantizedLoadPlanner
@@ -30,10 +33,13 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, overwrite: bool
 
     Quantized tensors raw (``dequantize=True``: as plain tensors), every item checksummed, committed
     atomically; an existing checkpoint at ``path`` is refused unless ``overwrite=True`` (then
-    replaced atomically: a failed save leaves the old one loadable).
+    replaced atomically: a failed save leaves the old one loadable). Errors are raised as they
+    were raised on this rank (``qdcp.ChecksumError``...), not wrapped in DCP's CheckpointException.
     """
-    return dcp.save(state_dict, storage_writer=storage_writer(path, overwrite=overwrite, **(storage_options or {})),
-                    planner=QuantizedSavePlanner(dequantize=dequantize), process_group=process_group)
+    with _own_error():
+        writer = storage_writer(path, overwrite=overwrite, **(storage_options or {}))
+        return dcp.save(state_dict, storage_writer=writer, planner=QuantizedSavePlanner(dequantize=dequantize),
+                        process_group=process_group)
 
 
 def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=None, overwrite: bool = False,
@@ -62,7 +68,27 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = 
     metadata is read without unpickling code. ``atomic`` (default True): the targets are changed
     only once every read of this rank is in and verified, so a failed load leaves them as they
     were (it holds one extra copy of the loaded state meanwhile; False loads in place, as DCP does).
+    Errors are raised as :func:`save` raises them.
     """
-    dcp.load(state_dict, storage_reader=storage_reader(path, **(storage_options or {})),
-             planner=QuantizedLoadPlanner(atomic=atomic, allow_partial_load=allow_partial_load,
-                                          weights_only=weights_only), process_group=process_group)
+    with _own_error():
+        dcp.load(state_dict, storage_reader=storage_reader(path, **(storage_options or {})),
+                 planner=QuantizedLoadPlanner(atomic=atomic, allow_partial_load=allow_partial_load,
+                                              weights_only=weights_only), process_group=process_group)
+
+
+@contextlib.contextmanager
+def _own_error() -> Iterator[None]:
+    """Re-raise this rank's own error (else the lowest failing rank's) out of DCP's
+    ``CheckpointException``, which wraps every rank's error in one ``BaseException``: the user's
+    ``except qdcp.ChecksumError`` (or ``FileExistsError``...) then catches it."""
+    try:
+        yield
+    except CheckpointException as e:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        failure = e.failures.get(rank, e.failures[min(e.failures)]) if e.failures else None
+        err = failure[0] if isinstance(failure, tuple) else failure
+        if not isinstance(err, BaseException):
+            raise
+        if not isinstance(err, Exception) and isinstance(err.__cause__, Exception):
+            err = err.__cause__  # a carrier past torch 2.11's `except Exception` (storage.py)
+        raise err from e

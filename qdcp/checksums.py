@@ -42,19 +42,42 @@ def of_bytes(data: Any) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def of_tensor(t: torch.Tensor) -> int:
-    """XXH3-64 of a CPU tensor's elements, row-major (any strides; the same value for a copy)."""
+def of_tensor(t: torch.Tensor) -> int | None:
+    """XXH3-64 of a CPU tensor's elements, row-major (any strides; the same value for a copy).
+
+    A tensor subclass (one qdcp has no adapter for, saved as DCP saves it) is hashed by the values
+    a plain tensor of its dtype holds once it is copied from it (what a plain load target gets);
+    None where that copy is not defined (the item is then saved unchecked, as stock DCP saves it).
+    """
     t = t.detach()
     if t.device.type != "cpu":
         raise ValueError(f"checksums are computed on CPU tensors, got one on {t.device}")
+    if type(t) is not torch.Tensor:
+        t = _as_plain(t)
+        if t is None:
+            return None
     if t.numel() == 0:
         return of_bytes(b"")
     t = t.contiguous()  # row-major; a contiguous tensor's elements are consecutive in memory
     return of_bytes(t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy())
 
 
-def of_data(data: Any) -> int:
-    """XXH3-64 of what a writer is given for an item: a CPU tensor, or the bytes of an object."""
+def _as_plain(t: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor holding a subclass's values: a view of its storage where the subclass
+    keeps torch's own dispatch, else a copy into a plain tensor (None if it cannot be copied)."""
+    if type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+        return t.as_subclass(torch.Tensor)
+    try:
+        with torch.no_grad():
+            plain = torch.empty(t.shape, dtype=t.dtype).copy_(t)
+    except Exception:  # a subclass whose copy_ is not defined: nothing to hash, as for stock DCP
+        return None
+    return plain if type(plain) is torch.Tensor else None
+
+
+def of_data(data: Any) -> int | None:
+    """XXH3-64 of what a writer is given for an item: a CPU tensor, or the bytes of an object
+    (None: a tensor subclass whose values cannot be read, see :func:`of_tensor`)."""
     return of_tensor(data) if isinstance(data, torch.Tensor) else of_bytes(data)
 
 
@@ -77,7 +100,7 @@ def _nbytes(data: Any) -> int:
     return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)
 
 
-def hash_many(items: Iterable[tuple[Any, Any]]) -> dict[Any, int]:
+def hash_many(items: Iterable[tuple[Any, Any]]) -> dict[Any, int | None]:
     """``{key: hash}`` for ``(key, data)`` pairs produced lazily (at most a few large ones are held
     at a time); large data is hashed on background threads while the next is produced."""
     out: dict[Any, int] = {}
@@ -254,8 +277,8 @@ class ReadVerifier:
                 fut, expected, read_item, key, untouched = self._pending.popleft()
             self._compare(read_item, fut.result(), expected, key=key, untouched=untouched)
 
-    def _compare(self, read_item, got: int, expected: int, *, key: str, untouched: bool) -> None:
-        if got == expected:
+    def _compare(self, read_item, got: int | None, expected: int, *, key: str, untouched: bool) -> None:
+        if got is None or got == expected:  # None: a subclass whose values cannot be read (of_tensor)
             return
         with self._lock:
             filled = sorted(self._filled | ({key} if not untouched else set()))

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -35,6 +36,7 @@ from qdcp.errors import AlignmentError, LoadMismatchError, StagingError, Unsuppo
 from qdcp.layouts import Chunk
 from qdcp.new_empty import register_new_empty
 from qdcp.placement import Placed, describe_tensor, is_empty, place, planning, with_local
+from qdcp.storage import refuse_existing_checkpoint
 
 DequantizeChoice = Union[bool, Callable[[str, torch.Tensor], bool]]
 
@@ -62,11 +64,16 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             an async save) into the checkpoint's metadata; :class:`QuantizedLoadPlanner` verifies
             them (default True). Device tensors of a synchronous save are copied to the host at
             planning (the one copy the writer would make) and kept until written.
+        overwrite: with a storage writer of DCP's own (``checkpoint_id=path``), a checkpoint already
+            at that local path is refused (``FileExistsError``, before anything is written) unless
+            True; DCP itself writes over it in place. qdcp's writers (``qdcp.save``,
+            :class:`CheckpointWriter`) decide this themselves, by their own ``overwrite``.
         **kwargs: passed to ``DefaultSavePlanner`` (``flatten_state_dict``, ``enable_plan_caching``...).
     """
 
     def __init__(self, dequantize: DequantizeChoice = False,
-                 dequantize_dtype: torch.dtype | None = None, checksums: bool = True, **kwargs: Any) -> None:
+                 dequantize_dtype: torch.dtype | None = None, checksums: bool = True, overwrite: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         register_new_empty()  # before dcp.async_save's default stager sees classes imported since
         if not (isinstance(dequantize, bool) or callable(dequantize)):
@@ -74,6 +81,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         self.dequantize = dequantize
         self.dequantize_dtype = dequantize_dtype
         self.checksums = bool(checksums)
+        self.overwrite = bool(overwrite)
         self._entries: dict[str, _SaveEntry] = {}
         self._sources: dict[str, tuple[_SaveEntry, str | None]] = {}
         self._templates: dict[tuple, tuple] = {}
@@ -87,6 +95,9 @@ class QuantizedSavePlanner(DefaultSavePlanner):
 
     # DCP calls this first, on every rank.
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        _check_is_save(storage_meta)
+        if not self.overwrite:
+            refuse_existing_checkpoint(storage_meta, type(self).__name__)
         super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
         self._entries, self._sources, self._templates, self._ready = {}, {}, {}, {}
         with planning():
@@ -351,3 +362,14 @@ def _check_not_half_staged(fqn: str, t: torch.Tensor) -> None:
             f"({', '.join(k for k, v in inner.items() if isinstance(v, torch.Tensor))}): it was staged "
             f"from a quantized tensor by a stager that does not copy its inner buffers, and its "
             f"storage holds no data. Pass async_stager=qdcp.QuantizedStager() to dcp.async_save.")
+
+
+def _check_is_save(storage_meta) -> None:
+    """Refuse a load's arguments: ``dcp.load`` gives a planner the checkpoint's ``Metadata`` where a
+    save gives a ``StorageMeta`` (or None); ``dcp.save``'s fallback for planners without that
+    argument would give a bool, which this planner never gets."""
+    if storage_meta is not None and not isinstance(storage_meta, StorageMeta):
+        raise TypeError(
+            f"QuantizedSavePlanner is a save planner, but it was set up with a {type(storage_meta).__name__} "
+            f"instead of a save's StorageMeta: it was passed to dcp.load. Pass QuantizedLoadPlanner() "
+            f"there, QuantizedSavePlanner() to dcp.save / dcp.async_save.")

@@ -26,6 +26,7 @@ import struct
 import sys
 import threading
 import uuid
+import weakref
 import zipfile
 import zlib
 from typing import IO, Any
@@ -494,8 +495,8 @@ class _SafeReading:
         return found[1] if found is not None else None
 
     @staticmethod
-    def _compare(req, got: int, expected: int) -> None:
-        if got != expected:
+    def _compare(req, got: int | None, expected: int) -> None:
+        if got is not None and got != expected:  # None: a subclass whose values cannot be read
             raise ChecksumError(
                 f"{describe_item(req.storage_index.fqn)}: the stored chunk at "
                 f"{tuple(req.storage_index.offset or ())} does not match the checksum its save recorded "
@@ -651,8 +652,36 @@ _in_flight_lock = threading.Lock()
 _in_flight: set[str] = set()
 
 
+# ----------------------------------------------------------------------------- overwrite guard
+
+# the StorageMeta objects qdcp's writers gave to this process's saves (by id): those writers
+# guard their path themselves (refusing an existing checkpoint unless overwrite=True)
+_guarded_metas: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def refuse_existing_checkpoint(storage_meta: StorageMeta | None, who: str) -> None:
+    """Raise :class:`FileExistsError` if a DCP checkpoint already lies at the local path a save is
+    about to write (``storage_meta.checkpoint_id``), unless that save's writer is one of qdcp's
+    (which guards its path itself). Remote paths (URLs) are not checked."""
+    path = getattr(storage_meta, "checkpoint_id", None)
+    if path is None or _guarded_metas.get(id(storage_meta)) is storage_meta or _is_url(path):
+        return
+    if os.path.isfile(os.path.join(os.fspath(path), METADATA_FILE)):
+        raise FileExistsError(
+            f"a checkpoint already exists at {os.fspath(path)!r} and this save would overwrite its files "
+            f"in place (a save that fails midway leaves neither checkpoint loadable). Save to a new path, "
+            f"or pass {who}(overwrite=True) to replace it; qdcp.save(..., overwrite=True) replaces it "
+            f"atomically")
+
+
 class _AtomicWriting:
     """Mixin for DCP's file-system writers: no silent overwrite, atomic commit, one save per path."""
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta = super().storage_meta()
+        if meta is not None:
+            _guarded_metas[id(meta)] = meta  # this writer refuses an existing checkpoint itself
+        return meta
 
     def _setup_atomic(self, overwrite: bool) -> None:
         self.qdcp_overwrite = overwrite

@@ -70,8 +70,9 @@ def test_truncated_file_names_key_and_file_and_leaves_targets(tmp_path):
     (path / name).write_bytes(data[:-300])
     target = _state(5)
     before = snapshot(target)
-    with pytest.raises(CheckpointFormatError, match=rf"key '[\w.]+'.*{name}.*truncated"):
-        raise_inner(lambda: qdcp.load(target, path))
+    with pytest.raises(CheckpointFormatError, match=rf"key '[\w.]+'.*{name}.*truncated") as info:
+        qdcp.load(target, path)  # the reader's own error, not DCP's CheckpointException around it
+    assert type(info.value.__cause__).__name__ == "CheckpointException"
     assert_same_state(target, before)
 
 
@@ -104,3 +105,15 @@ def test_in_place_load_is_available(tmp_path):
     qdcp.load(target, tmp_path / "c", atomic=False)
     assert_same_state(target, source)
     assert id(target["model"]["w"].qdata) == ids
+
+
+def test_errors_come_out_as_raised_not_wrapped_in_dcps_exception(tmp_path):
+    """qdcp.save / qdcp.load raise the rank's own error (catchable by its type), chained from
+    DCP's CheckpointException (a BaseException that `except Exception` would not catch)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = tmp_path / "c"
+    qdcp.save(_state(0), path)
+    with pytest.raises(QdcpError, match="already exists") as info:
+        qdcp.save(_state(1), path)
+    assert isinstance(info.value.__cause__, CheckpointException)
