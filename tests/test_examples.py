@@ -27,20 +27,28 @@ def test_quickstart(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_fsdp2_train_resumes_at_another_world_size(tmp_path):
+@pytest.mark.parametrize("api", ["qdcp", "dcp"])
+def test_fsdp2_train_resumes_at_another_world_size(tmp_path, api):
+    """qdcp.async_save / qdcp.load, and DCP's own calls with only qdcp's planners (the resumed run
+    writes its checkpoints again: overwrite=True through either)."""
     def run(n, *extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
                f"--master-port={free_port()}", os.path.join(ROOT, "examples", "fsdp2_train.py"),
-               "--dir", str(tmp_path), "--steps", "5", "--ckpt-every", "2", *extra]
+               "--dir", str(tmp_path), "--steps", "5", "--ckpt-every", "2", "--api", api, *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         return proc.stdout
 
     run(2)
     assert sorted(d for d in os.listdir(tmp_path) if d.startswith("step_")) == ["step_2", "step_4"]
+    first = os.stat(tmp_path / "step_4" / ".metadata").st_mtime_ns
     out = run(4, "--resume")
     assert "resumed from step 4 at world size 4" in out
     assert "identical to the first run: True" in out
+    # from step 2: the run writes step_4 again, over the first run's (overwrite=True by either API)
+    out = run(4, "--resume", "--resume-step", "2")
+    assert "resumed from step 2 at world size 4" in out and "identical to the first run: True" in out
+    assert os.stat(tmp_path / "step_4" / ".metadata").st_mtime_ns != first  # written again
 
 
 @pytest.mark.multiproc
