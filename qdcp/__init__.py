@@ -9,6 +9,8 @@ or DCP's own calls with qdcp's planners passed in::
 
     dcp.save(state, checkpoint_id=path, planner=qdcp.QuantizedSavePlanner())
     dcp.load(state, checkpoint_id=path, planner=qdcp.QuantizedLoadPlanner())
+
+or, for frameworks that call DCP without a planner, process-wide: ``qdcp.install()``.
 """
 
 from qdcp.adapters import Adapter, StoredEntry, find_adapter, register_adapter, registered_type_names
@@ -39,6 +41,7 @@ from qdcp.planner import QuantizedLoadPlanner, QuantizedSavePlanner
 from qdcp.checkpoint import async_save, load, save
 from qdcp.hf import ExportError, ExportResult, QuantizedHFReader, export
 from qdcp.stager import QuantizedStager
+from qdcp.switch import install, installed, is_installed, uninstall
 
 for _adapter in _torchao.builtin_adapters() + _torchao_training.builtin_adapters():
     register_adapter(_adapter)
@@ -57,4 +60,5 @@ __all__ = [
     "Adapter", "StoredEntry", "register_adapter", "find_adapter", "registered_type_names",
     "QdcpError", "CheckpointFormatError", "ChecksumError", "UnsupportedTensorError", "AlignmentError",
     "LoadMismatchError", "StagingError", "export", "ExportResult", "ExportError", "QuantizedHFReader",
+    "install", "uninstall", "installed", "is_installed",
 ]

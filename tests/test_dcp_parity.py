@@ -22,9 +22,20 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlanner, TensorWriteData, WriteItem, WriteItemType
 
 from qdcp import LoadMismatchError, QuantizedLoadPlanner, QuantizedSavePlanner
+import qdcp
 from qdcp import checksums
 from quantized_cases import CASE_BY_NAME, assert_same_buffers, raise_inner
 from state_dicts import data_files
+
+
+@pytest.fixture(autouse=True, params=["plain", "switch"])
+def switch(request):
+    """Every case also runs with ``qdcp.install()`` on: DCP's default planners are then qdcp's."""
+    if request.param == "plain":
+        yield False
+        return
+    with qdcp.installed():
+        yield True
 
 
 def _both(state, tmp_path, **planner_kw):
