@@ -30,6 +30,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from tqdm import tqdm
 
+from qdcp import outputs
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 from qdcp.hf.safetensors_files import SAFETENSORS_DTYPES, ShardWriter, TensorOut
@@ -151,8 +152,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             problems.append(f"{key}: {_root_cause(e)}")
     for p in problems:
         print(f"FAIL {p}")
-    print(f"{'OK' if not problems else 'FAILED'}: {len(entries.keys)} entries, {len(problems)} problems")
+    print(f"{'OK' if not problems else 'FAILED'}: {_count(len(entries.keys), 'entry', 'entries')}, "
+          f"{_count(len(problems), 'problem', 'problems')}")
     return EXIT_OK if not problems else EXIT_FAILED
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _verify_entry(entries: _Entries, key: str) -> list[str]:
@@ -180,16 +186,34 @@ def _root_cause(e: BaseException) -> str:
 # ----------------------------------------------------------------------------- convert
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    if os.path.exists(args.out) and not args.overwrite:
-        print(f"qdcp: {args.out} exists; pass --overwrite to replace it", file=sys.stderr)
+    outputs.check_separate([args.path], args.out)
+    if args.to == "dcp" and not args.dequantize:
+        print("qdcp: --to dcp needs --dequantize (a raw copy is the checkpoint itself)", file=sys.stderr)
         return EXIT_USAGE
+    if args.to == "safetensors":
+        outputs.check_replaceable(args.out, args.overwrite, directory=False, ours=_written_by_qdcp,
+                                  what="a safetensors file qdcp wrote")
+    else:
+        outputs.check_replaceable(args.out, args.overwrite, directory=True, ours=_DCP_FILES,
+                                  what="a DCP checkpoint (.metadata and *.distcp files)")
     dtype = _DTYPE_ARGS[args.dtype] if args.dtype else None
     if args.to == "safetensors":
         return _to_safetensors(_Entries(args.path, args.quiet, "convert"), args.out, args.dequantize, dtype)
-    if not args.dequantize:
-        print("qdcp: --to dcp needs --dequantize (a raw copy is the checkpoint itself)", file=sys.stderr)
-        return EXIT_USAGE
-    return _to_dcp_dequantized(_Entries(args.path, args.quiet, "convert"), args.out, dtype)
+    return _to_dcp_dequantized(_Entries(args.path, args.quiet, "convert"), args.out, dtype, args.overwrite)
+
+
+_DCP_FILES = outputs.name_matcher(r"\.metadata", r"[^/]*\.distcp")
+
+
+def _written_by_qdcp(path: str) -> bool:
+    """Whether ``path`` is a safetensors file ``qdcp convert`` wrote (its header says so)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            return (f.metadata() or {}).get("producer") == "qdcp"
+    except Exception:  # not a safetensors file at all
+        return False
 
 
 def _tensor_plan(entries: _Entries, dequantize: bool, dtype: torch.dtype | None):
@@ -258,15 +282,20 @@ def _to_safetensors(entries: _Entries, out: str, dequantize: bool, dtype: torch.
     return EXIT_OK
 
 
-def _to_dcp_dequantized(entries: _Entries, out: str, dtype: torch.dtype | None) -> int:
+def _to_dcp_dequantized(entries: _Entries, out: str, dtype: torch.dtype | None, overwrite: bool) -> int:
     """A portable DCP checkpoint: every tensor entry plain (raw entries dequantized, in ``dtype``
-    if given), objects as they are; readable by stock DCP."""
+    if given), objects as they are; readable by stock DCP. Written by qdcp's writer: a previous
+    output is replaced atomically (it stays whole until the new one is)."""
     import torch.distributed.checkpoint as dcp
+
+    from qdcp.save_planner import QuantizedSavePlanner
+    from qdcp.storage import CheckpointWriter
 
     state = {key: entries.values(key, dtype) for key in entries}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=out, no_dist=True)
+        dcp.save(state, storage_writer=CheckpointWriter(out, overwrite=overwrite), planner=QuantizedSavePlanner(),
+                 no_dist=True)
     print(f"wrote {out}: {len(state)} entries, dequantized")
     return EXIT_OK
 
@@ -295,37 +324,45 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="import MODULE first, to register adapters of your own (repeatable); "
                              "nothing is ever imported because a checkpoint names it")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, help="what to do (qdcp VERB --help for more)")
     p = sub.add_parser("inspect", help="table of entries: storage, type, shape, bytes")
-    p.add_argument("path")
+    p.add_argument("path", help="the qdcp/DCP checkpoint (a directory)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("verify", help="read every entry (checksums checked) and compute its values; check chunks")
-    p.add_argument("path")
+    p.add_argument("path", help="the qdcp/DCP checkpoint (a directory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("convert", help="export to safetensors or a dequantized DCP checkpoint")
-    p.add_argument("path")
-    p.add_argument("out")
-    p.add_argument("--to", choices=["safetensors", "dcp"], required=True)
+    p.add_argument("path", help="the qdcp/DCP checkpoint (a directory)")
+    p.add_argument("out", help="the file (--to safetensors) or directory (--to dcp) to write; never inside "
+                               "or around PATH")
+    p.add_argument("--to", choices=["safetensors", "dcp"], required=True,
+                   help="safetensors: one file (raw components, or values with --dequantize); "
+                        "dcp: a plain DCP checkpoint (needs --dequantize)")
     p.add_argument("--dequantize", action="store_true", help="write plain high-precision tensors")
     p.add_argument("--dtype", choices=sorted(_DTYPE_ARGS),
                    help="dtype of floating outputs (dequantized values are computed in it)")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if qdcp wrote it (a qdcp safetensors file, a DCP checkpoint)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
     p = sub.add_parser("export", help="write a Hugging Face safetensors directory an inference engine loads "
                                       "(torchao or compressed-tensors layout), raw bits carried over")
     p.add_argument("path", help="the qdcp/DCP checkpoint")
-    p.add_argument("out", help="the directory to write")
-    p.add_argument("--format", choices=["torchao", "compressed-tensors"], required=True)
+    p.add_argument("out", help="the directory to write; never inside or around PATH")
+    p.add_argument("--format", choices=["torchao", "compressed-tensors"], required=True,
+                   help="the layout: torchao's (transformers + torchao load it) or compressed-tensors' "
+                        "(vLLM, transformers)")
     p.add_argument("--config", help="config.json of the model; the format's quantization_config is added to it")
     p.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB); above it, sharded "
                                                            "files and model.safetensors.index.json")
     p.add_argument("--dequantize-unsupported", action="store_true",
                    help="write entries the format cannot represent as their dequantized values "
                         "(default: refuse, naming them, before writing anything)")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it holds only what an export writes (model*.safetensors, the index, "
+                        "config.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
     return parser
@@ -345,12 +382,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
     try:
         return args.func(args)
-    except FileNotFoundError as e:
+    except (outputs.OutputError, OSError) as e:  # a path that cannot be used as given
         print(f"qdcp: {e}", file=sys.stderr)
         return EXIT_USAGE
     except QdcpError as e:
-        print(f"qdcp: {args.path}: {e}", file=sys.stderr)
+        print(f"qdcp: {args.path}: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
+    except ValueError as e:  # an argument's value (a size, a format) qdcp cannot use
+        print(f"qdcp: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 if __name__ == "__main__":

@@ -126,6 +126,11 @@ def test_existing_output_is_kept_unless_overwrite(tmp_path):
     with pytest.raises(qdcp.ExportError, match="overwrite"):
         qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao")
     assert os.listdir(tmp_path / "out") == ["keep.txt"]
+    with pytest.raises(qdcp.ExportError, match="keep.txt"):  # overwrite replaces only an export's files
+        qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao", overwrite=True)
+    assert os.listdir(tmp_path / "out") == ["keep.txt"]
+    os.remove(tmp_path / "out" / "keep.txt")
+    qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao")  # an empty directory is free
     qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao", overwrite=True)
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
 

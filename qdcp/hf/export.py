@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -23,6 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
+from qdcp import outputs
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 from qdcp.hf import safetensors_files as stf
@@ -72,8 +74,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
     """
     layout = layout_named(format)
     checkpoint, out_dir = os.fspath(checkpoint), os.fspath(out_dir)
-    if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise ExportError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    _check_output(checkpoint, out_dir, overwrite)
     entries = CheckpointEntries(checkpoint, reuse_memory=True)  # one entry in memory at a time
     sources, skipped = _sources(entries.metadata)
     plans = _plan_all(layout, sources, dequantize_unsupported,
@@ -101,6 +102,22 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
         raise
     return ExportResult(out_dir, tuple(files), sum(len(p.tensors) for p in plans), sum(p.nbytes for p in plans),
                         tuple(p.key for p in plans if p.dequantized), tuple(skipped))
+
+
+#: what export writes in its directory (all that ``overwrite`` may replace)
+_OURS = outputs.name_matcher(re.escape(stf.SINGLE_FILE), r"model-\d{5}-of-\d{5}\.safetensors", re.escape(stf.INDEX_FILE),
+                             re.escape(stf.CONFIG_FILE))
+
+
+def _check_output(checkpoint: str, out_dir: str, overwrite: bool) -> None:
+    """Refuse, before reading anything, an ``out_dir`` that overlaps the checkpoint, is a file, or
+    exists (not empty) without ``overwrite`` or with files export does not write."""
+    try:
+        outputs.check_separate([checkpoint], out_dir)
+        outputs.check_replaceable(out_dir, overwrite, directory=True, ours=_OURS,
+                                  what="an export (model*.safetensors, its index, config.json)")
+    except outputs.OutputError as e:
+        raise ExportError(str(e)) from None
 
 
 def _sources(md) -> tuple[dict[str, Source], list[str]]:
