@@ -6,8 +6,11 @@ Prints, in one run, per quantized format:
 - ``dcp.save`` / ``dcp.load`` with qdcp's planners (checksums recorded and verified, the default)
   / with DCP's default planners on plain tensors of the same bytes (goals <= 1.15 save, <= 1.20 load);
 - the cost of checksums: save with / without (goal <= 1.05), load verified / unverified (<= 1.10);
-- ``qdcp.CheckpointReader`` load / the same load through DCP's own reader (goal <= 1.15), and
-  ``qdcp.CheckpointWriter`` save / DCP's own writer (atomic commit).
+- ``qdcp.CheckpointReader`` load / the same load through DCP's own reader, and
+  ``qdcp.CheckpointWriter`` save / DCP's own writer (atomic commit);
+- the verified load through qdcp's reader (what ``qdcp.load`` reads with: each item hashed as it is
+  read, on another core while it is copied on) / vanilla DCP's unverified load of the same bytes
+  (goal <= 1.15).
 
 Loads are timed twice: *hot*, the files in the page cache (the software path alone: every byte is
 copied at memory speed, so one more pass over it -- the checksum -- shows at full size), and
@@ -62,7 +65,8 @@ def bench(kind: str, gib: float, root: str, repeat: int) -> dict:
            "sums_save/none": saves["q"] / saves["n"], "writer/dcp_writer": saves["w"] / saves["q"]}
     for temp, t in loads.items():
         out.update({f"{temp}_load_s": t["q"], f"{temp}_load/vanilla": t["q"] / t["v"],
-                    f"{temp}_verified/unverified": t["q"] / t["n"], f"{temp}_reader/dcp_reader": t["r"] / t["q"]})
+                    f"{temp}_verified/unverified": t["q"] / t["n"], f"{temp}_reader/dcp_reader": t["r"] / t["q"],
+                    f"{temp}_reader_verified/vanilla": t["r"] / t["v"]})
     for d in (q_dir, n_dir, v_dir, b_dir, w_dir):
         fresh_dir(d)
     return out
@@ -79,7 +83,7 @@ def main() -> None:
     cols = ["kind", "entries", "component_MiB", "ckpt/components", "ckpt/bf16_ckpt", "save_s", "vanilla_save_s",
             "save/vanilla", "sums_save/none", "writer/dcp_writer"]
     cols += [f"{t}_{c}" for t in ("hot", "cold") for c in ("load_s", "load/vanilla", "verified/unverified",
-                                                           "reader/dcp_reader")]
+                                                           "reader/dcp_reader", "reader_verified/vanilla")]
     print(" | ".join(cols))
     for kind in args.kinds.split(","):
         r = bench(kind, args.gib, args.dir, args.repeat)

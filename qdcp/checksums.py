@@ -22,7 +22,7 @@ import os
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import xxhash
@@ -98,6 +98,14 @@ def _hash_pool() -> ThreadPoolExecutor:
 
 def _nbytes(data: Any) -> int:
     return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)
+
+
+def hash_later(data: Any) -> Callable[[], int | None]:
+    """Start hashing ``data`` (a background thread for large data); call the result for the hash."""
+    if _nbytes(data) < _BACKGROUND_BYTES:
+        h = of_data(data)
+        return lambda: h
+    return _hash_pool().submit(of_data, data).result
 
 
 def hash_many(items: Iterable[tuple[Any, Any]]) -> dict[Any, int | None]:
@@ -216,10 +224,13 @@ class ReadVerifier:
         self._pending: collections.deque = collections.deque()  # (future, expected, read item, key, untouched)
         self._remaining = 0
         self._lock = threading.Lock()
+        self.hashed = 0  #: items this verifier hashed itself (this load)
+        self.noted = 0  #: items the storage reader verified (note_verified) and this one did not hash again
 
     def plan(self, read_items) -> None:
         """Note which of the final plan's read items take a stored chunk (or object) whole."""
         self._whole, self._temps, self._filled, self._pending = {}, set(), set(), collections.deque()
+        self.hashed = self.noted = 0
         if self.record is None:
             return
         self._remaining = len(read_items)
@@ -233,6 +244,14 @@ class ReadVerifier:
             if sizes is None or (not any(item.storage_offsets) and tuple(item.lengths) == sizes):
                 dtype = md[fqn].properties.dtype if sizes is not None else None
                 self._whole[item] = (h, dtype)
+
+    def note_verified(self, read_item) -> None:
+        """The storage reader checked ``read_item`` against its recorded hash: not hashed again."""
+        with self._lock:
+            found = self._whole.get(read_item)
+            if found is not None and found[0] is not None:
+                self._whole[read_item] = (None, found[1])
+                self.noted += 1
 
     def buffer(self, read_item, dest: torch.Tensor) -> torch.Tensor:
         """Where DCP should copy ``read_item``'s data: ``dest``, or a host buffer to check first."""
@@ -256,7 +275,9 @@ class ReadVerifier:
 
     def _verify(self, read_item, data: Any, key: str, untouched: bool) -> None:
         found = self._whole.get(read_item)
-        if found is not None:
+        if found is not None and found[0] is not None:  # None: the reader verified it (note_verified)
+            with self._lock:
+                self.hashed += 1
             if _nbytes(data) >= _BACKGROUND_BYTES:
                 with self._lock:
                     self._pending.append((_hash_pool().submit(of_data, data), found[0], read_item, key, untouched))

@@ -86,6 +86,17 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         (a storage reader then needs to check only the items read in part)."""
         return self._verify.record is not None
 
+    @property
+    def verified_items(self) -> dict[str, int]:
+        """How the last load's whole items were verified: ``{"by_planner": n, "by_reader": m}``
+        (qdcp's readers check the bytes as they read them and this planner skips them)."""
+        return {"by_planner": self._verify.hashed, "by_reader": self._verify.noted}
+
+    def note_verified(self, read_item: ReadItem) -> None:
+        """A storage reader checked ``read_item``'s recorded checksum on the bytes it read (qdcp's
+        readers do, while the bytes are hot): this planner does not hash them again."""
+        self._verify.note_verified(read_item)
+
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         _check_is_load(metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)

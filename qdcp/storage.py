@@ -29,7 +29,7 @@ import uuid
 import weakref
 import zipfile
 import zlib
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 import xxhash
 
@@ -255,31 +255,6 @@ class _ViewReader(io.RawIOBase):
         return len(chunk)
 
 
-class _FileSlice(_ViewReader):
-    """A seekable read-only file over ``length`` bytes of ``stream`` from ``offset`` (torch.load
-    reads a stored item straight from the file, as DCP's own reader does: one copy)."""
-
-    def __init__(self, stream: IO[bytes], offset: int, length: int) -> None:
-        io.RawIOBase.__init__(self)
-        self._stream, self._offset, self._length, self._pos = stream, offset, length, 0
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek value {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), self._length - self._pos))
-        if n == 0:
-            return 0
-        self._stream.seek(self._offset + self._pos)
-        got = self._stream.readinto(memoryview(b)[:n])
-        self._pos += got
-        return got
-
-
 def _record_start(payload: memoryview, info: zipfile.ZipInfo) -> int:
     """Where the bytes of the zip record ``info`` start in ``payload`` (after its local header)."""
     head = bytes(payload[info.header_offset: info.header_offset + 30])
@@ -502,6 +477,25 @@ class _SafeReading:
                 f"{tuple(req.storage_index.offset or ())} does not match the checksum its save recorded "
                 f"(recorded {expected:016x}, read {got:016x}): the data file is corrupt")
 
+    def _verification(self, req, tensor: torch.Tensor, recorded: int | None, planner) -> Callable[[], None]:
+        """Start hashing the stored chunk just read (large ones on a background thread, while the
+        caller copies it on); the returned call waits, compares with ``recorded`` and tells a qdcp
+        planner that would hash it again that it is verified."""
+        if recorded is None:
+            return lambda: None
+        pending = checksums.hash_later(tensor)
+
+        def verified() -> None:
+            self._compare(req, pending(), recorded)
+            self._note_verified(req, planner)
+        return verified
+
+    def _note_verified(self, req, planner) -> None:
+        """Tell a qdcp planner that would check ``req`` itself that this reader has."""
+        note = getattr(planner, "note_verified", None)
+        if note is not None and self._planner_checks(req, planner):
+            note(req)
+
     def _read_buffer(self, length: int) -> torch.Tensor:
         buf = getattr(self, "_qdcp_buffer", None)
         if buf is None or buf.numel() < length:
@@ -567,50 +561,51 @@ class _SafeReading:
                 f"bytes); the file is truncated or the metadata is corrupt")
         descriptors = list(info.transform_descriptors or ())
         version = _checksum_version(descriptors, where)
-        by_planner = self._planner_checks(req, planner)
-        recorded = self._recorded(req) if version is None and not by_planner else None
-        zip_crcs = version is None and recorded is None and not by_planner  # nothing else checks it
+        # the recorded checksum is checked here, on the bytes just read (hot), also where the planner
+        # would check it (it is told, and skips its own pass over them)
+        recorded = self._recorded(req) if version is None else None
+        zip_crcs = version is None and recorded is None  # nothing else checks it
         in_place = req.type != LoadItemType.BYTE_IO \
             and (not descriptors or (version is not None and len(descriptors) == 1))
         buffer = self._planner_buffer(planner, req, length) if in_place else None
         adoptable = True  # a view of the reader's own scratch buffer is copied out, never kept
         try:
-            if buffer is None and not descriptors and not zip_crcs and req.type != LoadItemType.BYTE_IO:
-                # checked after loading, by this reader or the planner: load straight from the file
-                tensor = torch.load(_FileSlice(stream, offset, length), map_location="cpu", weights_only=True)
-            else:
-                memory = buffer if buffer is not None else self._read_buffer(length)
-                payload = self._payload(stream, offset, length, rel, where=where, descriptors=descriptors,
-                                        version=version, req=req, memory=memory)
-                if req.type == LoadItemType.BYTE_IO:
-                    if recorded is not None:
-                        self._compare(req, checksums.of_bytes(payload), recorded)
-                    elif zip_crcs and payload[:4] == b"PK\x03\x04":  # a torch.save archive
-                        _check_zip_crcs(payload, where)
-                    planner.load_bytes(req, io.BytesIO(payload))
-                    return
-                if zip_crcs:
+            # read into memory, checked there (trailer, recorded checksum or the zip's CRCs)
+            memory = buffer if buffer is not None else self._read_buffer(length)
+            payload = self._payload(stream, offset, length, rel, where=where, descriptors=descriptors,
+                                    version=version, req=req, memory=memory)
+            if req.type == LoadItemType.BYTE_IO:
+                if recorded is not None:
+                    self._compare(req, checksums.of_bytes(payload), recorded)
+                    self._note_verified(req, planner)
+                elif zip_crcs and payload[:4] == b"PK\x03\x04":  # a torch.save archive
                     _check_zip_crcs(payload, where)
-                tensor = _archived_tensor(payload, memory) if in_place else None
-                if tensor is None:
-                    tensor = torch.load(_ViewReader(payload), map_location="cpu", weights_only=True)
-                else:
-                    adoptable = buffer is not None
-            if recorded is not None:
-                self._compare(req, checksums.of_tensor(tensor), recorded)
+                planner.load_bytes(req, io.BytesIO(payload))
+                return
+            if zip_crcs:
+                _check_zip_crcs(payload, where)
+            tensor = _archived_tensor(payload, memory) if in_place else None
+            if tensor is None:
+                tensor = torch.load(_ViewReader(payload), map_location="cpu", weights_only=True)
+            else:
+                adoptable = buffer is not None
+            verified = self._verification(req, tensor, recorded, planner)
         except QdcpError:
             raise
         except Exception as e:
             raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
         tensor = self._requested_part(tensor, req, where)
         adopt = getattr(planner, "adopt_tensor", None)  # qdcp's entry reader keeps a whole chunk as loaded
-        if adoptable and adopt is not None and adopt(req, tensor):
-            return
+        if adoptable and adopt is not None:
+            verified()
+            if adopt(req, tensor):
+                return
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise CheckpointFormatError(f"{where}: a read of {tuple(tensor.shape)} goes to a buffer of "
                                         f"{tuple(target.shape)}")
-        target.copy_(tensor)
+        target.copy_(tensor)  # while the bytes just read are hashed on another core
+        verified()
         try:
             planner.commit_tensor(req, target)
         except QdcpError:

@@ -146,3 +146,30 @@ def test_partial_load_says_how_many_keys_matched(saved):
         warnings.filterwarnings("error", "QuantizedLoadPlanner", UserWarning)  # some keys matched: no warning
         raise_inner(lambda: dcp.load(target, checkpoint_id=path, planner=planner))
     assert planner.missing_keys == ["extra"] and len(planner.loaded_keys) == 28
+
+
+@pytest.mark.parametrize("reader", ["dcp", "qdcp"])
+def test_each_item_is_hashed_once_by_whoever_reads_it(saved, tmp_path, reader):
+    """qdcp's reader checks each whole item on the bytes it just read and tells the planner, which
+    then does not hash them again; DCP's own reader leaves every check to the planner. A corrupt
+    item is caught either way, naming its key, the targets untouched."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from qdcp import CheckpointReader
+
+    path, source = saved
+    make = (lambda p: CheckpointReader(p)) if reader == "qdcp" else (lambda p: FileSystemReader(p))
+    planner = QuantizedLoadPlanner(atomic=True)
+    target = _state(7)
+    raise_inner(lambda: dcp.load(target, storage_reader=make(path), planner=planner))
+    assert_same_state(target, source)
+    whole = sum(planner.verified_items.values())
+    assert whole >= 30  # every stored chunk of this 1-rank checkpoint is read whole
+    assert planner.verified_items == ({"by_planner": 0, "by_reader": whole} if reader == "qdcp"
+                                      else {"by_planner": whole, "by_reader": 0})
+
+    bad, target = _corrupt_copy(saved, tmp_path), _state(7)
+    before = snapshot(target)
+    with pytest.raises(ChecksumError, match=f"layer{len(_CASES) - 1}"):
+        raise_inner(lambda: dcp.load(target, storage_reader=make(bad), planner=QuantizedLoadPlanner(atomic=True)))
+    assert_same_state(target, before)
