@@ -17,12 +17,14 @@ Exit status: 0 success, 1 a check failed, 2 bad usage / missing or unreadable ch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
 import math
 import os
 import sys
+import tempfile
 import warnings
 from typing import Any, Iterator, Sequence
 
@@ -106,6 +108,7 @@ class _Entries:
 # ----------------------------------------------------------------------------- inspect
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """``qdcp inspect``: print the table of entries (or ``--json``)."""
     from qdcp.reader import describe
 
     info = describe(args.path)
@@ -134,6 +137,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- verify
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """``qdcp verify``: read and rebuild every entry, list every problem; exit 1 if any."""
     from qdcp.reader import check_chunks, check_storage
 
     entries = _Entries(args.path, args.quiet, "verify")
@@ -186,6 +190,7 @@ def _root_cause(e: BaseException) -> str:
 # ----------------------------------------------------------------------------- convert
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    """``qdcp convert``: to a safetensors file or a dequantized DCP checkpoint (outputs checked first)."""
     outputs.check_separate([args.path], args.out)
     if args.to == "dcp" and not args.dequantize:
         print("qdcp: --to dcp needs --dequantize (a raw copy is the checkpoint itself)", file=sys.stderr)
@@ -194,7 +199,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         outputs.check_replaceable(args.out, args.overwrite, directory=False, ours=_written_by_qdcp,
                                   what="a safetensors file qdcp wrote")
     else:
-        outputs.check_replaceable(args.out, args.overwrite, directory=True, ours=_DCP_FILES,
+        outputs.check_replaceable(args.out, args.overwrite, directory=True, ours=_DCP_FILES, required=".metadata",
                                   what="a DCP checkpoint (.metadata and *.distcp files)")
     dtype = _DTYPE_ARGS[args.dtype] if args.dtype else None
     if args.to == "safetensors":
@@ -202,7 +207,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return _to_dcp_dequantized(_Entries(args.path, args.quiet, "convert"), args.out, dtype, args.overwrite)
 
 
-_DCP_FILES = outputs.name_matcher(r"\.metadata", r"[^/]*\.distcp")
+#: what a DCP checkpoint directory holds (``.metadata.tmp``: qdcp's writer, stopped before its commit)
+_DCP_FILES = outputs.name_matcher(r"\.metadata", r"\.metadata\.tmp", r"[^/]*\.distcp")
 
 
 def _written_by_qdcp(path: str) -> bool:
@@ -261,9 +267,8 @@ def _to_safetensors(entries: _Entries, out: str, dequantize: bool, dtype: torch.
     by_key: dict[str, list] = {}
     for row in plan:
         by_key.setdefault(row[3], []).append(row)
-    tmp = out + ".tmp"
     outs = [TensorOut(name, tuple(shape), dt) for name, shape, dt, _, _ in plan]
-    with ShardWriter(tmp, outs, _file_metadata(entries, dequantize)) as writer:
+    with _replacing_file(out) as tmp, ShardWriter(tmp, outs, _file_metadata(entries, dequantize)) as writer:
         for key in entries:
             rows = by_key.get(key, ())
             if not rows:
@@ -275,51 +280,81 @@ def _to_safetensors(entries: _Entries, out: str, dequantize: bool, dtype: torch.
                 tensors = [entries.values(key, rows[0][2])]
             for (name, _, dt, _, _), t in zip(rows, tensors):
                 writer.write(name, t.to(dt))
-    os.replace(tmp, out)
     for key in skipped:
         print(f"qdcp: skipped non-tensor entry {key!r} (safetensors holds tensors only)", file=sys.stderr)
-    print(f"wrote {out}: {len(plan)} tensors, {sum(t.nbytes for t in outs)} bytes")
+    print(f"wrote {out}: {_count(len(plan), 'tensor', 'tensors')}, {sum(t.nbytes for t in outs)} bytes")
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _replacing_file(out: str) -> Iterator[str]:
+    """A fresh temporary file beside ``out`` (never a name the user may hold) to write; renamed to
+    ``out`` when the block succeeds, removed when it fails."""
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".qdcp-convert-", suffix=".safetensors.tmp", dir=parent)
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def _to_dcp_dequantized(entries: _Entries, out: str, dtype: torch.dtype | None, overwrite: bool) -> int:
     """A portable DCP checkpoint: every tensor entry plain (raw entries dequantized, in ``dtype``
     if given), objects as they are; readable by stock DCP. Written by qdcp's writer: a previous
     output is replaced atomically (it stays whole until the new one is)."""
-    import torch.distributed.checkpoint as dcp
-
-    from qdcp.save_planner import QuantizedSavePlanner
-    from qdcp.storage import CheckpointWriter
+    from qdcp.checkpoint import save
 
     state = {key: entries.values(key, dtype) for key in entries}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=CheckpointWriter(out, overwrite=overwrite), planner=QuantizedSavePlanner(),
-                 no_dist=True)
-    print(f"wrote {out}: {len(state)} entries, dequantized")
+        save(state, out, overwrite=overwrite)  # errors raised as they are, not in DCP's CheckpointException
+    print(f"wrote {out}: {_count(len(state), 'entry', 'entries')}, dequantized")
     return EXIT_OK
 
 
 # ----------------------------------------------------------------------------- export
 
 def cmd_export(args: argparse.Namespace) -> int:
+    """``qdcp export``: a Hugging Face directory through :func:`qdcp.export`."""
     from qdcp.hf.export import export
 
-    result = export(args.path, args.out, format=args.format, config=args.config,
+    result = export(args.path, args.out, format=args.format, config=_config(args.config),
                     max_shard_size=args.max_shard_size, dequantize_unsupported=args.dequantize_unsupported,
                     overwrite=args.overwrite, progress=False if args.quiet else None)
     for key in result.skipped:
         print(f"qdcp: skipped non-tensor entry {key!r} (safetensors holds tensors only)", file=sys.stderr)
     for key in result.dequantized:
         print(f"qdcp: {key!r} has no {args.format} form: written dequantized", file=sys.stderr)
-    print(f"wrote {result.out_dir} ({args.format}): {len(result.files)} file(s), {result.tensors} tensors, "
-          f"{result.nbytes} bytes")
+    print(f"wrote {result.out_dir} ({args.format}): {_count(len(result.files), 'file', 'files')}, "
+          f"{_count(result.tensors, 'tensor', 'tensors')}, {result.nbytes} bytes")
     return EXIT_OK
+
+
+def _config(path: str | None) -> dict | None:
+    """The JSON object in ``--config`` (errors name the file)."""
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            loaded = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror or e}") from None
+    except ValueError as e:  # UnicodeDecodeError too
+        raise ValueError(f"--config {path}: not a JSON file ({e})") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"--config {path}: holds a JSON {type(loaded).__name__}, not an object")
+    return loaded
 
 
 # ----------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``qdcp`` argument parser (every argument has help text)."""
     parser = argparse.ArgumentParser(prog="qdcp", description="Inspect, verify and convert qdcp/DCP checkpoints.")
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="import MODULE first, to register adapters of your own (repeatable); "
@@ -383,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (outputs.OutputError, OSError) as e:  # a path that cannot be used as given
-        print(f"qdcp: {e}", file=sys.stderr)
+        print(f"qdcp: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except QdcpError as e:
         print(f"qdcp: {args.path}: {_one_line(e)}", file=sys.stderr)

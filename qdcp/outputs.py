@@ -40,15 +40,16 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def check_replaceable(out: str | os.PathLike, overwrite: bool, *, directory: bool,
-                      ours: Callable[[str], bool], what: str) -> None:
+                      ours: Callable[[str], bool], what: str, required: str | None = None) -> None:
     """Refuse an existing ``out`` unless ``overwrite`` and qdcp wrote all of it: ``ours(name)``
-    for every file of a directory (``directory=True``), ``ours(path)`` for a file. An empty
-    directory counts as absent."""
+    for every file of a directory (``directory=True``; ``required``: a file it must hold),
+    ``ours(path)`` for a file. An empty directory counts as absent."""
     out = os.fspath(out)
     if not os.path.lexists(out):
         return
-    if directory != os.path.isdir(out) or os.path.islink(out):
-        kind = "a directory" if os.path.isdir(out) else "a file" if os.path.isfile(out) else "a link or special file"
+    if os.path.islink(out) or directory != os.path.isdir(out):
+        kind = "a symlink" if os.path.islink(out) else "a directory" if os.path.isdir(out) else \
+            "a file" if os.path.isfile(out) else "a special file"
         raise OutputError(f"{out!r} is {kind}; the output here is {what}. Choose another path")
     if directory and not os.listdir(out):
         return
@@ -59,11 +60,15 @@ def check_replaceable(out: str | os.PathLike, overwrite: bool, *, directory: boo
             raise OutputError(f"{out!r} is not {what}; --overwrite replaces only qdcp's own output. Move it away "
                               f"or choose another path")
         return
-    foreign = [n for n in sorted(os.listdir(out)) if not ours(n)]
+    names = sorted(os.listdir(out))
+    foreign = [n for n in names if not ours(n) or os.path.isdir(os.path.join(out, n))]
     if foreign:
         listed = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise OutputError(f"{out!r} holds {listed}, which qdcp did not write there as {what}; --overwrite replaces "
-                          f"only qdcp's own output. Move those files away or choose another path")
+                          f"only qdcp's own output. Remove those or choose another path")
+    if required is not None and required not in names:
+        raise OutputError(f"{out!r} has no {required}, so it is not {what}; --overwrite replaces only qdcp's own "
+                          f"output. Remove its files or choose another path")
 
 
 def name_matcher(*patterns: str) -> Callable[[str], bool]:

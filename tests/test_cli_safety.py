@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import qdcp
 from qdcp.cli import build_parser
@@ -52,8 +53,9 @@ def _usage_error(proc: subprocess.CompletedProcess, *words: str) -> None:
         assert w in lines[0], (w, lines[0])
 
 
-@pytest.mark.parametrize("out", ["same", "inside", "parent", "symlink"])
-@pytest.mark.parametrize("verb", ["export", "convert-dcp", "convert-safetensors"])
+@pytest.mark.parametrize("verb, out", [(verb, out) for verb in ("export", "convert-dcp")
+                                       for out in ("same", "inside", "parent", "symlink")]
+                         + [("convert-safetensors", "inside"), ("convert-safetensors", "symlink")])
 def test_output_overlapping_the_input_is_refused_before_writing(ckpt, tmp_path, verb, out):
     work = tmp_path / "work"
     work.mkdir()
@@ -79,10 +81,20 @@ def test_export_overwrite_replaces_only_what_export_wrote(ckpt, tmp_path):
     assert _qdcp("export", ckpt, out, "--format", "torchao", "--quiet", "--overwrite").returncode == 0
     (out / "notes.txt").write_text("the user's own")
     before = _snapshot(out)
-    _usage_error(_qdcp("export", ckpt, out, "--format", "torchao", "--quiet", "--overwrite"), "'notes.txt'")
+    _usage_error(_qdcp("export", ckpt, out, "--format", "torchao", "--quiet", "--overwrite"), "'notes.txt'",
+                 "Remove those or choose another path")
     assert _snapshot(out) == before
     # the library call refuses the same way
     with pytest.raises(qdcp.ExportError, match="notes.txt"):
+        qdcp.export(ckpt, out, format="torchao", overwrite=True)
+    assert _snapshot(out) == before
+    # a directory under one of export's file names is not export's either
+    (out / "notes.txt").unlink()
+    (out / "model.safetensors").unlink()
+    (out / "model.safetensors").mkdir()
+    (out / "model.safetensors" / "mine.bin").write_bytes(b"mine")
+    before = _snapshot(out)
+    with pytest.raises(qdcp.ExportError, match="'model.safetensors'"):
         qdcp.export(ckpt, out, format="torchao", overwrite=True)
     assert _snapshot(out) == before
 
@@ -93,7 +105,8 @@ def test_convert_overwrite_replaces_only_what_convert_wrote(ckpt, tmp_path):
     assert _qdcp("convert", ckpt, st, "--to", "safetensors", "--quiet", "--overwrite").returncode == 0
     mine = tmp_path / "mine.safetensors"
     mine.write_bytes(b"not qdcp's")
-    _usage_error(_qdcp("convert", ckpt, mine, "--to", "safetensors", "--overwrite"), "is not a safetensors file qdcp wrote")
+    _usage_error(_qdcp("convert", ckpt, mine, "--to", "safetensors", "--overwrite"),
+                 "is not a safetensors file qdcp wrote")
     assert mine.read_bytes() == b"not qdcp's"
 
     dq = tmp_path / "dq"
@@ -107,34 +120,77 @@ def test_convert_overwrite_replaces_only_what_convert_wrote(ckpt, tmp_path):
     before = _snapshot(dq)
     _usage_error(_qdcp("convert", ckpt, dq, "--to", "dcp", "--dequantize", "--overwrite"), "'train.log'")
     assert _snapshot(dq) == before
+    # data files without a .metadata: not a DCP checkpoint (whose files they are, qdcp cannot tell)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "shard.distcp").write_bytes(b"someone's data")
+    _usage_error(_qdcp("convert", ckpt, partial, "--to", "dcp", "--dequantize", "--overwrite"), "has no .metadata")
+    assert sorted(os.listdir(partial)) == ["shard.distcp"]
+    assert (partial / "shard.distcp").read_bytes() == b"someone's data"
+
+
+def test_convert_to_safetensors_never_writes_over_a_file_beside_its_output(ckpt, tmp_path):
+    """The file is written under a fresh temporary name, not ``OUT.tmp``, which may be the user's."""
+    theirs = tmp_path / "w.safetensors.tmp"
+    theirs.write_bytes(b"the user's")
+    proc = _qdcp("convert", ckpt, tmp_path / "w.safetensors", "--to", "safetensors", "--quiet")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with safe_open(tmp_path / "w.safetensors", "pt") as f:
+        written = [f.get_tensor(k) for k in f.keys()]
+    assert proc.stdout.strip().endswith(f": {len(written)} tensors, {sum(t.nbytes for t in written)} bytes")
+    assert theirs.read_bytes() == b"the user's"
+    assert sorted(os.listdir(tmp_path)) == ["w.safetensors", "w.safetensors.tmp"]
 
 
 @pytest.mark.parametrize("case", ["out_is_a_file", "missing_checkpoint", "checkpoint_is_a_file", "bad_size",
-                                  "missing_config"])
+                                  "missing_config", "config_not_json", "convert_out_is_a_dir", "verify_missing"])
 def test_user_errors_exit_2_with_one_line(ckpt, tmp_path, case):
     afile = tmp_path / "afile"
     afile.write_text("x")
-    args = {"out_is_a_file": [ckpt, afile], "missing_checkpoint": [tmp_path / "nope", tmp_path / "o"],
-            "checkpoint_is_a_file": [afile, tmp_path / "o"],
-            "bad_size": [ckpt, tmp_path / "o", "--max-shard-size", "5XB"],
-            "missing_config": [ckpt, tmp_path / "o", "--config", tmp_path / "nope.json"]}[case]
-    words = {"out_is_a_file": ["afile", "is a file"], "missing_checkpoint": ["nope"],
-             "checkpoint_is_a_file": ["afile"], "bad_size": ["5XB"], "missing_config": ["nope.json"]}[case]
-    _usage_error(_qdcp("export", *args, "--format", "torchao", "--quiet"), *words)
-    assert afile.read_text() == "x" and not (tmp_path / "o").exists()
+    export = ["--format", "torchao", "--quiet"]
+    args = {"out_is_a_file": ["export", ckpt, afile, *export],
+            "missing_checkpoint": ["export", tmp_path / "nope", tmp_path / "o", *export],
+            "checkpoint_is_a_file": ["export", afile, tmp_path / "o", *export],
+            "bad_size": ["export", ckpt, tmp_path / "o", "--max-shard-size", "5XB", *export],
+            "missing_config": ["export", ckpt, tmp_path / "o", "--config", tmp_path / "nope.json", *export],
+            "config_not_json": ["export", ckpt, tmp_path / "o", "--config", afile, *export],
+            "convert_out_is_a_dir": ["convert", ckpt, tmp_path, "--to", "safetensors", "--quiet"],
+            "verify_missing": ["verify", tmp_path / "nope", "--quiet"]}[case]
+    words = {"out_is_a_file": ["afile", "is a file"], "missing_checkpoint": ["no checkpoint directory", "nope"],
+             "checkpoint_is_a_file": ["no checkpoint directory", "afile"], "bad_size": ["5XB"],
+             "missing_config": ["--config", "nope.json", "No such file"],
+             "config_not_json": ["--config", "afile", "not a JSON file"],
+             "convert_out_is_a_dir": ["is a directory"],
+             "verify_missing": ["no checkpoint directory", "nope"]}[case]
+    _usage_error(_qdcp(*args), *words)
+    assert sorted(os.listdir(tmp_path)) == ["afile"] and afile.read_text() == "x"
+
+
+def _corrupt(path: Path, *values: torch.Tensor) -> None:
+    """Flip a byte inside each of ``values`` in the checkpoint's data file."""
+    data = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    for v in values:
+        at = raw.find(v.numpy().tobytes())
+        assert at >= 0
+        raw[at + 4] ^= 0xFF
+    data.write_bytes(bytes(raw))
 
 
 def test_verify_counts_in_words(tmp_path):
-    one = tmp_path / "one"
-    qdcp.save({"w": torch.arange(3.0)}, one)
-    assert _qdcp("verify", one, "--quiet").stdout.strip().endswith("OK: 1 entry, 0 problems")
-    data = next(p for p in one.iterdir() if p.suffix == ".distcp")
-    raw = bytearray(data.read_bytes())
-    at = raw.find(torch.arange(3.0).numpy().tobytes())
-    raw[at + 4] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    w, v = torch.arange(3.0), torch.arange(10.0, 13.0)
+    one, two = tmp_path / "one", tmp_path / "two"
+    qdcp.save({"w": w}, one)
+    qdcp.save({"w": w, "v": v}, two)
     proc = _qdcp("verify", one, "--quiet")
-    assert proc.returncode == 1 and proc.stdout.strip().endswith("FAILED: 1 entry, 1 problem"), proc.stdout
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "OK: 1 entry, 0 problems", proc.stdout
+    _corrupt(one, w)
+    _corrupt(two, w, v)
+    proc = _qdcp("verify", one, "--quiet")
+    assert proc.returncode == 1 and proc.stdout.strip().splitlines()[-1] == "FAILED: 1 entry, 1 problem", proc.stdout
+    proc = _qdcp("verify", two, "--quiet")
+    assert proc.returncode == 1 and proc.stdout.strip().splitlines()[-1] == "FAILED: 2 entries, 2 problems", \
+        proc.stdout
 
 
 def test_every_argument_has_help():

@@ -105,8 +105,8 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
 
 
 #: what export writes in its directory (all that ``overwrite`` may replace)
-_OURS = outputs.name_matcher(re.escape(stf.SINGLE_FILE), r"model-\d{5}-of-\d{5}\.safetensors", re.escape(stf.INDEX_FILE),
-                             re.escape(stf.CONFIG_FILE))
+_OURS = outputs.name_matcher(re.escape(stf.SINGLE_FILE), r"model-\d{5,}-of-\d{5,}\.safetensors",
+                             re.escape(stf.INDEX_FILE), re.escape(stf.CONFIG_FILE))
 
 
 def _check_output(checkpoint: str, out_dir: str, overwrite: bool) -> None:
@@ -117,7 +117,11 @@ def _check_output(checkpoint: str, out_dir: str, overwrite: bool) -> None:
         outputs.check_replaceable(out_dir, overwrite, directory=True, ours=_OURS,
                                   what="an export (model*.safetensors, its index, config.json)")
     except outputs.OutputError as e:
-        raise ExportError(str(e)) from None
+        raise _OutputRefused(str(e)) from None
+
+
+class _OutputRefused(ExportError, outputs.OutputError):
+    """``out_dir`` cannot be written (an :class:`ExportError` and a :class:`qdcp.outputs.OutputError`)."""
 
 
 def _sources(md) -> tuple[dict[str, Source], list[str]]:
