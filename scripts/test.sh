@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The one command that runs the whole test suite: makes .venv (Python 3.11), installs qdcp with
-# its test extra under constraints.txt (CPU torch), runs pytest with xdist. Extra args go to pytest.
+# its test and frameworks extras under constraints.txt (CPU torch), runs pytest with xdist. Extra args go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_venv.sh test
+bash scripts/setup_venv.sh test,frameworks
 # TransformerEngine's pure-Python wheel (tests load its real classes on CPU; see tests/te_cpu.py);
 # --no-deps: its declared dependencies pull CUDA packages
 "${VENV:-.venv}/bin/python" -m pip install -q --no-deps transformer-engine==2.20.2
