@@ -7,7 +7,8 @@ optimizer and LR-scheduler containers, in each of its three ``async_mode``\\s:
 
 - saved through ``QuantizedCheckpointManager`` at 2 ranks while training goes on, loaded through it
   at 2 and at 1 rank: weights, optimizer states and step bit-exact, parameters filled in place;
-- the last step's model-only export in bf16 reads back through stock ``dcp.load`` as plain tensors;
+- the last step's model-only export in bf16, as DCP files and as HF safetensors (torchtitan's HF
+  writer), reads back through stock ``dcp.load`` / safetensors as plain tensors;
 - torchtitan's own manager on the same model fails to save, and with only its model cache fixed
   it writes checkpoints that cannot be loaded (sync), load wrong weights without an error (async)
   or cannot stage on CPU (pinned): the failures the recipe fixes.
@@ -46,8 +47,9 @@ def test_checkpoint_resumes_bit_exact(root, mode, nproc):
     torchrun_jobs.check_sections(_job(root, "load", nproc), f"load at {nproc} ranks", [f"load-{mode}"])
 
 
-def test_model_only_export_holds_plain_export_dtype_weights(root):
-    torchrun_jobs.check_sections(_job(root, "export", 2), "export at 2 ranks", ["export"])
+@pytest.mark.parametrize("section", ["export", "export_hf"])
+def test_model_only_export_holds_plain_export_dtype_weights(root, section):
+    torchrun_jobs.check_sections(_job(root, "export", 2), "export at 2 ranks", [section])
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -18,7 +18,9 @@ MODE = ``disabled``, ``async``, ``async_with_pinned_mem``; sections ``save-MODE`
   ``load(step=1)``: weights, optimizer states and the train step bit-identical to the record; the
   parameters are the same objects and still wrappers.
 - ``export`` (2 ranks): ``save(curr_step=2, last_step=True)`` with ``last_save_model_only`` and
-  ``export_dtype="bfloat16"``: read back by stock ``dcp.load`` into plain bf16 tensors, each equal to
+  ``export_dtype="bfloat16"``, as DCP files (section ``export``: read back by stock ``dcp.load``
+  into plain bf16 tensors) and with ``last_save_in_hf`` (``export_hf``: torchtitan's HF writer and
+  consolidation, a key-renaming state-dict adapter; read with safetensors): each weight equal to
   the wrapper's tensor cast to bf16.
 - ``stock`` (2 ranks): torchtitan's own ``CheckpointManager``, and the same with only the
   model-cache fix, save and load in MODE: what happens is written to ``stock-MODE.json`` for the
@@ -38,6 +40,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint import HuggingFaceStorageReader  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +49,7 @@ from dist_helpers import all_rows, init_torchrun_mesh  # noqa: E402
 from torchtitan.components.checkpointer import MODEL, CheckpointManager  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer  # noqa: E402
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: E402
+from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter  # noqa: E402
 from quantized_cases import bits  # noqa: E402
 from training_cases import values  # noqa: E402
 from training_dist_worker import build, step  # noqa: E402
@@ -93,10 +97,10 @@ def train_step(model_parts, opt, lrs) -> None:
     opt.zero_grad()
 
 
-def manager(cls, mode: str, root: str, model_parts, opt, lrs, ts, **config):
+def manager(cls, mode: str, root: str, model_parts, opt, lrs, ts, sd_adapter=None, **config):
     cfg = cls.Config(enable=True, folder="checkpoint", interval=1, async_mode=mode, **config)
     return cfg.build(dataloader=None, model_parts=model_parts, optimizers=opt, lr_schedulers=lrs,
-                     states={"train_state": ts}, sd_adapter=None, base_folder=os.path.join(root, mode))
+                     states={"train_state": ts}, sd_adapter=sd_adapter, base_folder=os.path.join(root, mode))
 
 
 def snapshot(model_parts, opt) -> dict:
@@ -160,19 +164,46 @@ def load(mode: str, root: str, mesh) -> None:
           f"{mode}: parameters are {wrappers(model_parts)} after load")
 
 
+class PrefixAdapter(BaseStateDictAdapter):
+    """A torchtitan state-dict adapter renaming keys to HF's ``model.`` prefix (what a model's does)."""
+
+    def __init__(self, model_config=None, hf_assets_path=None):
+        self.fqn_to_index_mapping, self.hf_assets_path = None, hf_assets_path
+
+    def to_hf(self, state_dict):
+        return {f"model.{k}": v for k, v in state_dict.items()}
+
+    def from_hf(self, hf_state_dict):
+        return {k.removeprefix("model."): v for k, v in hf_state_dict.items()}
+
+    def get_hf_storage_reader(self, path, from_quantized=False):
+        return HuggingFaceStorageReader(path)
+
+
 def export(root: str, mesh) -> None:
-    model_parts, opt, lrs = parts(0, mesh)
-    train_step(model_parts, opt, lrs)
-    cm = manager(QuantizedCheckpointManager, "disabled", root, model_parts, opt, lrs, TrainState(2),
-                 last_save_model_only=True, export_dtype="bfloat16")
-    cm.save(curr_step=2, last_step=True)
-    cm.close()
-    want = {k: _whole(v).to(torch.bfloat16) for part in model_parts for k, v in part.state_dict().items()}
-    plain = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in want.items()}
-    dcp.load(plain, checkpoint_id=os.path.join(root, "disabled", "checkpoint", "step-2"), no_dist=True)
-    for k, v in want.items():
-        check("export", torch.equal(bits(plain[k]), bits(v)),
-              f"{k}: the model-only export differs from the weight's values in bf16")
+    """The last step's model-only save, as DCP files and as HF safetensors, in bf16."""
+    from safetensors.torch import load_file
+
+    for section, hf in (("export", False), ("export_hf", True)):
+        model_parts, opt, lrs = parts(0, mesh)
+        train_step(model_parts, opt, lrs)
+        cm = manager(QuantizedCheckpointManager, "disabled", os.path.join(root, section), model_parts, opt, lrs,
+                     TrainState(2), sd_adapter=PrefixAdapter() if hf else None, last_save_model_only=True,
+                     export_dtype="bfloat16", last_save_in_hf=hf)
+        cm.save(curr_step=2, last_step=True)
+        cm.close()
+        want = {k: _whole(v).to(torch.bfloat16) for part in model_parts for k, v in part.state_dict().items()}
+        where = os.path.join(root, section, "disabled", "checkpoint", "step-2")
+        if hf:
+            files = [f for f in os.listdir(where) if f.endswith(".safetensors")]
+            got = {k.removeprefix("model."): v for f in files for k, v in load_file(os.path.join(where, f)).items()}
+        else:
+            got = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in want.items()}
+            dcp.load(got, checkpoint_id=where, no_dist=True)
+        check(section, sorted(got) == sorted(want), f"keys {sorted(set(got) ^ set(want))} differ")
+        for k, v in want.items():
+            check(section, k in got and got[k].dtype == torch.bfloat16 and torch.equal(bits(got[k]), bits(v)),
+                  f"{k}: the model-only export differs from the weight's values in bf16")
 
 
 class _CacheFixedOnly(CheckpointManager):
