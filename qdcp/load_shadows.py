@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from qdcp.adapters.base import find_adapter
+from qdcp.chunked import ChunkCopies, chunk_buffers, names_own_chunks, shadow_of
 from qdcp.errors import LoadMismatchError
 from qdcp.placement import place, with_local
 
@@ -79,6 +80,8 @@ class Shadows:
 def _shadow_local(fqn: str, local: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """``(the target's buffers by name, a shadow holding a copy of them)`` for one local tensor."""
     adapter = find_adapter(local)
+    if adapter is None and names_own_chunks(local):  # DCP's _Checkpointable protocol: its chunks
+        return shadow_of(local, fqn)
     if adapter is None:
         if type(local) not in (torch.Tensor, torch.nn.Parameter):
             raise LoadMismatchError(
@@ -98,5 +101,7 @@ def _shadow_local(fqn: str, local: torch.Tensor) -> tuple[dict[str, torch.Tensor
 
 def _buffers(shadow: torch.Tensor) -> dict[str, torch.Tensor]:
     """The shadow's buffers by name (a plain tensor's under "")."""
+    if isinstance(shadow, ChunkCopies):
+        return chunk_buffers(shadow)
     adapter = find_adapter(shadow)
     return {"": shadow} if adapter is None else adapter.inner_buffers(shadow)

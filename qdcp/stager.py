@@ -25,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from qdcp.adapters.base import find_adapter
+from qdcp.chunked import names_own_chunks, staged_copy
 from qdcp.errors import StagingError, UnsupportedTensorError
 
 __all__ = ["QuantizedStager"]
@@ -227,6 +228,8 @@ class QuantizedStager:
             buffers = {name: self._copy(b, path, name, seen)
                        for name, b in adapter.inner_buffers(t).items()}
             return adapter.from_inner_buffers(t, buffers)
+        if names_own_chunks(t):  # DCP's _Checkpointable protocol: copies of the chunks it writes
+            return staged_copy(t, _path_str(path), lambda chunk, n: self._copy(chunk.detach(), path, f"chunk{n}", seen))
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
             raise UnsupportedTensorError(
                 f"key {_path_str(path)!r}: QuantizedStager cannot stage "
