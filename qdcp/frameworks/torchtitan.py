@@ -21,7 +21,8 @@ What it changes, by the manager's own seams:
   weight's inner buffers: torchtitan's own check asks the wrapper tensor for a storage it does not
   have and fails before DCP is called.
 - The last step's model-only save (``last_save_model_only``, ``last_save_in_hf``; torchtitan's
-  ``_save_last_step``, the one private method overridden) writes every weight as a plain tensor of
+  ``_save_last_step``, the one private method overridden; it calls torchtitan's
+  ``_create_checkpoint_id`` as torchtitan's does) writes every weight as a plain tensor of
   ``export_dtype``: the high-precision tensor of a training wrapper, the dequantized values of a
   quantized weight, never the quantized form a plain or HF reader cannot use.
 
