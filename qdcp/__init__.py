@@ -25,6 +25,7 @@ from qdcp.errors import (
     ChecksumError,
     LoadMismatchError,
     QdcpError,
+    ReplicaMismatchError,
     StagingError,
     UnsupportedTensorError,
 )
@@ -59,6 +60,6 @@ __all__ = [
     "storage_writer", "to_device", "register_new_empty", "unregister_new_empty", "enable_new_empty",
     "Adapter", "StoredEntry", "register_adapter", "find_adapter", "registered_type_names",
     "QdcpError", "CheckpointFormatError", "ChecksumError", "UnsupportedTensorError", "AlignmentError",
-    "LoadMismatchError", "StagingError", "export", "ExportResult", "ExportError", "QuantizedHFReader",
+    "LoadMismatchError", "StagingError", "ReplicaMismatchError", "export", "ExportResult", "ExportError", "QuantizedHFReader",
     "install", "uninstall", "installed", "is_installed",
 ]

@@ -27,3 +27,7 @@ class LoadMismatchError(QdcpError, ValueError):
 
 class StagingError(QdcpError, RuntimeError):
     """A state dict was staged by something that does not understand quantized tensors."""
+
+
+class ReplicaMismatchError(QdcpError, ValueError):
+    """Ranks holding replicas of one chunk hold different bytes (``check_replicas=True``)."""

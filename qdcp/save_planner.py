@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWr
 from qdcp import checksums as sums
 from qdcp import spec as qspec
 from qdcp.adapters.base import Adapter, find_adapter
-from qdcp.errors import AlignmentError, LoadMismatchError, StagingError, UnsupportedTensorError
+from qdcp.errors import (AlignmentError, LoadMismatchError, ReplicaMismatchError, StagingError,
+                         UnsupportedTensorError)
 from qdcp.layouts import Chunk
 from qdcp.new_empty import register_new_empty
 from qdcp.placement import Placed, describe_tensor, is_empty, place, planning, with_local
@@ -68,12 +69,17 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             at that local path is refused (``FileExistsError``, before anything is written) unless
             True; DCP itself writes over it in place. qdcp's writers (``qdcp.save``,
             :class:`CheckpointWriter`) decide this themselves, by their own ``overwrite``.
+        check_replicas: every rank's copy of a replicated chunk (HSDP's replicate dimension, a
+            tensor-parallel-replicated scale, a ``Replicate()`` DTensor) is hashed and compared
+            before anything is written; diverged replicas raise :class:`~qdcp.ReplicaMismatchError`
+            naming the keys, chunks and ranks, instead of DCP silently writing one rank's copy.
+            Costs a hash of each replica on its rank (free where ``checksums`` hashes them anyway).
         **kwargs: passed to ``DefaultSavePlanner`` (``flatten_state_dict``, ``enable_plan_caching``...).
     """
 
     def __init__(self, dequantize: DequantizeChoice = False,
                  dequantize_dtype: torch.dtype | None = None, checksums: bool = True, overwrite: bool = False,
-                 **kwargs: Any) -> None:
+                 check_replicas: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         register_new_empty()  # before dcp.async_save's default stager sees classes imported since
         if not (isinstance(dequantize, bool) or callable(dequantize)):
@@ -82,6 +88,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         self.dequantize_dtype = dequantize_dtype
         self.checksums = bool(checksums)
         self.overwrite = bool(overwrite)
+        self.check_replicas = bool(check_replicas)
         self._entries: dict[str, _SaveEntry] = {}
         self._sources: dict[str, tuple[_SaveEntry, str | None]] = {}
         self._templates: dict[tuple, tuple] = {}
@@ -205,7 +212,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         shared = [(qspec.component_fqn(e.fqn, name), offsets) for e in self._entries.values()
                   for name, offsets in e.shared]
         shared_keys = set(shared)
-        hashed = items if self.checksums else [i for i in items if _item_key(i) in shared_keys]
+        hashed = items if self.checksums or self.check_replicas else [i for i in items if _item_key(i) in shared_keys]
         mine = {"hashes": sums.hash_many((_item_key(i), self._written(i)) for i in hashed), "shared": shared}
         if self._enable_plan_caching:
             cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
@@ -233,6 +240,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             per_rank = [(plan.planner_data or {}).pop(_SUMS_KEY, None) or {"hashes": {}, "shared": []}
                         for plan in all_plans]
             _check_shared(per_rank)
+            if self.check_replicas:
+                _check_replicas(per_rank)
             plans, metadata = super().create_global_plan(all_plans)
             self._sums_record = _checksum_record(self.global_plan, per_rank, metadata) if self.checksums else None
             return plans, metadata
@@ -301,6 +310,31 @@ def _check_shared(per_rank: list[dict]) -> None:
                     f"cut), but they differ: the shards were quantized each on its own (e.g. with "
                     f"its own per-tensor scale). Quantize the shards with one scale for the whole "
                     f"tensor, or save this entry dequantized.")
+
+
+def _check_replicas(per_rank: list[dict]) -> None:
+    """Every chunk several ranks hold must have one hash; the diverged ones are named."""
+    first: dict[tuple, tuple[int, int]] = {}
+    diverged: dict[tuple, list[int]] = {}
+    for rank, part in enumerate(per_rank):
+        for key, h in part["hashes"].items():
+            seen = first.setdefault(key, (rank, h))
+            if seen[1] != h:
+                diverged.setdefault(key, [seen[0]]).append(rank)
+    if diverged:
+        lines = [f"key {_user_key(fqn)}: the chunk at {list(offsets)} of rank(s) {ranks[1:]} differs from rank "
+                 f"{ranks[0]}'s" for (fqn, offsets), ranks in sorted(diverged.items())[:10]]
+        more = f" (and {len(diverged) - 10} more)" if len(diverged) > 10 else ""
+        raise ReplicaMismatchError(
+            f"{len(diverged)} replicated chunk(s) differ between the ranks that hold them{more}; nothing was "
+            f"written:\n  " + "\n  ".join(lines) + "\nThe replicas diverged in training (check that "
+            "every replica group ran the same updates), or save from one replica group.")
+
+
+def _user_key(item_fqn: str) -> str:
+    """``'w'`` for a plain item, ``'w' (component 'scale')`` for one of a quantized entry's."""
+    fqn, sep, name = item_fqn.rpartition(qspec.COMPONENT_SEPARATOR)
+    return f"{fqn!r} (component {name!r})" if sep else repr(item_fqn)
 
 
 def _checksum_record(global_plan: list[SavePlan], per_rank: list[dict], metadata: Metadata) -> dict:
