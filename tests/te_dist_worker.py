@@ -20,6 +20,10 @@ built from a ``DTensorSpec`` (no view ops).
   Where M's rows straddle a format's blocks, the TE target load must fail at planning with an
   ``AlignmentError`` naming the key; plain targets still load exactly (covering blocks).
 
+- ``save2d DIR`` at 4 ranks: every format on a ``(2, 2)`` mesh with FSDP2 x TP's placements of a
+  column-parallel weight (``_StridedShard(0)`` x ``Shard(0)``) and HSDP's (``Replicate()`` x
+  ``Shard(0)``, replicas compared with ``check_replicas=True``); ``load`` loads them like the rest.
+
 Sections of failures go to ``DIR/results-<command>-<world>.json``, as in ``dist_worker.py``.
 """
 
@@ -40,7 +44,9 @@ te = te_cpu.install()  # before anything imports transformer_engine
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.tensor import DTensor, Shard  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
+from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 from dist_helpers import dtensor_from_local, init_torchrun_mesh, my_row_chunk, row_chunks  # noqa: E402
 from transformer_engine.pytorch import utils as te_utils  # noqa: E402
 from transformer_engine.pytorch.constants import DType  # noqa: E402
@@ -265,6 +271,30 @@ def save_mismatched_per_tensor(out: str, mesh) -> None:
               f"{fmt}: a refused save left a .metadata behind")
 
 
+# 2-D meshes at 4 ranks, (dp=2, tp=2): torchtitan's FSDP2 x TP placements of a column-parallel
+# weight, and HSDP's; each with the 1-D world size whose row blocks it gives (for ``aligned``)
+MESH2D = {"colwise": ((_StridedShard(0, split_factor=2), Shard(0)), 4), "hsdp": ((Replicate(), Shard(0)), 2)}
+
+
+def save2d(root: str, _mesh) -> None:
+    """Every format at a (2, 2) mesh, one checkpoint per layout (``DIR/m2d_<layout>/main``), the
+    replicas (HSDP) compared on save; the ``load`` command loads them with the 1-D ones."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for layout, (placements, n) in MESH2D.items():
+        chunk = dtensor_from_local(torch.empty(0), mesh, placements, SHAPE, DTYPE).__create_chunk_list__()[0]
+        o, s = chunk.offsets[0], chunk.sizes[0]
+        state = {"step": n}  # what the loads check it against
+        for fmt in FORMATS:
+            local = build(fmt, global_buffers(fmt, SEED[fmt]), o, s)
+            state[f"te.{fmt}"] = dtensor_from_local(local, mesh, placements, SHAPE, DTYPE)
+        try:
+            dcp.save(state, checkpoint_id=os.path.join(root, f"m2d_{layout}", "main"),
+                     planner=QuantizedSavePlanner(check_replicas=True))
+        except BaseException as e:  # noqa: BLE001
+            check("save2d", False, f"dcp.save at (2, 2) {layout}: {_short(e)}")
+    check("save2d", True, "")
+
+
 # ----------------------------------------------------------------------------- load
 
 def load(root: str, mesh) -> None:
@@ -280,10 +310,15 @@ def load(root: str, mesh) -> None:
             load_one(path, int(sub[1:]), refs, mesh)
             loaded.append(int(sub[1:]))
     check("loaded_all", sorted(loaded) == [1, 2, 3, 4], f"loaded the checkpoints saved at N={loaded} only")
+    for layout, (_, n) in MESH2D.items():
+        path = os.path.join(root, f"m2d_{layout}", "main")
+        check("loaded_all", os.path.exists(os.path.join(path, ".metadata")), f"no (2, 2) {layout} checkpoint")
+        if os.path.exists(os.path.join(path, ".metadata")):
+            load_one(path, n, refs, mesh, tag=f"(2, 2) {layout}->M={WORLD}")
 
 
-def load_one(path: str, n: int, refs: dict, mesh) -> None:
-    tag = f"N={n}->M={WORLD}"
+def load_one(path: str, n: int, refs: dict, mesh, tag: str | None = None) -> None:
+    tag = tag or f"N={n}->M={WORLD}"
     formats = FORMATS if aligned(n) else tuple(f for f in FORMATS if f not in STRADDLING)
     o, s = my_row_chunk(ROWS)
 
@@ -345,7 +380,7 @@ def load_one(path: str, n: int, refs: dict, mesh) -> None:
 
 # ----------------------------------------------------------------------------- main
 
-COMMANDS = {"save": save, "load": load}
+COMMANDS = {"save": save, "save2d": save2d, "load": load}
 
 
 def main() -> int:

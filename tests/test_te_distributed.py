@@ -13,6 +13,8 @@ Float8 current scaling (Hopper: data and transpose), MXFP8 rowwise compact, bloc
 - Per-tensor values (Float8 scale_inv, NVFP4 amax) must be the same on every rank; shards that
   differ are refused at save naming the key.
 
+- Saved at a (2, 2) mesh (FSDP2 x TP's ``_StridedShard`` x ``Shard(0)``, and HSDP), loaded at every
+  M like the 1-D checkpoints.
 Jobs run once per session under a file lock (shared by pytest-xdist workers): one save job per N in
 {1, 2, 3, 4}, one load job per M in {1, 2, 3, 4} that loads every saved checkpoint.
 """
@@ -56,6 +58,7 @@ def _saved(shared: Path, first: int = 1) -> None:
     i = WORLDS.index(first)
     for n in WORLDS[i:] + WORLDS[:i]:
         _sections(_job(shared, "save", n), f"save at {n} ranks", ["save"])
+    _sections(_job(shared, "save2d", 4), "save at a (2, 2) mesh", ["save2d"])
 
 
 def _loaded(shared: Path, m: int) -> dict:
