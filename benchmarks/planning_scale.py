@@ -14,7 +14,15 @@ baseline is DCP's default planners on the same plain components (each one a ``Sh
 the same chunks, or a plain tensor where the component is replicated). Coordinator peak memory is measured with
 tracemalloc in separate runs.
 
+With ``--ranks DPxTP`` (e.g. ``8x128``) the ranks form a 2-D mesh: each linear with torchtitan's
+FSDP2 x TP placements (``_StridedShard(0)`` x ``Shard(0)`` column-parallel, ``Shard(0)`` x
+``Shard(1)`` row-parallel), 8-bit AdamW states of the column-parallel ones, norms ``(Shard(0),
+Replicate())``, no MoE layer; the baseline is DCP's default planners on plain tensors whose chunks
+are exactly the items qdcp writes (tensors naming their own chunks, planned through DCP's
+``_Checkpointable`` protocol).
+
     python benchmarks/planning_scale.py [--ranks 8,64,1024,8192] [--layers 1] [--weights int8] [--experts 64]
+    python benchmarks/planning_scale.py --ranks 2x2,8x128 --experts 0
 """
 
 from __future__ import annotations
@@ -95,6 +103,13 @@ class Shards:
             self._cut[cut] = adapter.rebuild(StoredEntry(adapter.type_name(t), adapter.attributes(t), (rows, shape[1]),
                                                          t.dtype, {n: c.clone() for n, c in comps.items()}))
         return self._cut[cut]
+
+    def local(self, kind: str, shape) -> torch.Tensor:
+        """A stand-in local tensor of ``shape`` (one per kind and shape)."""
+        key = (kind, tuple(shape), "local")
+        if key not in self._full:
+            self._full[key] = self._build(kind, tuple(shape))
+        return self._full[key]
 
     def plain(self, shape, dtype) -> torch.Tensor:
         key = (tuple(shape), dtype)
@@ -193,28 +208,92 @@ def moe_state(world: int, rank: int, shards: Shards) -> tuple[dict, dict]:
     return {fqn: dtensor(local, mesh, shape, torch.bfloat16, placements)}, twin
 
 
-def local_plans(world: int, layers: int, shards: Shards):
+def local_plans(world: int, layers: int, shards: Shards, mesh2d: tuple[int, int] | None = None):
     """Every rank's local plan, qdcp's and DCP's, each made on that rank (a fake process group)."""
     q_plans, d_plans, q0, d0 = [], [], None, None
     for rank in range(world):
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
         try:
-            mesh = init_device_mesh("cpu", (world,))
-            state, twin = rank_states(world, rank, mesh, layers, shards)
-            if shards.experts:
-                moe, moe_twin = moe_state(world, rank, shards)
-                state.update(moe)
-                twin.update(moe_twin)
             qp, dp = QuantizedSavePlanner(), DefaultSavePlanner()
-            qp.set_up_planner(state, None, rank == 0)
+            if mesh2d is not None:
+                state = rank_states_2d(mesh2d, layers, shards)
+                qp.set_up_planner(state, None, rank == 0)
+                q_plans.append(qp.create_local_plan())
+                twin = plan_twin(q_plans[-1], shards)
+            else:
+                mesh = init_device_mesh("cpu", (world,))
+                state, twin = rank_states(world, rank, mesh, layers, shards)
+                if shards.experts:
+                    moe, moe_twin = moe_state(world, rank, shards)
+                    state.update(moe)
+                    twin.update(moe_twin)
+                qp.set_up_planner(state, None, rank == 0)
+                q_plans.append(qp.create_local_plan())
             dp.set_up_planner(twin, None, rank == 0)
-            q_plans.append(qp.create_local_plan())
             d_plans.append(dp.create_local_plan())
             if rank == 0:
                 q0, d0 = (qp, state), (dp, twin)
         finally:
             dist.destroy_process_group()
     return q_plans, d_plans, q0, d0
+
+
+# ----------------------------------------------------------------------------- 2-D meshes
+
+ROWWISE = ("o_proj", "down_proj")  # RowwiseParallel: columns cut by TP; the rest ColwiseParallel
+
+
+def placements_2d(name: str, tp: int) -> tuple:
+    """torchtitan's FSDP2 x TP placements of a linear's weight on a ``(dp, tp)`` mesh."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return (Shard(0), Shard(1)) if name in ROWWISE else (_StridedShard(0, split_factor=tp), Shard(0))
+
+
+def rank_states_2d(mesh2d: tuple[int, int], layers: int, shards: Shards) -> dict:
+    """This rank's state dict on a ``(dp, tp)`` mesh: quantized linears with FSDP2 x TP placements,
+    8-bit AdamW states of the column-parallel ones (a column cut of flat-block state is refused),
+    norms ``(Shard(0), Replicate())``; each local built once per local shape."""
+    mesh = init_device_mesh("cpu", mesh2d, mesh_dim_names=("dp", "tp"))
+    state = {}
+    for i in range(layers):
+        for name, shape in LINEARS.items():
+            placements = placements_2d(name, mesh2d[1])
+            fqn = f"model.layers.{i}.{name}.weight"
+            sizes = tuple(dtensor(torch.empty(0), mesh, shape, torch.bfloat16, placements).__create_chunk_list__()[0].sizes)
+            keys = [(fqn, "weight")] + ([] if name in ROWWISE else
+                                        [(f"optim.{fqn}.exp_avg", "optim"), (f"optim.{fqn}.exp_avg_sq", "optim")])
+            for key, kind in keys:
+                local = shards.local(kind, sizes)
+                state[key] = dtensor(local, mesh, shape, local.dtype, placements)
+        for name in NORMS:
+            rows = HIDDEN // mesh2d[0]
+            state[f"model.layers.{i}.{name}.weight"] = dtensor(shards.plain((rows,), torch.bfloat16), mesh, (HIDDEN,),
+                                                               torch.bfloat16, (Shard(0), Replicate()))
+    return state
+
+
+def plan_twin(plan, shards: Shards) -> dict:
+    """DCP's baseline for a qdcp local plan: plain tensors whose chunks are exactly the items qdcp
+    writes (each a ``qdcp.chunked.ChunkCopies``, which DCP plans through its ``_Checkpointable``
+    protocol), planned by DCP's default planner."""
+    import dataclasses as dc
+    from collections import defaultdict
+
+    from qdcp.chunked import ChunkCopies
+
+    by_fqn = defaultdict(list)
+    for item in plan.items:
+        if item.tensor_data is not None:
+            by_fqn[item.index.fqn].append(item)
+    twin = {}
+    for fqn, items in by_fqn.items():
+        td = items[0].tensor_data
+        like = torch.empty(tuple(td.size), dtype=td.properties.dtype, device="meta")
+        chunks = [(i.index.offset, shards.plain(tuple(i.tensor_data.chunk.sizes), td.properties.dtype))
+                  for i in items]
+        twin[fqn] = ChunkCopies(like, chunks, [dc.replace(i, index=dc.replace(i.index, index=None)) for i in items])
+    return twin
 
 
 def coordinator(planner_cls, plans, state):
@@ -255,13 +334,13 @@ def load_side(planner_cls, blob: bytes, state) -> float:
     return time.perf_counter() - t0
 
 
-def measure(world: int, layers: int, shards: Shards, repeat: int) -> dict:
+def measure(world: int, layers: int, shards: Shards, repeat: int, mesh2d: tuple[int, int] | None = None) -> dict:
     t0 = time.perf_counter()
-    q_plans, d_plans, (qp0, q_state), (dp0, d_state) = local_plans(world, layers, shards)
+    q_plans, d_plans, (qp0, q_state), (dp0, d_state) = local_plans(world, layers, shards, mesh2d)
     local_s = time.perf_counter() - t0
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
-        init_device_mesh("cpu", (world,))
+        init_device_mesh("cpu", mesh2d or (world,))
         q_times, d_times = [], []
         for _ in range(repeat):
             qt, q_md = coordinator(QuantizedSavePlanner, q_plans, q_state)
@@ -275,7 +354,7 @@ def measure(world: int, layers: int, shards: Shards, repeat: int) -> dict:
         d_load = min(load_side(DefaultLoadPlanner, d_blob, d_state) for _ in range(repeat))
     finally:
         dist.destroy_process_group()
-    return {"ranks": world, "items": sum(len(p.items) for p in q_plans),
+    return {"ranks": f"{mesh2d[0]}x{mesh2d[1]}" if mesh2d else world, "items": sum(len(p.items) for p in q_plans),
             "dcp_items": sum(len(p.items) for p in d_plans), "local_plans_s": local_s,
             "qdcp_global_s": min(q_times), "dcp_global_s": min(d_times), "qdcp_md_bytes": len(q_blob),
             "dcp_md_bytes": len(d_blob), "qdcp_peak_mib": q_mem / 2**20, "dcp_peak_mib": d_mem / 2**20,
@@ -287,12 +366,13 @@ COLS = ["ranks", "items", "dcp_items", "qdcp_global_s", "dcp_global_s", "time_ra
         "load_ratio"]
 
 
-def run_all(worlds: list[int], layers: int, shards: Shards, repeat: int) -> list[dict]:
-    """Measure every world size, printing a table row as each is done."""
+def run_all(worlds: list, layers: int, shards: Shards, repeat: int) -> list[dict]:
+    """Measure every world size (an int) or 2-D mesh (``(dp, tp)``), printing a row as each is done."""
     print(" | ".join(COLS))
     rows = []
     for world in worlds:
-        r = measure(world, layers, shards, repeat)
+        r = measure(world[0] * world[1], layers, shards, repeat, world) if isinstance(world, tuple) \
+            else measure(world, layers, shards, repeat)
         r["time_ratio"] = r["qdcp_global_s"] / r["dcp_global_s"]
         r["md_ratio"] = r["qdcp_md_bytes"] / r["dcp_md_bytes"]
         r["mem_ratio"] = r["qdcp_peak_mib"] / r["dcp_peak_mib"]
@@ -315,7 +395,8 @@ def print_growth(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", default="8,64,1024,8192")
+    parser.add_argument("--ranks", default="8,64,1024,8192",
+                        help="world sizes (1-D FSDP), or DPxTP for a 2-D FSDP2 x TP mesh (e.g. 8x128)")
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--weights", choices=["int8", "nvfp4"], default="int8")
     parser.add_argument("--repeat", type=int, default=3)
@@ -330,7 +411,8 @@ def main() -> None:
         if experts:  # TE asks torch.cuda about the device while it splits a group into members
             import te_cpu
             stack.enter_context(te_cpu.simulate_gpu(te_cpu.HOPPER))
-        rows = run_all([int(x) for x in args.ranks.split(",")], args.layers, shards, args.repeat)
+        worlds = [tuple(int(v) for v in x.split("x")) if "x" in x else int(x) for x in args.ranks.split(",")]
+        rows = run_all(worlds, args.layers, shards, args.repeat)
     print_growth(rows)
 
 

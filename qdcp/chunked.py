@@ -37,7 +37,8 @@ class ChunkCopies(torch.Tensor):
     @staticmethod
     def __new__(cls, like: torch.Tensor, chunks: list[tuple[torch.Size, torch.Tensor]],
                 items: list[WriteItem] | None = None):
-        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+        device = chunks[0][1].device if chunks else like.device  # where the copies live
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=device)
         t.chunks = chunks
         t.items = items
         return t
