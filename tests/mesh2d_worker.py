@@ -53,10 +53,11 @@ from worker_results import RANK, WORLD, check, qdcp_error_in, run, short  # noqa
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
 
 SHAPE = (128, 128)
-NAMES = ("int8_row", "float8_row", "mx_fp8", "nvfp4", "optim8bit_signed")
+NAMES = ("int8_row", "float8_row", "mx_fp8", "nvfp4", "optim8bit_signed", "optim4bit", "optimfp8")
 LAYOUTS = {"colwise": (_StridedShard(0, split_factor=2), Shard(0)), "rowwise": (Shard(0), Shard(1)),
            "hsdp": (Replicate(), Shard(0))}
-REFUSED = {("optim8bit_signed", "rowwise")}  # flat 256-element blocks: a column cut is not a block
+FLAT = {"optim8bit_signed": 256, "optim4bit": 128, "optimfp8": 256}  # torchao optimizer state: flat blocks
+REFUSED = {(name, "rowwise") for name in FLAT}  # a column cut of flat blocks is not a block
 PER_ROW = ("int8_row", "float8_row")  # one scale per row of the (local) tensor
 COL_BLOCK = {"mx_fp8": 32, "nvfp4": 16}  # scales per block of columns
 Block = tuple[int, int, int, int]  # row offset, column offset, rows, columns
@@ -105,7 +106,7 @@ def raw_fits(name: str, target: Block, sources: list[Block]) -> bool:
         k = COL_BLOCK[name]
         return all(inside(r, c, 1, k, lambda s, c=c: (c - s[1]) % k == 0)
                    for r in rows for c in range(target[1], target[1] + target[3], k))
-    per = 256 // SHAPE[1]  # rows per flat block
+    per = max(1, FLAT[name] // SHAPE[1])  # whole rows per flat block
     return target[3] == SHAPE[1] and all(inside(r, 0, per, SHAPE[1], lambda s, r=r: (r - s[0]) % per == 0)
                                          for r in range(target[0], target[0] + target[2], per))
 
@@ -199,7 +200,7 @@ def load_into(section: str, mesh, placements, root: str) -> None:
         for key, srcs in sources.items():
             name = key.split(".")[0]
             case = CASE_BY_NAME[name]
-            if name == "optim8bit_signed" and b[3] != SHAPE[1]:
+            if name in FLAT and b[3] != SHAPE[1]:
                 continue  # a column cut of flat-block state: refused (see save)
             local = case.from_hp(torch.zeros(b[2:], dtype=case.dtype)) if kind == "same" \
                 else torch.zeros(b[2:], dtype=case.dtype)

@@ -2,7 +2,7 @@
 loaded at any.
 
 ``torchrun`` jobs (gloo, CPU) run ``tests/mesh2d_worker.py``: torchao Int8 / Float8 per-row,
-MXFP8, NVFP4 and 8-bit optimizer state as DTensors with the placements torchtitan's FSDP2 x TP
+MXFP8, NVFP4 and torchao's 8-bit, 4-bit and FP8 optimizer states as DTensors with the placements torchtitan's FSDP2 x TP
 gives real weights (``_StridedShard`` x ``Shard(0)``, ``Shard(0)`` x ``Shard(1)``) and HSDP's
 (``Replicate()`` x ``Shard(0)``), saved at a ``(2, 2)`` mesh, loaded bit-exact at the same mesh,
 1-D FSDP over 4, 1-D TP over 2 (rows and columns), a ``(1, 4)`` mesh and one process, into the same
