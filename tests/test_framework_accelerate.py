@@ -1,0 +1,86 @@
+"""accelerate's FSDP2 checkpoint functions (what ``Accelerator.save_state`` / ``load_state`` and the
+HF Trainer call for a sharded state dict) through ``qdcp.install()``.
+
+``torchrun`` jobs (gloo, CPU; nccl where CUDA is present) run ``tests/accelerate_worker.py``: a
+``fully_shard`` model with a layer trained by torchao's ``AdamW8bit``, a frozen ``NF4Tensor`` base
+weight, a layer converted by accelerate's float8 recipe (``WeightWithDynamicFloat8CastTensor``) and
+a frozen ``Int8Tensor`` layer kept out of ``fully_shard``; saved at 2 ranks by ``save_fsdp_model`` /
+``save_fsdp_optimizer`` (which build ``DefaultSavePlanner()`` inside) with the switch and without:
+
+- with the switch, resumed by ``load_fsdp_model`` / ``load_fsdp_optimizer`` at 2 and at 1 rank:
+  every inner buffer, the wrapper's high-precision tensor and the 8-bit optimizer states bit-exact,
+  parameters filled in place; the unquantized model gets the saved weights' values;
+- the checkpoint holds qdcp's raw entries (the switch replaced accelerate's default planners);
+- without it: resumes at 2 ranks, fails at 1 (DCP slices the ``NF4Tensor``) and into the
+  unquantized model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import torchrun_jobs
+
+pytest.importorskip("accelerate")
+pytestmark = pytest.mark.multiproc
+
+WORKER = Path(__file__).with_name("accelerate_worker.py")
+JOB_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return torchrun_jobs.shared_dir(tmp_path_factory, "accelerate")
+
+
+def _job(root: Path, command: str, nproc: int) -> dict:
+    return torchrun_jobs.job(root, WORKER, command, nproc, JOB_TIMEOUT_S)
+
+
+def _saved(root: Path) -> None:
+    torchrun_jobs.check_sections(_job(root, "save", 2), "save at 2 ranks", ["save"])
+
+
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_resume_is_bit_exact(root, nproc):
+    _saved(root)
+    torchrun_jobs.check_sections(_job(root, "load", nproc), f"load at {nproc} ranks", ["load"])
+
+
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_unquantized_model_gets_the_saved_values(root, nproc):
+    _saved(root)
+    torchrun_jobs.check_sections(_job(root, "load", nproc), f"load at {nproc} ranks", ["load-plain"])
+
+
+def test_checkpoints_hold_qdcp_raw_entries(root):
+    import qdcp
+
+    _saved(root)
+    model = {k: v.get("type") for k, v in qdcp.describe(root / "qdcp" / "pytorch_model_fsdp_0").items()
+             if v["stored_as"] == "raw"}
+    assert model == {"model.base.weight": "torchao.NF4Tensor", "model.last.weight": "torchao.Int8Tensor"}, model
+    # the float8 wrapper is stored as its high-precision tensor (DCP's checkpoint of the unconverted model)
+    assert qdcp.describe(root / "qdcp" / "pytorch_model_fsdp_0")["model.middle.weight"]["dtype"] == "float32"
+    optim = {k: v.get("type") for k, v in qdcp.describe(root / "qdcp" / "optimizer_0").items()
+             if v["stored_as"] == "raw"}
+    assert optim == {f"optimizer.state.{layer}.weight.{s}": "torchao.OptimState8bit"
+                     for layer in ("first", "middle") for s in ("exp_avg", "exp_avg_sq")}, optim
+
+
+def _stock(root: Path, nproc: int) -> dict:
+    record = _job(root, "load", nproc)
+    torchrun_jobs.check_sections(record, f"load at {nproc} ranks", [], require_all=False)
+    return json.loads((root / f"stock-{nproc}.json").read_text())
+
+
+def test_without_the_switch(root):
+    _saved(root)
+    same, other = _stock(root, 2), _stock(root, 1)
+    assert same["resume"]["error"] is None and same["resume"]["differ"] == [], same  # same world size: works
+    assert other["resume"]["error"].endswith("NotImplementedError: aten.slice(NF4Tensor) with end=128"), other
+    for seen in (same, other):  # a quantized checkpoint does not fill an unquantized model
+        assert seen["plain"]["error"].endswith("AttributeError: 'Tensor' object has no attribute 'block_size'"), seen
