@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import qdcp  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
-from quantized_cases import CASES, SHAPE, bits, gated_save_planner, inner  # noqa: E402
+from quantized_cases import CASES, SHAPE, bits, buffers_diff, gated_save_planner, inner  # noqa: E402
 from worker_results import RANK, WORLD, check, qdcp_error_in, run, section_error, try_load  # noqa: E402
 from worker_results import short as _short  # noqa: E402
 
@@ -103,33 +103,6 @@ def ref_dequant(name: str, hp: torch.Tensor, world: int) -> torch.Tensor:
     """The global tensor a ``Shard(0)`` checkpoint saved at ``world`` ranks stands for (on CPU)."""
     case = CASE[name]
     return torch.cat([case.dequantize(local_shard(name, hp, world, r)).cpu() for r in range(world)])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """None if ``a`` and ``b`` have the same type, shape and bit-identical inner buffers."""
-    if type(a) is not type(b):
-        return f"types {type(a).__name__} != {type(b).__name__}"
-    if a.shape != b.shape:
-        return f"shapes {tuple(a.shape)} != {tuple(b.shape)}"
-    if type(a) is torch.Tensor:
-        if a.dtype != b.dtype:
-            return f"dtypes {a.dtype} != {b.dtype}"
-        if torch.equal(bits(a.cpu()), bits(b.cpu())):
-            return None
-        if a.numel() <= 4:
-            return f"values {a.tolist()} != {b.tolist()}"
-        return "values differ"
-    ia, ib = inner(a), inner(b)
-    if sorted(ia) != sorted(ib):
-        return f"components {sorted(ia)} != {sorted(ib)}"
-    for n in ia:
-        if ia[n].shape != ib[n].shape or ia[n].dtype != ib[n].dtype:
-            return f"component {n}: {tuple(ia[n].shape)} {ia[n].dtype} != {tuple(ib[n].shape)} {ib[n].dtype}"
-        if not torch.equal(bits(ia[n].cpu()), bits(ib[n].cpu())):
-            diff = (ia[n].cpu().float() - ib[n].cpu().float()).abs() if ia[n].is_floating_point() else None
-            return f"component {n} differs" + (f" (max abs diff {diff.max().item():.3g})" if diff is not None
-                                                and diff.numel() and torch.isfinite(diff).all() else "")
-    return None
 
 
 # ----------------------------------------------------------------------------- reshard: save
@@ -263,8 +236,8 @@ def load_main(path: str, n: int, mesh) -> None:
         for fqn, (name, ref) in entries.items():
             got = state[fqn]._local_tensor if sharded else state[fqn]
             want = my_rows(ref) if sharded else ref
-            check(section, same_bits(got.cpu(), want) is None,
-                  f"{tag}: {fqn}: plain target != reference dequantize ({same_bits(got.cpu(), want)})")
+            check(section, buffers_diff(got.cpu(), want) is None,
+                  f"{tag}: {fqn}: plain target != reference dequantize ({buffers_diff(got.cpu(), want)})")
 
     # 3. same type and config, Shard(0): raw -> buffers bit-identical to the source rows' buffers
     #    4. Replicate(): bit-identical to the source; 5. dequantized -> quantized like the target
@@ -300,7 +273,7 @@ def load_main(path: str, n: int, mesh) -> None:
                   {k: v.data_ptr() for k, v in inner(local).items()} == ptrs,
                   f"{tag}: {fqn}: the target's local tensor or buffers were replaced, not updated in place")
             if expect[fqn] is not None:
-                diff = same_bits(local, expect[fqn])
+                diff = buffers_diff(local, expect[fqn])
                 check(section, diff is None, f"{tag}: {fqn}: {diff}")
 
 
@@ -319,7 +292,7 @@ def load_mixed(path: str, n: int, mesh) -> None:
                                         else case.from_hp(my_rows(ref).to(DEVICE)))
     if _load("mixed", f"{tag}: raw and dequantized entries into quantized targets in one load", state, path):
         for fqn, want in expect.items():
-            diff = same_bits(state[fqn]._local_tensor, want)
+            diff = buffers_diff(state[fqn]._local_tensor, want)
             check("mixed", diff is None, f"{tag}: {fqn}: {diff}")
 
 
@@ -335,7 +308,7 @@ def load_per_tensor(path: str, name: str, n: int, mesh) -> None:
                               (full, lambda: full, ref)):
         if not _load(f"per_tensor[{name}]", f"{tag}: the load into a plain target", {"w": target}, path):
             continue
-        diff = same_bits(got().cpu(), want)
+        diff = buffers_diff(got().cpu(), want)
         check(f"per_tensor[{name}]", diff is None,
               f"{tag}: saved without error but a plain target != the shards' dequantize ({diff}): "
               f"wrong values")
@@ -380,7 +353,7 @@ def load_global_amax(mesh) -> None:
         check("global_amax", torch.equal(got.per_tensor_scale.cpu(), want_scale.cpu()),
               f"{fqn}: per_tensor_scale {got.per_tensor_scale.item():.6g} != the whole tensor's "
               f"{want_scale.item():.6g} (the local shard's amax was used)")
-        diff = same_bits(got, want)
+        diff = buffers_diff(got, want)
         check("global_amax", diff is None, f"{fqn}: {diff}")
 
 
@@ -563,18 +536,18 @@ def fsdp_load(root: str, mesh) -> None:
         for group in ("params", "states"):
             for k, want in ref["after_save"][group].items():
                 got = snap[group].get(k)
-                check("fsdp_load", got is not None and same_bits(got, want) is None,
-                      f"{tag}: {group} {k}: {None if got is None else same_bits(got, want)}")
+                check("fsdp_load", got is not None and buffers_diff(got, want) is None,
+                      f"{tag}: {group} {k}: {None if got is None else buffers_diff(got, want)}")
         nf4 = model.base.weight._local_tensor
         src = torch.chunk(FsdpModel(0).base.weight.data, WORLD)[RANK]  # the saved rows' NF4 buffers
-        check("fsdp_load", same_bits(nf4, src.to(DEVICE)) is None,
-              f"{tag}: NF4 local buffers differ from the saved rows' ({same_bits(nf4, src)})")
+        check("fsdp_load", buffers_diff(nf4, src.to(DEVICE)) is None,
+              f"{tag}: NF4 local buffers differ from the saved rows' ({buffers_diff(nf4, src)})")
         y = manual_forward(model, ref["x"].to(DEVICE))
-        check("fsdp_load", same_bits(y, ref["y_manual"]) is None, f"{tag}: forward (gathered params) differs")
+        check("fsdp_load", buffers_diff(y, ref["y_manual"]) is None, f"{tag}: forward (gathered params) differs")
         if WORLD > 1:  # at 1 rank, torchao's NF4Tensor.fsdp_post_all_gather fails (gets 1 output, not 3)
             with torch.no_grad():
                 y = model(ref["x"].to(DEVICE)).detach().cpu()
-            check("fsdp_load", same_bits(y, ref["y"]) is None, f"{tag}: FSDP2 forward output differs")
+            check("fsdp_load", buffers_diff(y, ref["y"]) is None, f"{tag}: FSDP2 forward output differs")
         fsdp_grads(model, 2)
         for o in opts:
             o.step()
@@ -582,9 +555,9 @@ def fsdp_load(root: str, mesh) -> None:
         for group in ("params", "states"):
             for k, want in ref["after_next_step"][group].items():
                 got = snap[group].get(k)
-                check("fsdp_step", got is not None and same_bits(got, want) is None,
+                check("fsdp_step", got is not None and buffers_diff(got, want) is None,
                       f"{tag}: after one more step, {group} {k}: "
-                      f"{None if got is None else same_bits(got, want)}")
+                      f"{None if got is None else buffers_diff(got, want)}")
 
 
 # ----------------------------------------------------------------------------- main

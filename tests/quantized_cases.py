@@ -104,6 +104,16 @@ def inner(t: torch.Tensor) -> dict[str, torch.Tensor]:
     return {n: getattr(t, n) for n in names}
 
 
+def seeded(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed`` (deterministic test data)."""
+    return torch.Generator().manual_seed(seed)
+
+
+def save_ckpt(tmp_path, state: dict, **planner_kw):
+    """:func:`qdcp_save` into ``tmp_path / "ckpt"``; returns that path."""
+    return qdcp_save(tmp_path / "ckpt", state, **planner_kw)
+
+
 def qdcp_save(path, state: dict, no_dist: bool = False, **planner_kw):
     """``dcp.save`` with qdcp's save planner (``planner_kw`` for it); returns ``path``."""
     import torch.distributed.checkpoint as dcp
@@ -200,3 +210,30 @@ def assert_same_buffers(a: torch.Tensor, b: torch.Tensor) -> None:
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
     assert torch.equal(bits(a), bits(b))
+
+
+def buffers_diff(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None if ``a`` and ``b`` have the same type, shape and bit-identical inner buffers."""
+    if type(a) is not type(b):
+        return f"types {type(a).__name__} != {type(b).__name__}"
+    if a.shape != b.shape:
+        return f"shapes {tuple(a.shape)} != {tuple(b.shape)}"
+    if type(a) is torch.Tensor:
+        if a.dtype != b.dtype:
+            return f"dtypes {a.dtype} != {b.dtype}"
+        if torch.equal(bits(a.cpu()), bits(b.cpu())):
+            return None
+        if a.numel() <= 4:
+            return f"values {a.tolist()} != {b.tolist()}"
+        return "values differ"
+    ia, ib = inner(a), inner(b)
+    if sorted(ia) != sorted(ib):
+        return f"components {sorted(ia)} != {sorted(ib)}"
+    for n in ia:
+        if ia[n].shape != ib[n].shape or ia[n].dtype != ib[n].dtype:
+            return f"component {n}: {tuple(ia[n].shape)} {ia[n].dtype} != {tuple(ib[n].shape)} {ib[n].dtype}"
+        if not torch.equal(bits(ia[n].cpu()), bits(ib[n].cpu())):
+            diff = (ia[n].cpu().float() - ib[n].cpu().float()).abs() if ia[n].is_floating_point() else None
+            return f"component {n} differs" + (f" (max abs diff {diff.max().item():.3g})" if diff is not None
+                                                and diff.numel() and torch.isfinite(diff).all() else "")
+    return None

@@ -53,8 +53,8 @@ from transformer_engine.pytorch.constants import DType  # noqa: E402
 
 from qdcp import AlignmentError, QuantizedSavePlanner  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
-from quantized_cases import bits  # noqa: E402
-from quantized_cases import bits_diff as same_bits  # noqa: E402
+from quantized_cases import bits, seeded  # noqa: E402
+from quantized_cases import bits_diff  # noqa: E402
 from quantized_cases import components_diff as canonical_diff  # noqa: E402
 from worker_results import RANK, WORLD, check, qdcp_error_in, run, try_load  # noqa: E402
 from worker_results import short as _short  # noqa: E402
@@ -73,13 +73,10 @@ TARGET_SEED = 1000  # added to SEED for the garbage buffers of same-type targets
 
 # ----------------------------------------------------------------------------- global buffers
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
 
 def _fp8_bits(shape, seed: int) -> torch.Tensor:
     """Random e4m3 bytes without NaN codes."""
-    b = torch.randint(0, 256, shape, generator=_gen(seed), dtype=torch.int32).to(torch.uint8)
+    b = torch.randint(0, 256, shape, generator=seeded(seed), dtype=torch.int32).to(torch.uint8)
     return torch.where((b & 0x7F) == 0x7F, b & 0xF0, b)
 
 
@@ -87,22 +84,22 @@ def global_buffers(fmt: str, seed: int) -> dict[str, torch.Tensor]:
     """The whole tensor's buffers in compact, logical-row-order form."""
     m, n = SHAPE
     if fmt == "float8":
-        return {"data": _fp8_bits(SHAPE, seed), "scale_inv": torch.rand(1, generator=_gen(seed + 1)) * 0.01 + 1e-3}
+        return {"data": _fp8_bits(SHAPE, seed), "scale_inv": torch.rand(1, generator=seeded(seed + 1)) * 0.01 + 1e-3}
     if fmt == "mxfp8":  # e8m0 codes 2^-9 .. 2^8 per row x 32 cols
         return {"data": _fp8_bits(SHAPE, seed),
-                "scale": torch.randint(118, 136, (m, n // 32), generator=_gen(seed + 1)).to(torch.uint8)}
+                "scale": torch.randint(118, 136, (m, n // 32), generator=seeded(seed + 1)).to(torch.uint8)}
     if fmt == "block1d":  # rowwise f32 per row x 128 cols; columnwise its own data, f32 per 128 rows x col
         return {"data": _fp8_bits(SHAPE, seed),
-                "scale": torch.rand(m, n // 128, generator=_gen(seed + 1)) * 0.01 + 1e-4,
+                "scale": torch.rand(m, n // 128, generator=seeded(seed + 1)) * 0.01 + 1e-4,
                 "cdata": _fp8_bits(SHAPE, seed + 2),
-                "cscale": torch.rand(m // 128, n, generator=_gen(seed + 3)) * 0.01 + 1e-4}
+                "cscale": torch.rand(m // 128, n, generator=seeded(seed + 3)) * 0.01 + 1e-4}
     if fmt == "block2d":  # f32 per 128x128 tile
         return {"data": _fp8_bits(SHAPE, seed),
-                "scale": torch.rand(m // 128, n // 128, generator=_gen(seed + 1)) * 0.01 + 1e-4}
+                "scale": torch.rand(m // 128, n // 128, generator=seeded(seed + 1)) * 0.01 + 1e-4}
     if fmt == "nvfp4":  # e2m1 pairs, positive finite e4m3 codes per row x 16 cols, one amax
-        return {"data": torch.randint(0, 256, (m, n // 2), generator=_gen(seed)).to(torch.uint8),
-                "scale": torch.randint(0x08, 0x7F, (m, n // 16), generator=_gen(seed + 1)).to(torch.uint8),
-                "amax": torch.rand(1, generator=_gen(seed + 2)) * 10 + 0.5}
+        return {"data": torch.randint(0, 256, (m, n // 2), generator=seeded(seed)).to(torch.uint8),
+                "scale": torch.randint(0x08, 0x7F, (m, n // 16), generator=seeded(seed + 1)).to(torch.uint8),
+                "amax": torch.rand(1, generator=seeded(seed + 2)) * 10 + 0.5}
     raise ValueError(fmt)
 
 
@@ -194,11 +191,11 @@ def derived_diff(fmt: str, t: torch.Tensor) -> str | None:
     if fmt == "float8":
         if t._transpose is None or t._transpose_invalid:
             return "the Float8 transpose is missing or invalid"
-        return same_bits(t._transpose, t._data.t().contiguous())
+        return bits_diff(t._transpose, t._data.t().contiguous())
     if fmt == "block2d":
         tl, tn = -(-t.shape[0] // 128), COLS // 128
-        return (same_bits(t._columnwise_data, t._rowwise_data.t().contiguous())
-                or same_bits(t._columnwise_scale_inv[:, :tl], t._rowwise_scale_inv[:tl, :tn].t().contiguous()))
+        return (bits_diff(t._columnwise_data, t._rowwise_data.t().contiguous())
+                or bits_diff(t._columnwise_scale_inv[:, :tl], t._rowwise_scale_inv[:tl, :tn].t().contiguous()))
     return None
 
 
@@ -336,7 +333,7 @@ def load_one(path: str, n: int, refs: dict, mesh, tag: str | None = None) -> Non
             ref = refs[fmt][1]
             got = state[f"te.{fmt}"]._local_tensor if sharded else state[f"te.{fmt}"]
             want = ref[o:o + s] if sharded else ref
-            diff = same_bits(got, want)
+            diff = bits_diff(got, want)
             check(f"{section}[{fmt}]", diff is None and state["step"] == n,
                   f"{tag}: te.{fmt} != reference dequantize ({diff}; step {state['step']})")
 

@@ -18,7 +18,7 @@ te = te_cpu.install()
 
 from qdcp.adapters import find_adapter  # noqa: E402
 from qdcp.adapters import te_grouped  # noqa: E402
-from quantized_cases import bits  # noqa: E402
+from quantized_cases import bits, seeded  # noqa: E402
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage  # noqa: E402
 
@@ -29,12 +29,9 @@ VARY_LAST = [(128, 128), (128, 256), (128, 64)]
 VARY_BOTH = [(64, 128), (128, 256), (32, 64)]
 
 
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
 
 def _rand_u8(n, lo, hi, seed):
-    return torch.randint(lo, hi, (n,), generator=_gen(seed), dtype=torch.int32).to(torch.uint8)
+    return torch.randint(lo, hi, (n,), generator=seeded(seed), dtype=torch.int32).to(torch.uint8)
 
 
 def _fp8(n, seed):
@@ -69,7 +66,7 @@ def fill(g, seed):
         if b is None:
             continue
         if b.dtype == torch.bfloat16:
-            b.copy_(torch.randn(b.shape, generator=_gen(seed + i)).to(torch.bfloat16))
+            b.copy_(torch.randn(b.shape, generator=seeded(seed + i)).to(torch.bfloat16))
         else:
             b.copy_(_rand_u8(b.numel(), 0, 256, seed + i) if fp4 else _fp8(b.numel(), seed + i))
     for i, name in enumerate(("scale_inv", "columnwise_scale_inv", "amax", "columnwise_amax", "scale")):
@@ -79,7 +76,7 @@ def fill(g, seed):
         if b.dtype == torch.uint8:  # e8m0 (MXFP8) or e4m3 (NVFP4) scales
             b.copy_(_rand_u8(b.numel(), 0x08, 0x7F, seed + 10 + i) if fp4 else _rand_u8(b.numel(), 118, 136, seed + 10 + i))
         else:
-            b.copy_(torch.rand(b.shape, generator=_gen(seed + 10 + i)) * 0.01 + 1e-3)
+            b.copy_(torch.rand(b.shape, generator=seeded(seed + 10 + i)) * 0.01 + 1e-3)
     return g
 
 

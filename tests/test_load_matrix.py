@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
-from quantized_cases import CASES, assert_bitwise_equal, assert_same_buffers, inner, qdcp_load, qdcp_save
+from quantized_cases import CASES, assert_bitwise_equal, assert_same_buffers, inner, qdcp_load, save_ckpt
 
 IDS = [c.name for c in CASES]
 # "Other config" partner of each case: the next case in the list (another type or config). The
@@ -33,10 +33,7 @@ def _other(i):
 OTHER = {c.name: _other(i) for i, c in enumerate(CASES)}
 
 
-def _save(tmp_path, state, **kw):
-    return qdcp_save(tmp_path / "ckpt", state, **kw)
-
-
+_save = save_ckpt
 _load = qdcp_load
 
 

@@ -32,7 +32,7 @@ from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, UnsupportedTensorEr
 from qdcp.adapters import find_adapter  # noqa: E402
 from qdcp.adapters.base import raw_conversion  # noqa: E402
 from qdcp.adapters.formats import swizzle_128x4, unpack_fp4, unswizzle_128x4  # noqa: E402
-from quantized_cases import bits, qdcp_load, qdcp_save  # noqa: E402
+from quantized_cases import bits, inner, qdcp_load, save_ckpt, seeded  # noqa: E402
 
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 
@@ -46,13 +46,10 @@ pytestmark = pytest.mark.usefixtures("hopper")
 
 # ----------------------------------------------------------------------------- buffer makers
 
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
 
 def _fp8_bits(shape, seed, fp8=E4M3):
     """Random fp8 bytes without NaN/Inf codes."""
-    b = torch.randint(0, 256, shape, generator=_gen(seed), dtype=torch.int32).to(torch.uint8)
+    b = torch.randint(0, 256, shape, generator=seeded(seed), dtype=torch.int32).to(torch.uint8)
     if fp8 == E4M3:
         b = torch.where((b & 0x7F) == 0x7F, b & 0xF0, b)
     else:
@@ -89,7 +86,7 @@ def ref_swizzle(compact: torch.Tensor) -> torch.Tensor:
 def make_float8(seed, *, fp8=E4M3, rowwise=True, columnwise=False, recipe="current", shape=(M, N),
                 cap=te_cpu.HOPPER, pad=None):
     data = _fp8_bits(shape, seed, fp8)
-    scale_inv = torch.rand(1, generator=_gen(seed + 1)) * 0.01 + 0.001
+    scale_inv = torch.rand(1, generator=seeded(seed + 1)) * 0.01 + 0.001
     non_tn = cap[0] >= 10
     has_data = rowwise or non_tn
     has_t = columnwise and not non_tn
@@ -109,7 +106,7 @@ def make_mxfp8(seed, *, fp8=E4M3, rowwise=True, columnwise=False, swizzled=False
     m, n = shape
 
     def scales(r, c, s):
-        return torch.randint(118, 136, (r, c), generator=_gen(s), dtype=torch.int32).to(torch.uint8)
+        return torch.randint(118, 136, (r, c), generator=seeded(s), dtype=torch.int32).to(torch.uint8)
 
     kw = dict(rowwise_data=None, rowwise_scale_inv=None, columnwise_data=None, columnwise_scale_inv=None)
     if rowwise:
@@ -133,7 +130,7 @@ def make_blockwise(seed, *, dim=2, rowwise=True, columnwise=False, pad=GARBAGE, 
     tm, tn = -(-m // 128), -(-n // 128)
 
     def sc(r, c, s):
-        return torch.rand((r, c), generator=_gen(s)) * 0.01 + 1e-4
+        return torch.rand((r, c), generator=seeded(s)) * 0.01 + 1e-4
 
     padv = float("nan") if pad == GARBAGE else 0.0
     kw = dict(rowwise_data=None, rowwise_scale_inv=None, columnwise_data=None, columnwise_scale_inv=None)
@@ -165,7 +162,7 @@ def _fill(compact, rows, cols, value):
 
 def _e4m3_scales(r, c, seed):
     # positive finite e4m3 codes 0x08..0x7E
-    return torch.randint(0x08, 0x7F, (r, c), generator=_gen(seed), dtype=torch.int32).to(torch.uint8)
+    return torch.randint(0x08, 0x7F, (r, c), generator=seeded(seed), dtype=torch.int32).to(torch.uint8)
 
 
 def make_nvfp4(seed, *, rowwise=True, columnwise=False, swizzled=False, row_scaled=False, pad=GARBAGE,
@@ -175,16 +172,16 @@ def make_nvfp4(seed, *, rowwise=True, columnwise=False, swizzled=False, row_scal
               amax_rowwise=None, amax_columnwise=None)
     if rowwise:
         compact = _e4m3_scales(m, n // 16, seed + 1)
-        kw["rowwise_data"] = torch.randint(0, 256, (m, n // 2), generator=_gen(seed)).to(torch.uint8)
+        kw["rowwise_data"] = torch.randint(0, 256, (m, n // 2), generator=seeded(seed)).to(torch.uint8)
         kw["rowwise_scale_inv"] = ref_swizzle(compact) if swizzled else \
             _padded(compact, _ru(m, 128), _ru(n // 16, 4), pad)
-        kw["amax_rowwise"] = torch.rand(m if row_scaled else 1, generator=_gen(seed + 2)) * 10 + 0.5
+        kw["amax_rowwise"] = torch.rand(m if row_scaled else 1, generator=seeded(seed + 2)) * 10 + 0.5
     if columnwise:
         compact = _e4m3_scales(n, m // 16, seed + 4)
-        kw["columnwise_data"] = torch.randint(0, 256, (n, m // 2), generator=_gen(seed + 3)).to(torch.uint8)
+        kw["columnwise_data"] = torch.randint(0, 256, (n, m // 2), generator=seeded(seed + 3)).to(torch.uint8)
         kw["columnwise_scale_inv"] = ref_swizzle(compact) if swizzled else \
             _padded(compact, _ru(n, 128), _ru(m // 16, 4), pad)
-        kw["amax_columnwise"] = torch.rand(1, generator=_gen(seed + 5)) * 10 + 0.5
+        kw["amax_columnwise"] = torch.rand(1, generator=seeded(seed + 5)) * 10 + 0.5
     return te.NVFP4Tensor(shape=shape, dtype=torch.bfloat16, fp4_dtype=DType.kFloat4E2M1, quantizer=None,
                           with_gemm_swizzled_scales=swizzled, row_scaled_nvfp4=row_scaled, device="cpu",
                           **kw)
@@ -238,15 +235,7 @@ IDS = [c.name for c in CASES]
 BY_NAME = {c.name: c for c in CASES}
 
 
-def _inner(t):
-    names, _ = t.__tensor_flatten__()
-    return {n: getattr(t, n) for n in names}
-
-
-def _save(tmp_path, state, **kw):
-    return qdcp_save(tmp_path / "ckpt", state, **kw)
-
-
+_save = save_ckpt
 _load = qdcp_load
 
 
@@ -279,7 +268,7 @@ def test_te_classes_are_recognised_by_module_and_name(cls_name):
 
 
 def test_swizzle_matches_the_reference_layout():
-    compact = torch.randint(0, 256, (200, 7), generator=_gen(0)).to(torch.uint8)
+    compact = torch.randint(0, 256, (200, 7), generator=seeded(0)).to(torch.uint8)
     sw = swizzle_128x4(compact)
     assert torch.equal(sw, ref_swizzle(compact))
     assert torch.equal(unswizzle_128x4(sw, 200, 7), compact)
@@ -292,12 +281,12 @@ def test_raw_into_same_type_is_bit_identical_and_in_place(tmp_path, case):
     source = case.build(0, pad=0)  # zero padding, as TE's swizzled output has: buffers can match
     path = _save(tmp_path, {"w": source, "step": 3})
     target = case.build(1)
-    before = {n: t.data_ptr() for n, t in _inner(target).items()}
+    before = {n: t.data_ptr() for n, t in inner(target).items()}
     state = {"w": target, "step": 0}
     _load(path, state)
     assert state["w"] is target and state["step"] == 3
-    assert {n: t.data_ptr() for n, t in _inner(target).items()} == before
-    src_inner, dst_inner = _inner(source), _inner(target)
+    assert {n: t.data_ptr() for n, t in inner(target).items()} == before
+    src_inner, dst_inner = inner(source), inner(target)
     assert sorted(src_inner) == sorted(dst_inner)
     for n in src_inner:
         assert torch.equal(bits(src_inner[n]), bits(dst_inner[n])), f"buffer {n} differs"
@@ -315,8 +304,8 @@ def test_padding_is_not_stored_and_comes_back_zero(tmp_path, case):
     _assert_same_canonical(target, source)
     # every buffer, padding included, equals that of the same tensor built with zero padding
     clean = case.build(0, pad=0)
-    for name, buf in _inner(target).items():
-        assert torch.equal(bits(buf), bits(_inner(clean)[name])), name
+    for name, buf in inner(target).items():
+        assert torch.equal(bits(buf), bits(inner(clean)[name])), name
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -504,7 +493,7 @@ def _raw_convert(source, target):
 
 def test_te_mxfp8_to_torchao_mxtensor_and_back_bit_exact():
     src = BY_NAME["mxfp8_rowwise"].build(0)
-    hp = torch.randn(M, N, dtype=torch.bfloat16, generator=_gen(9))
+    hp = torch.randn(M, N, dtype=torch.bfloat16, generator=seeded(9))
     for swizzled in (False, True):
         ao = MXTensor.to_mx(hp, torch.float8_e4m3fn, 32, is_swizzled_scales=swizzled)
         assert _raw_convert(src, ao)
@@ -524,7 +513,7 @@ def test_te_mxfp8_to_torchao_mxtensor_and_back_bit_exact():
 
 def test_te_nvfp4_to_torchao_nvfp4_and_back():
     src = BY_NAME["nvfp4_rowwise"].build(0)
-    hp = torch.randn(M, N, dtype=torch.bfloat16, generator=_gen(9))
+    hp = torch.randn(M, N, dtype=torch.bfloat16, generator=seeded(9))
     ao = AONVFP4Tensor.to_nvfp4(hp, per_tensor_scale=per_tensor_amax_to_scale(hp.abs().amax()))
     assert _raw_convert(src, ao)
     cs, ca = _canonical(src), find_adapter(ao).components(ao)
@@ -544,7 +533,7 @@ def test_te_nvfp4_to_torchao_nvfp4_and_back():
 
 
 def test_dcp_raw_conversion_te_and_torchao_both_ways(tmp_path):
-    hp = torch.randn(M, N, dtype=torch.bfloat16, generator=_gen(9))
+    hp = torch.randn(M, N, dtype=torch.bfloat16, generator=seeded(9))
     te_mx, te_nv = BY_NAME["mxfp8_rowwise"].build(0), BY_NAME["nvfp4_rowwise"].build(0)
     path = _save(tmp_path, {"mx": te_mx, "nv": te_nv})
     ao_mx = MXTensor.to_mx(hp, torch.float8_e4m3fn, 32, is_swizzled_scales=True)
@@ -569,11 +558,11 @@ def test_inner_buffers_round_trip(case):
     t = case.build(0)
     adapter = find_adapter(t)
     buffers = adapter.inner_buffers(t)
-    assert set(buffers) == set(_inner(t))
+    assert set(buffers) == set(inner(t))
     copies = {n: b.clone() for n, b in buffers.items()}
     staged = adapter.from_inner_buffers(t, copies)
     assert type(staged) is type(t) and staged.shape == t.shape and staged.dtype == t.dtype
-    for n, b in _inner(staged).items():
+    for n, b in inner(staged).items():
         assert b is copies[n]
     _assert_same_canonical(staged, t)
     assert adapter.attributes(staged) == adapter.attributes(t)
