@@ -43,6 +43,7 @@ from qdcp.checkpoint import async_save, load, save
 from qdcp.hf import ExportError, ExportResult, QuantizedHFReader, export
 from qdcp.stager import QuantizedStager
 from qdcp.switch import install, installed, is_installed, uninstall
+from qdcp.consolidate import ConsolidatingLoadPlanner, consolidate, dcp_to_torch_save
 
 for _adapter in _torchao.builtin_adapters() + _torchao_training.builtin_adapters():
     register_adapter(_adapter)
@@ -62,4 +63,5 @@ __all__ = [
     "QdcpError", "CheckpointFormatError", "ChecksumError", "UnsupportedTensorError", "AlignmentError",
     "LoadMismatchError", "StagingError", "ReplicaMismatchError", "export", "ExportResult", "ExportError", "QuantizedHFReader",
     "install", "uninstall", "installed", "is_installed",
+    "consolidate", "dcp_to_torch_save", "ConsolidatingLoadPlanner",
 ]

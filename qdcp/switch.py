@@ -16,7 +16,12 @@ What the wrappers choose:
   writer is DCP's ``HuggingFaceStorageWriter`` (safetensors readers know no qdcp spec);
 - async_save without ``async_stager`` and with a writer that is no stager itself: a
   ``QuantizedStager`` (its own buffers per call: copies inner buffers, never ``new_empty``);
-- load: ``QuantizedLoadPlanner`` (any target type; objects unpickled with ``weights_only``).
+- load: ``QuantizedLoadPlanner`` (any target type; objects unpickled with ``weights_only``);
+- DCP's ``_EmptyStateDictLoadPlanner`` (which consolidation tools, DCP's ``dcp_to_torch_save``,
+  accelerate's ``merge_fsdp_weights`` and Lightning's ``consolidate_checkpoint``, look up at call
+  time in ``format_utils``; ``state_dict_loader`` uses it too): ``qdcp.consolidate``'s
+  ``ConsolidatingLoadPlanner``, so each quantized entry comes out dequantized under its own key,
+  not as its inner buffers under ``<key>.__qdcp__.*`` keys.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ __all__ = ["install", "uninstall", "installed", "is_installed"]
 
 _MODULES = (dcp, state_dict_saver, state_dict_loader)
 _NAMES = ("save", "async_save", "load")
+_EMPTY = "_EmptyStateDictLoadPlanner"  # DCP's planner for loading a whole checkpoint without a target
 _lock = threading.RLock()
 _originals: dict[tuple[int, str], Callable] = {}  # (id(module), name) -> DCP's own function
 _options: dict[str, Any] = {}
@@ -66,16 +72,19 @@ def install(*, weights_only: bool = True) -> None:
                 if hasattr(module, name):
                     _originals[(id(module), name)] = getattr(module, name)
                     setattr(module, name, wrapped[name])
+        for module in _empty_planner_modules():
+            _originals[(id(module), _EMPTY)] = getattr(module, _EMPTY)
+            setattr(module, _EMPTY, _switched_empty_planner())
 
 
 def uninstall() -> None:
     """Put back exactly the functions :func:`install` replaced. A no-op when not installed."""
     with _lock:
-        for module in _MODULES:
-            for name in _NAMES:
-                original = _originals.pop((id(module), name), None)
-                if original is not None:
-                    setattr(module, name, original)
+        for module, name in [(m, n) for m in _MODULES for n in _NAMES] + \
+                [(m, _EMPTY) for m in _empty_planner_modules()]:
+            original = _originals.pop((id(module), name), None)
+            if original is not None:
+                setattr(module, name, original)
         _originals.clear()
 
 
@@ -90,6 +99,35 @@ def installed(*, weights_only: bool = True) -> Iterator[None]:
     finally:
         if not already:
             uninstall()
+
+
+def _empty_planner_modules() -> tuple:
+    """The modules whose ``_EmptyStateDictLoadPlanner`` callers look up: ``format_utils`` (its
+    ``dcp_to_torch_save``; accelerate and Lightning import it from there) and ``state_dict_loader``
+    (its ``_load_state_dict_from_keys``). Where a torch lacks the name, the module is skipped."""
+    from torch.distributed.checkpoint import format_utils
+
+    return tuple(m for m in (format_utils, state_dict_loader) if hasattr(m, _EMPTY))
+
+
+_switched: list[type] = []
+
+
+def _switched_empty_planner() -> type:
+    """qdcp's ``ConsolidatingLoadPlanner``, unpickling objects as :func:`install` was told."""
+    if not _switched:
+        from qdcp.consolidate import ConsolidatingLoadPlanner
+
+        class SwitchedEmptyStateDictLoadPlanner(ConsolidatingLoadPlanner):
+            """What ``qdcp.install()`` puts in place of DCP's ``_EmptyStateDictLoadPlanner``."""
+
+            def __init__(self, keys: Any = None, *args: Any, **kwargs: Any) -> None:
+                kwargs.setdefault("weights_only", _options.get("weights_only", True))
+                super().__init__(keys, *args, **kwargs)
+
+        SwitchedEmptyStateDictLoadPlanner.__qdcp_switch__ = True
+        _switched.append(SwitchedEmptyStateDictLoadPlanner)
+    return _switched[0]
 
 
 def _wrap(original: Callable, adjust: Callable[[dict[str, Any]], None], storage: str) -> Callable:

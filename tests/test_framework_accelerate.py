@@ -84,3 +84,40 @@ def test_without_the_switch(root):
     assert other["resume"]["error"].endswith("NotImplementedError: aten.slice(NF4Tensor) with end=128"), other
     for seen in (same, other):  # a quantized checkpoint does not fill an unquantized model
         assert seen["plain"]["error"].endswith("AttributeError: 'Tensor' object has no attribute 'block_size'"), seen
+
+
+def test_merge_fsdp_weights_gives_the_saved_values(root, tmp_path):
+    """accelerate's ``merge_fsdp_weights`` (DCP's ``_EmptyStateDictLoadPlanner`` inside) on the
+    checkpoint saved at 2 ranks: one safetensors file, each weight equal to the saved one's values
+    (torchao's ``dequantize()`` / ``get_original_weight()``, the float8 wrapper's ``_tensor``)."""
+    import torch
+    from accelerate.utils import merge_fsdp_weights
+    from safetensors.torch import load_file
+
+    import qdcp
+    from quantized_cases import bits
+
+    _saved(root)
+    ref = torch.load(root / "ref.pt", weights_only=True)
+    with qdcp.installed():
+        merge_fsdp_weights(str(root / "qdcp" / "pytorch_model_fsdp_0"), str(tmp_path / "merged"))
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert sorted(merged) == sorted(f"{layer}.{p}" for layer in ("first", "base", "middle", "last")
+                                    for p in ("weight", "bias") if (layer, p) != ("base", "bias"))
+    for k, v in merged.items():
+        want = ref.get(f"model.{k}.values", ref.get(f"model.{k}"))
+        assert v.dtype == want.dtype and torch.equal(bits(v), bits(want)), k
+
+
+def test_merge_fsdp_weights_of_a_stock_checkpoint_fails(root, tmp_path):
+    """Without the switch, DCP pickles the torchao tensors into the shards, and the merge cannot
+    copy the NF4 weight's shards into a plain tensor."""
+    from accelerate.utils import merge_fsdp_weights
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from worker_results import short
+
+    _saved(root)
+    with pytest.raises(CheckpointException) as e:
+        merge_fsdp_weights(str(root / "stock" / "pytorch_model_fsdp_0"), str(tmp_path / "merged"))
+    assert short(e.value).endswith("AttributeError: 'Tensor' object has no attribute 'block_size'")

@@ -1,0 +1,134 @@
+"""A whole checkpoint as one state dict of full tensors (what consolidation tools write).
+
+DCP's ``format_utils.dcp_to_torch_save``, accelerate's ``merge_fsdp_weights`` and Lightning's
+``consolidate_checkpoint`` read a checkpoint without a target through DCP's
+``_EmptyStateDictLoadPlanner``, which makes one tensor per stored item: on a qdcp checkpoint, a
+quantized entry would come out as its inner buffers under ``<key>.__qdcp__.*`` keys, and the entry
+itself would be missing. Here:
+
+- :func:`consolidate` / :func:`dcp_to_torch_save`: qdcp's equivalents (quantized entries
+  dequantized by default, or rebuilt as their own type);
+- :class:`ConsolidatingLoadPlanner`: what ``qdcp.install()`` puts in place of
+  ``_EmptyStateDictLoadPlanner``, so those tools get each entry under its own key.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from qdcp import spec as qspec
+from qdcp.load_planner import QuantizedLoadPlanner
+
+__all__ = ["consolidate", "dcp_to_torch_save", "ConsolidatingLoadPlanner"]
+
+
+def consolidate(path: str | os.PathLike, *, dequantize: bool = True) -> dict[str, Any]:
+    """Every entry of the checkpoint at ``path`` (any world size's), whole, on CPU, nested as it
+    was saved (the state dict DCP's ``dcp_to_torch_save`` writes, but with quantized entries under
+    their own keys).
+
+    ``dequantize=True``: quantized entries are plain tensors of their values (the library's own
+    ``dequantize()``, in the entry's dtype); ``False``: rebuilt as their own type (torchao's, ...;
+    the library must be importable). Read through qdcp's reader: checksums verified, objects
+    unpickled without running code. Memory: the whole checkpoint.
+    """
+    from qdcp.checkpoint import load
+    from qdcp.reader import CheckpointEntries, read_metadata
+
+    md = read_metadata(path)
+    flat = empty_entries(md, dequantize=dequantize)
+    load(flat, path)
+    if not dequantize:
+        entries = CheckpointEntries(path, md)
+        for key, entry in entries.specs.items():
+            if entry.storage == qspec.RAW:
+                flat[key] = entries.entry(key)
+    return nest(flat, md)
+
+
+def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike, torch_save_path: str | os.PathLike, *,
+                      dequantize: bool = True) -> None:
+    """DCP's ``format_utils.dcp_to_torch_save`` for qdcp checkpoints: :func:`consolidate`, written
+    with ``torch.save`` (``dequantize=True``: plain tensors only, loadable without the library)."""
+    torch.save(consolidate(dcp_checkpoint_dir, dequantize=dequantize), torch_save_path)
+
+
+def empty_entries(md: Metadata, *, dequantize: bool = True, keys: Iterable[str] | None = None) -> dict[str, Any]:
+    """``{key: target}`` for every state-dict entry of ``md`` (flat keys): an empty tensor of each
+    tensor entry (a raw quantized one's logical shape and dtype, left out if not ``dequantize``),
+    ``None`` for objects. Component items (``<key>.__qdcp__.*``) are not entries. ``keys``: only
+    the entries named, or under a prefix named (as DCP's ``_EmptyStateDictLoadPlanner(keys=)``)."""
+    specs = qspec.read_specs(md)
+    owned = {qspec.component_fqn(e.fqn, c.name) for e in specs.values() for c in e.components}
+    wanted = None if keys is None else set(keys)
+    out: dict[str, Any] = {}
+    for key, entry in specs.items():
+        if entry.storage == qspec.RAW and dequantize and _included(key, md, wanted):
+            out[key] = torch.empty(tuple(entry.shape), dtype=entry.dtype)
+    for key, item in md.state_dict_metadata.items():
+        if key in owned or (key in specs and specs[key].storage == qspec.RAW) or not _included(key, md, wanted):
+            continue
+        out[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype) \
+            if isinstance(item, TensorStorageMetadata) else None
+    return out
+
+
+def _included(key: str, md: Metadata, wanted: set[str] | None) -> bool:
+    """Whether ``key`` (a flat key) or one of its parents (by the saved nesting) is in ``wanted``."""
+    if wanted is None or key in wanted:
+        return True
+    path = _path(key, md)
+    return any(".".join(str(p) for p in path[:i]) in wanted for i in range(1, len(path)))
+
+
+def _path(key: str, md: Metadata) -> tuple:
+    """The nesting a flat key was saved from (DCP records it in ``planner_data``), else the key."""
+    mapping = md.planner_data if isinstance(md.planner_data, Mapping) else {}
+    path = mapping.get(key)
+    return tuple(path) if isinstance(path, (tuple, list)) and path else (key,)
+
+
+def nest(flat: Mapping[str, Any], md: Metadata, into: dict | None = None) -> dict[str, Any]:
+    """``flat`` nested as the checkpoint's state dict was (dicts for names, lists for indices)."""
+    root: dict = {} if into is None else into
+    for key, value in flat.items():
+        path = _path(key, md)
+        node: Any = root
+        for part, after in zip(path[:-1], path[1:]):
+            empty = [] if isinstance(after, int) else {}
+            if isinstance(node, list):
+                node.extend([None] * (part + 1 - len(node)))
+                node[part] = empty if node[part] is None else node[part]
+            else:
+                node.setdefault(part, empty)
+            node = node[part]
+        if isinstance(node, list):
+            node.extend([None] * (path[-1] + 1 - len(node)))
+        node[path[-1]] = value
+    return root
+
+
+class ConsolidatingLoadPlanner(QuantizedLoadPlanner):
+    """DCP's ``_EmptyStateDictLoadPlanner`` for qdcp checkpoints: fills an empty state dict with
+    every entry of the checkpoint, quantized ones dequantized (as qdcp's planner loads them into
+    plain tensors) under their own keys; plain ones as DCP loads them. Same arguments as DCP's
+    (``keys``: only these entries, or those under them), plus :class:`QuantizedLoadPlanner`'s.
+    ``qdcp.install()`` puts it where DCP's is looked up."""
+
+    def __init__(self, keys: Iterable[str] | None = None, *args: Any, **kwargs: Any) -> None:
+        self.keys = keys
+        super().__init__(*args, **kwargs)
+
+    def set_up_planner(self, state_dict: dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        """Build ``state_dict`` (empty) from ``metadata``, then plan as qdcp's load planner."""
+        if state_dict:
+            raise ValueError("ConsolidatingLoadPlanner fills an empty state dict; it was given one with "
+                             f"keys {sorted(state_dict)[:5]}")
+        if metadata is None:
+            raise ValueError("ConsolidatingLoadPlanner needs the checkpoint's metadata")
+        nest(empty_entries(metadata, keys=self.keys), metadata, into=state_dict)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
