@@ -90,5 +90,5 @@ def _own_error() -> Iterator[None]:
         if not isinstance(err, BaseException):
             raise
         if not isinstance(err, Exception) and isinstance(err.__cause__, Exception):
-            err = err.__cause__  # a carrier past torch 2.11's `except Exception` (storage.py)
+            err = err.__cause__  # a carrier past torch 2.11's `except Exception` (qdcp/storage/reader.py)
         raise err from e

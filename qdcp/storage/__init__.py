@@ -1,0 +1,33 @@
+"""Storage: safe metadata reading, checksummed items and atomic commits on top of DCP's file writers.
+
+One job per module:
+
+- :mod:`~qdcp.storage.metadata`: :func:`safe_load_metadata` unpickles DCP's ``.metadata`` with an
+  allowlist (no code runs); :func:`check_chunk_geometry`.
+- :mod:`~qdcp.storage.trailer`: :class:`ChecksumExtension` appends an XXH3-64 to every stored item
+  (where the save planner records no checksums of its own), and its reader-side check.
+- :mod:`~qdcp.storage.torch_save`: a stored item's torch.save archive read in place (no copy), its
+  zip CRCs checked where nothing else checks the bytes.
+- :mod:`~qdcp.storage.reader`: :class:`CheckpointReader` verifies every item it reads (the
+  trailer, or the planner's checksum) and checks every number the metadata gives, naming the
+  state-dict key on a mismatch.
+- :mod:`~qdcp.storage.writer`: :class:`CheckpointWriter` refuses to write over an existing
+  checkpoint unless ``overwrite=True``; with it, new data files get fresh names and the new
+  ``.metadata`` atomically replaces the old one (``rename``), so a save killed at any point leaves
+  the previous checkpoint loadable. One save per path at a time per process. Used by
+  ``dcp.async_save`` as its stager (DCP's hook: a writer that is an ``AsyncStager``), it hands the
+  staging to :class:`qdcp.QuantizedStager`. :func:`refuse_existing_checkpoint` guards the plain path.
+- :mod:`~qdcp.storage.factories`: :func:`storage_writer` / :func:`storage_reader` pick the
+  file-system or fsspec variant for a path or URL (``memory://``, ``s3://``...).
+"""
+
+from qdcp.errors import CheckpointFormatError, ChecksumError
+from qdcp.storage.factories import storage_reader, storage_writer
+from qdcp.storage.metadata import MAX_METADATA_BYTES, METADATA_FILE, check_chunk_geometry, safe_load_metadata
+from qdcp.storage.reader import CheckpointReader
+from qdcp.storage.trailer import ChecksumExtension
+from qdcp.storage.writer import CheckpointWriter, refuse_existing_checkpoint
+
+__all__ = ["CheckpointReader", "CheckpointWriter", "storage_reader", "storage_writer", "safe_load_metadata",
+           "check_chunk_geometry", "refuse_existing_checkpoint", "ChecksumExtension", "ChecksumError",
+           "CheckpointFormatError", "MAX_METADATA_BYTES", "METADATA_FILE"]

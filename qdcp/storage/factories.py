@@ -1,0 +1,74 @@
+"""The storage for a path or a URL: qdcp's file-system reader and writer for a local path, their
+fsspec twins for a URL (``memory://``, ``s3://``...)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from qdcp.errors import QdcpError
+from qdcp.storage.reader import CheckpointReader, SafeReading
+from qdcp.storage.trailer import ChecksumExtension
+from qdcp.storage.urls import is_url
+from qdcp.storage.writer import AtomicWriting, CheckpointWriter
+
+try:  # fsspec is optional; DCP's fsspec storage is public from torch 2.15 on
+    from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
+except ImportError:
+    try:  # torch 2.11 - 2.14 (2.15 keeps this name, with a warning)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    except ImportError:  # pragma: no cover (fsspec not installed)
+        FsspecReader = FsspecWriter = None
+
+__all__ = ["storage_reader", "storage_writer"]
+
+
+def storage_reader(path: str | os.PathLike, **storage_options: Any) -> FileSystemReader:
+    """A safe, verifying reader for a local path or an fsspec URL (``memory://``, ``s3://``...).
+
+    ``storage_options`` go to fsspec (e.g. ``client_kwargs={"endpoint_url": ...}``).
+    """
+    if is_url(path):
+        _need_fsspec()
+        return FsspecCheckpointReader(os.fspath(path), **storage_options)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint directory at {os.fspath(path)!r}")
+    return CheckpointReader(path)
+
+
+def storage_writer(path: str | os.PathLike, overwrite: bool = False, checksums: bool = True,
+                   **kwargs: Any) -> FileSystemWriter:
+    """A :class:`CheckpointWriter` for a local path, or its fsspec twin for a URL.
+
+    For URLs, ``kwargs`` are fsspec storage options; the commit is a rename (not atomic on object
+    stores), but ``.metadata`` is still written last.
+    """
+    if is_url(path):
+        _need_fsspec()
+        return FsspecCheckpointWriter(path, overwrite=overwrite, checksums=checksums, **kwargs)
+    return CheckpointWriter(path, overwrite=overwrite, checksums=checksums, **kwargs)
+
+
+def _need_fsspec() -> None:
+    if FsspecWriter is None:
+        raise QdcpError("URLs need fsspec: pip install fsspec (and s3fs for s3://)")
+
+
+if FsspecWriter is not None:
+    class FsspecCheckpointReader(SafeReading, FsspecReader):
+        """:class:`CheckpointReader` for fsspec URLs."""
+
+        def __init__(self, path: str, **storage_options: Any) -> None:
+            super().__init__(path, **storage_options)
+            self._setup_safe_reading()
+
+    class FsspecCheckpointWriter(AtomicWriting, FsspecWriter):
+        """:class:`CheckpointWriter` for fsspec URLs (the commit rename is not atomic on object stores)."""
+
+        def __init__(self, path: str, overwrite: bool = False, checksums: bool = True,
+                     **kwargs: Any) -> None:
+            extensions = [ChecksumExtension()] if checksums else None
+            super().__init__(os.fspath(path), overwrite=True, _extensions=extensions, **kwargs)
+            self._setup_atomic(overwrite)

@@ -1,0 +1,95 @@
+"""DCP's ``.metadata``, read without running code: an allowlist unpickler, and the chunk-geometry check."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import IO, Any
+
+from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
+
+from qdcp.errors import CheckpointFormatError
+from qdcp.spec import chunk_problems, describe_item
+
+__all__ = ["MAX_METADATA_BYTES", "METADATA_FILE", "safe_load_metadata", "check_chunk_geometry"]
+
+MAX_METADATA_BYTES = 1 << 30
+METADATA_FILE = ".metadata"
+
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch", "strided"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"), ("pathlib", "Path"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
+}
+
+
+class _AnyVersionTensorProperties(TensorProperties):
+    """``TensorProperties`` as any supported torch pickled it: torch 2.15 added ``strides`` (a sixth
+    value its older readers cannot unpack). Replaced by this torch's own class after loading."""
+
+    def __setstate__(self, state) -> None:
+        dtype, layout, requires_grad, memory_format, pin_memory = tuple(state)[:5]
+        super().__setstate__((dtype, layout, requires_grad, memory_format, pin_memory))
+
+    def plain(self) -> TensorProperties:
+        return TensorProperties(dtype=self.dtype, layout=self.layout, requires_grad=self.requires_grad,
+                                memory_format=self.memory_format, pin_memory=self.pin_memory)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if (module, name) == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
+            return _AnyVersionTensorProperties
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointFormatError(
+            f"the checkpoint's .metadata refers to {module}.{name}, which is not a DCP metadata "
+            f"class; refusing to unpickle it (the file may be tampered with)")
+
+
+def safe_load_metadata(stream: IO[bytes]) -> Metadata:
+    """Unpickle DCP ``Metadata`` admitting only DCP's metadata classes and builtins."""
+    chunks, total = [], 0
+    while True:  # in pieces: read(1 GiB) would reserve 1 GiB up front
+        chunk = stream.read(1 << 20)
+        if not chunk:
+            break
+        total += len(chunk)
+        if total > MAX_METADATA_BYTES:
+            raise CheckpointFormatError(f".metadata is larger than {MAX_METADATA_BYTES} bytes")
+        chunks.append(chunk)
+    data = b"".join(chunks)
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except CheckpointFormatError:
+        raise
+    except MemoryError:  # a length field far beyond the file (CPython's unpickler reserves it first)
+        raise CheckpointFormatError("the checkpoint's .metadata claims an object larger than memory; "
+                                    "it is corrupt or hostile") from None
+    except Exception as e:  # truncated or garbage pickles raise many types
+        raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {e!r}") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointFormatError(f".metadata holds a {type(md).__name__}, not DCP Metadata")
+    for item in (md.state_dict_metadata or {}).values():
+        if isinstance(getattr(item, "properties", None), _AnyVersionTensorProperties):
+            item.properties = item.properties.plain()
+    return md
+
+
+def check_chunk_geometry(md: Metadata) -> None:
+    """Refuse metadata whose chunks do not tile their items exactly (:func:`qdcp.spec.chunk_problems`)."""
+    problems = chunk_problems(md.state_dict_metadata or {})
+    if problems:
+        fqn, problem = problems[0]
+        raise CheckpointFormatError(f"{describe_item(fqn)}: {problem}; the checkpoint's metadata is corrupt")

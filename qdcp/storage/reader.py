@@ -1,0 +1,303 @@
+"""qdcp's storage reader: DCP's file-system reader with a safe ``.metadata``, every number it
+gives checked before use, and every item verified once (its trailer, the checksum the save
+recorded, or torch.save's zip CRCs)."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.futures import Future
+
+from qdcp import checksums
+from qdcp.errors import CheckpointFormatError, ChecksumError, QdcpError
+from qdcp.spec import describe_item
+from qdcp.storage.metadata import check_chunk_geometry, safe_load_metadata
+from qdcp.storage.torch_save import ViewReader, archived_tensor, check_zip_crcs
+from qdcp.storage.trailer import VerifyingTransforms, checksum_version, verified_view
+
+__all__ = ["SafeReading", "CheckpointReader"]
+
+# torch 2.11's dcp.load catches every Exception of read_metadata() and of its rank-local fallback
+# read_metadata(rank=...) and then says only "metadata is None" (2.12 on quote them).
+_DCP_HIDES_METADATA_ERRORS = torch.__version__ < "2.12"
+
+
+class _MetadataUnreadable(BaseException):
+    """Carries qdcp's ``.metadata`` error (its ``__cause__``) past torch 2.11's ``except Exception``
+    around ``read_metadata``: DCP wraps it in its CheckpointException, message intact."""
+
+
+class SafeReading:
+    """Mixin for DCP's file-system readers: safe ``.metadata`` and verified checksums."""
+
+    def _setup_safe_reading(self) -> None:
+        self.transforms = VerifyingTransforms(self.transforms)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        try:
+            return self._read_metadata(rank)
+        except CheckpointFormatError as e:
+            first = getattr(self, "_qdcp_metadata_error", None)
+            if rank is None:
+                self._qdcp_metadata_error = e
+            elif first is not None and _DCP_HIDES_METADATA_ERRORS:
+                raise _MetadataUnreadable(str(first)) from first
+            raise
+
+    def _read_metadata(self, rank: int | None) -> Metadata:
+        path = self._get_metadata_path(rank)
+        if not self.fs.exists(path):
+            raise CheckpointFormatError(
+                f"{os.fspath(self.path)!r} has no .metadata: it is not a DCP checkpoint, or its save "
+                f"did not finish (a partial checkpoint)")
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = safe_load_metadata(f)
+        except OSError as e:
+            raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {e}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        check_chunk_geometry(metadata)  # here, not in read_metadata: `qdcp verify` lists such problems
+        self._qdcp_sums = checksums.record(metadata)
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._qdcp_chunks = {  # (item fqn, chunk offsets) -> (chunk sizes, dtype)
+            (fqn, tuple(c.offsets)): (tuple(c.sizes), item.properties.dtype)
+            for fqn, item in metadata.state_dict_metadata.items()
+            if isinstance(item, TensorStorageMetadata) for c in item.chunks}
+
+    def read_data(self, plan, planner) -> Future:
+        """DCP's ``FileSystemReader.read_data``, checking every number the metadata gives before it is
+        used: files stay inside the checkpoint, byte ranges inside their file, the stored tensor has
+        the dtype and chunk shape the metadata records. Every item is verified once: against its
+        ``qdcp-checksum`` trailer, else against the checksum the save planner recorded (left to a
+        planner that ``verifies_whole_items`` for items it reads whole), else by torch.save's zip
+        CRCs. Any failure is a :class:`CheckpointFormatError` naming the state-dict key. A planner
+        may offer memory for an item (``buffer_for(req, nbytes)``, a uint8 CPU tensor): the item is
+        read there and offered back as a view of it (``adopt_tensor(req, tensor)``), no copy made."""
+        per_file: dict[str, list] = {}
+        for req in plan.items:
+            info = self.storage_data.get(req.storage_index)
+            where = describe_item(req.storage_index.fqn)
+            if info is None:
+                raise CheckpointFormatError(
+                    f"{where}: the checkpoint has no storage record for its chunk at "
+                    f"{tuple(req.storage_index.offset or ())}")
+            rel = info.relative_path
+            if not isinstance(rel, str) or not rel or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+                raise CheckpointFormatError(f"{where}: its data file {rel!r} is outside the checkpoint directory")
+            per_file.setdefault(rel, []).append(req)
+        for rel, reqs in per_file.items():
+            try:
+                stream_cm = self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb")
+                stream = stream_cm.__enter__()
+            except OSError as e:
+                raise CheckpointFormatError(
+                    f"{describe_item(reqs[0].storage_index.fqn)}: its data file {rel!r} cannot be opened "
+                    f"({e}); the checkpoint is incomplete") from None
+            try:
+                size = stream.seek(0, io.SEEK_END)
+                for req in reqs:
+                    self._read_item(stream, size, rel, req, planner=planner)
+            finally:
+                stream_cm.__exit__(None, None, None)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _planner_checks(self, req, planner) -> bool:
+        """Whether ``planner`` verifies this item itself: it says it checks the items it reads
+        whole (``verifies_whole_items``), the checkpoint records a checksum, and it is read whole."""
+        found = self._qdcp_sums.expected(req.storage_index.fqn, req.storage_index.offset) \
+            if self._qdcp_sums is not None else None
+        if found is None or not getattr(planner, "verifies_whole_items", False):
+            return False
+        sizes = found[0]
+        return sizes is None or (not any(req.storage_offsets) and tuple(req.lengths) == sizes)
+
+    def _recorded(self, req) -> int | None:
+        """The checksum the checkpoint records for the stored item ``req`` reads (None if none)."""
+        found = self._qdcp_sums.expected(req.storage_index.fqn, req.storage_index.offset) \
+            if self._qdcp_sums is not None else None
+        return found[1] if found is not None else None
+
+    @staticmethod
+    def _compare(req, got: int | None, expected: int) -> None:
+        if got is not None and got != expected:  # None: a subclass whose values cannot be read
+            raise ChecksumError(
+                f"{describe_item(req.storage_index.fqn)}: the stored chunk at "
+                f"{tuple(req.storage_index.offset or ())} does not match the checksum its save recorded "
+                f"(recorded {expected:016x}, read {got:016x}): the data file is corrupt")
+
+    def _verification(self, req, tensor: torch.Tensor, recorded: int | None, planner) -> Callable[[], None]:
+        """Start hashing the stored chunk just read (large ones on a background thread, while the
+        caller copies it on); the returned call waits, compares with ``recorded`` and tells a qdcp
+        planner that would hash it again that it is verified."""
+        if recorded is None:
+            return lambda: None
+        pending = checksums.hash_later(tensor)
+
+        def verified() -> None:
+            self._compare(req, pending(), recorded)
+            self._note_verified(req, planner)
+        return verified
+
+    def _note_verified(self, req, planner) -> None:
+        """Tell a qdcp planner that would check ``req`` itself that this reader has."""
+        note = getattr(planner, "note_verified", None)
+        if note is not None and self._planner_checks(req, planner):
+            note(req)
+
+    def _read_buffer(self, length: int) -> torch.Tensor:
+        buf = getattr(self, "_qdcp_buffer", None)
+        if buf is None or buf.numel() < length:
+            self._qdcp_buffer = None
+            buf = self._qdcp_buffer = torch.empty(max(length, 1 << 20), dtype=torch.uint8)
+        return buf[:length]
+
+    def _payload(self, stream, offset: int, length: int, rel: str, *, where: str, descriptors, version, req,
+                 memory: torch.Tensor):
+        """The item's stored bytes, read into ``memory`` (``length`` bytes), trailer checked and
+        transforms undone (only those other than the checksum make a copy)."""
+        stream.seek(offset)
+        data = memoryview(memory.numpy())[:length]
+        got = stream.readinto(data)
+        if got != length:
+            raise CheckpointFormatError(f"{where}: {rel!r} ended after {got} of {length} bytes")
+        if not descriptors:
+            return data
+        if version is not None and len(descriptors) == 1:
+            return verified_view(data, where, version)
+        return memoryview(self.transforms.transform_load_stream(req, descriptors, io.BytesIO(data)).read(-1))
+
+    @staticmethod
+    def _planner_buffer(planner, req, length: int) -> torch.Tensor | None:
+        """A buffer the planner offers for this stored item (``buffer_for``: the item is read there
+        and the planner adopts the view), or None."""
+        offer = getattr(planner, "buffer_for", None)
+        buffer = offer(req, length) if offer is not None else None
+        if buffer is None:
+            return None
+        if buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous() \
+                or buffer.numel() < length:
+            raise QdcpError(f"{type(planner).__name__}.buffer_for gave {buffer.dtype} {tuple(buffer.shape)} on "
+                            f"{buffer.device}; a contiguous CPU uint8 buffer of {length} bytes is needed")
+        return buffer[:length]
+
+    def _requested_part(self, tensor, req, where: str) -> torch.Tensor:
+        """The part of a loaded stored chunk that ``req`` reads, after checking the chunk is the one
+        the metadata records and the read lies within it."""
+        expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        if not isinstance(tensor, torch.Tensor) or expected is None \
+                or (tuple(tensor.shape), tensor.dtype) != expected:
+            got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            want = f"{expected[0]} {expected[1]}" if expected is not None else "no such chunk"
+            raise CheckpointFormatError(
+                f"{where}: the stored chunk at {tuple(req.storage_index.offset or ())} is {got} but the "
+                f"metadata records {want}; the data does not belong to this entry")
+        if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, tensor.shape)):
+            raise CheckpointFormatError(f"{where}: a read of {tuple(req.lengths)} at {tuple(req.storage_offsets)} "
+                                        f"falls outside its stored chunk {tuple(tensor.shape)}")
+        for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+            tensor = tensor.narrow(dim, o, n)
+        return tensor
+
+    def _read_item(self, stream, size: int, rel: str, req, *, planner) -> None:
+        """Read one item, check it and hand it to the planner (loaded bytes, or a tensor)."""
+        where = describe_item(req.storage_index.fqn)
+        info = self.storage_data[req.storage_index]
+        offset, length = _stored_range(info, size, rel, where)
+        descriptors = list(info.transform_descriptors or ())
+        version = checksum_version(descriptors, where)
+        # the recorded checksum is checked here, on the bytes just read (hot), also where the planner
+        # would check it (it is told, and skips its own pass over them)
+        recorded = self._recorded(req) if version is None else None
+        zip_crcs = version is None and recorded is None  # nothing else checks it
+        in_place = req.type != LoadItemType.BYTE_IO \
+            and (not descriptors or (version is not None and len(descriptors) == 1))
+        buffer = self._planner_buffer(planner, req, length) if in_place else None
+        adoptable = True  # a view of the reader's own scratch buffer is copied out, never kept
+        try:
+            # read into memory, checked there (trailer, recorded checksum or the zip's CRCs)
+            memory = buffer if buffer is not None else self._read_buffer(length)
+            payload = self._payload(stream, offset, length, rel, where=where, descriptors=descriptors,
+                                    version=version, req=req, memory=memory)
+            if req.type == LoadItemType.BYTE_IO:
+                return self._deliver_bytes(req, payload, recorded, zip_crcs, planner, where)
+            if zip_crcs:
+                check_zip_crcs(payload, where)
+            tensor = archived_tensor(payload, memory) if in_place else None
+            if tensor is None:
+                tensor = torch.load(ViewReader(payload), map_location="cpu", weights_only=True)
+            else:
+                adoptable = buffer is not None
+            verified = self._verification(req, tensor, recorded, planner)
+        except QdcpError:
+            raise
+        except Exception as e:
+            raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
+        self._deliver(req, self._requested_part(tensor, req, where), verified, adoptable, planner, where)
+        return None
+
+    def _deliver_bytes(self, req, payload: memoryview, recorded: int | None, zip_crcs: bool, planner,
+                       where: str) -> None:
+        """An object item, checked (the recorded checksum, else a torch.save archive's CRCs), to the planner."""
+        if recorded is not None:
+            self._compare(req, checksums.of_bytes(payload), recorded)
+            self._note_verified(req, planner)
+        elif zip_crcs and payload[:4] == b"PK\x03\x04":  # a torch.save archive
+            check_zip_crcs(payload, where)
+        planner.load_bytes(req, io.BytesIO(payload))
+
+    def _deliver(self, req, tensor: torch.Tensor, verified: Callable[[], None], adoptable: bool, planner,
+                 where: str) -> None:
+        """The part of a stored chunk ``req`` reads, to the planner: adopted as it is (qdcp's entry
+        reader keeps a whole chunk as loaded), else copied into ``resolve_tensor``'s buffer while
+        the bytes just read are hashed on another core, then committed."""
+        adopt = getattr(planner, "adopt_tensor", None)
+        if adoptable and adopt is not None:
+            verified()
+            if adopt(req, tensor):
+                return
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CheckpointFormatError(f"{where}: a read of {tuple(tensor.shape)} goes to a buffer of "
+                                        f"{tuple(target.shape)}")
+        target.copy_(tensor)
+        verified()
+        try:
+            planner.commit_tensor(req, target)
+        except QdcpError:
+            raise
+        except Exception as e:
+            raise CheckpointFormatError(
+                f"{where}: the entry cannot be rebuilt from its stored data ({type(e).__name__}: {e})") from e
+
+
+def _stored_range(info, size: int, rel: str, where: str) -> tuple[int, int]:
+    """``(offset, length)`` of an item's stored bytes, checked to lie inside its file of ``size`` bytes."""
+    offset, length = info.offset, info.length
+    if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length <= size - offset):
+        raise CheckpointFormatError(
+            f"{where}: its stored bytes [{offset}, {offset}+{length}) lie outside {rel!r} ({size} "
+            f"bytes); the file is truncated or the metadata is corrupt")
+    return offset, length
+
+
+class CheckpointReader(SafeReading, FileSystemReader):
+    """A ``FileSystemReader`` that never runs code from ``.metadata``, verifies item checksums and
+    refuses a checkpoint whose save did not finish."""
+
+    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._setup_safe_reading()

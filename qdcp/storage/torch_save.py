@@ -1,0 +1,132 @@
+"""torch.save archives read in place: a stored item's bytes as a tensor over the read buffer (no
+copy) where the archive is simple, and the zip CRCs checked where nothing else checks the bytes."""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+import struct
+import sys
+import zipfile
+import zlib
+
+import torch
+
+from qdcp.errors import ChecksumError
+
+__all__ = ["ViewReader", "check_zip_crcs", "archived_tensor"]
+
+class ViewReader(io.RawIOBase):
+    """A seekable read-only file over a memoryview (zipfile reads headers through it, no copy)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek value {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, b) -> int:
+        chunk = self._view[self._pos: self._pos + len(b)]
+        b[: len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+
+def _record_start(payload: memoryview, info: zipfile.ZipInfo) -> int:
+    """Where the bytes of the zip record ``info`` start in ``payload`` (after its local header)."""
+    head = bytes(payload[info.header_offset: info.header_offset + 30])
+    if len(head) < 30 or head[:4] != b"PK\x03\x04":
+        raise zipfile.BadZipFile(f"bad local header of {info.filename!r}")
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def check_zip_crcs(payload: memoryview, where: str) -> None:
+    """Verify the CRC-32 that ``torch.save`` writes for every record of its zip archive (the only
+    integrity check of an item stored without qdcp checksums; ``torch.load`` does not check them)."""
+    try:
+        with zipfile.ZipFile(io.BufferedReader(ViewReader(payload))) as z:
+            for info in z.infolist():
+                if info.CRC == 0 and info.file_size:
+                    continue  # saved with torch.serialization.config.save.compute_crc32 = False
+                if info.compress_type != zipfile.ZIP_STORED:
+                    with z.open(info) as f:  # zipfile checks the CRC at the end
+                        while f.read(1 << 24):
+                            pass
+                    continue
+                start = _record_start(payload, info)
+                record = payload[start: start + info.compress_size]
+                if len(record) != info.compress_size or zlib.crc32(record) != info.CRC:
+                    raise zipfile.BadZipFile(f"Bad CRC-32 for file {info.filename!r}")
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, NotImplementedError,
+            KeyError, struct.error) as e:
+        raise ChecksumError(f"{where}: the stored item is corrupt ({e})") from None
+
+
+_STORAGE_RECORD = re.compile(r"[^/]+/data/[0-9]+")
+#: the tensor a ``torch.save`` pickle (``data.pkl``) describes: dtype, size, strides, storage
+#: offset, storage bytes (the same pickle always describes the same tensor; bounded)
+_DESCRIBED: dict[bytes, tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]] = {}
+_DESCRIBED_MAX = 4096
+
+
+def archived_tensor(payload: memoryview, memory: torch.Tensor) -> torch.Tensor | None:
+    """The tensor of the ``torch.save`` archive ``payload`` as a view of ``memory`` (the uint8
+    tensor whose first bytes ``payload`` is): no copy. Its bytes are the one storage record the
+    archive's zip directory lists; its size, strides and dtype come from ``torch.load`` onto the
+    meta device (which reads no storage), once per distinct pickle. None where the archive is
+    anything else (the caller then loads it the usual way)."""
+    try:
+        with zipfile.ZipFile(io.BufferedReader(ViewReader(payload))) as z:
+            infos = z.infolist()
+        storage = [i for i in infos if _STORAGE_RECORD.fullmatch(i.filename)]
+        pickled = [i for i in infos if i.filename.endswith("/data.pkl")]
+        order = [i for i in infos if i.filename.endswith("/byteorder")]
+        if len(storage) != 1 or len(pickled) != 1 or len(order) > 1 \
+                or any(i.compress_type != zipfile.ZIP_STORED for i in storage + pickled + order):
+            return None
+        if order:
+            at = _record_start(payload, order[0])
+            if bytes(payload[at: at + order[0].file_size]) != sys.byteorder.encode():
+                return None
+        at = _record_start(payload, pickled[0])
+        key = bytes(payload[at: at + pickled[0].file_size])
+        described = _DESCRIBED.get(key)
+        if described is None:
+            meta = torch.load(ViewReader(payload), map_location="meta", weights_only=True)
+            if type(meta) is not torch.Tensor or meta.layout != torch.strided or meta.is_quantized:
+                return None
+            described = (meta.dtype, tuple(meta.shape), meta.stride(), meta.storage_offset(),
+                         meta.untyped_storage().nbytes())
+            if len(_DESCRIBED) < _DESCRIBED_MAX:
+                _DESCRIBED[key] = described
+        start = _record_start(payload, storage[0])
+    except Exception:  # unreadable here: the usual load reports it
+        return None
+    dtype, shape, stride, offset, nbytes = described
+    itemsize = dtype.itemsize
+    if storage[0].file_size != nbytes:
+        return None
+    if math.prod(shape) == 0:
+        return torch.empty(shape, dtype=dtype)
+    last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
+    if start + nbytes > len(payload) or any(s < 0 for s in stride) or offset < 0 \
+            or (last + 1) * itemsize > nbytes or nbytes % itemsize or (memory.data_ptr() + start) % itemsize:
+        return None
+    flat = memory[start: start + nbytes].view(dtype)
+    return flat.as_strided(shape, stride, flat.storage_offset() + offset)
