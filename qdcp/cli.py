@@ -190,8 +190,11 @@ def _root_cause(e: BaseException) -> str:
 # ----------------------------------------------------------------------------- convert
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    """``qdcp convert``: to a safetensors file or a dequantized DCP checkpoint (outputs checked first)."""
+    """``qdcp convert``: to a safetensors file, a dequantized DCP checkpoint or one torch.save file
+    (outputs checked first)."""
     outputs.check_separate([args.path], args.out)
+    if args.to == "torch":
+        return _to_torch(args)
     if args.to == "dcp" and not args.dequantize:
         print("qdcp: --to dcp needs --dequantize (a raw copy is the checkpoint itself)", file=sys.stderr)
         return EXIT_USAGE
@@ -205,6 +208,38 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.to == "safetensors":
         return _to_safetensors(_Entries(args.path, args.quiet, "convert"), args.out, args.dequantize, dtype)
     return _to_dcp_dequantized(_Entries(args.path, args.quiet, "convert"), args.out, dtype, args.overwrite)
+
+
+def _to_torch(args: argparse.Namespace) -> int:
+    """``--to torch``: the whole checkpoint in one ``torch.save`` file (:func:`qdcp.dcp_to_torch_save`),
+    written under a fresh temporary name and renamed into place; never over an existing file."""
+    from qdcp.consolidate import consolidate
+
+    if args.dtype or args.overwrite:
+        why = "(it writes each entry in its own dtype)" if args.dtype else \
+            "(it never replaces a file: a torch.save file does not say who wrote it)"
+        print(f"qdcp: --to torch takes no {'--dtype' if args.dtype else '--overwrite'} {why}", file=sys.stderr)
+        return EXIT_USAGE
+    if os.path.lexists(args.out):
+        raise outputs.OutputError(f"{args.out!r} exists; --to torch writes a new file only (a torch.save file "
+                                  f"does not say who wrote it). Move it away or choose another path")
+    state = consolidate(args.path, dequantize=args.dequantize)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".qdcp-", suffix=".pt.tmp", dir=os.path.dirname(os.path.abspath(args.out)))
+    os.close(fd)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, args.out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    print(f"wrote {_count(_leaves(state), 'entry', 'entries')} to {args.out}")
+    return EXIT_OK
+
+
+def _leaves(state: Any) -> int:
+    """How many non-dict values a nested state dict holds."""
+    return sum(_leaves(v) for v in state.values()) if isinstance(state, dict) else 1
 
 
 #: what a DCP checkpoint directory holds (``.metadata.tmp``: qdcp's writer, stopped before its commit)
@@ -370,11 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("convert", help="export to safetensors or a dequantized DCP checkpoint")
     p.add_argument("path", help="the qdcp/DCP checkpoint (a directory)")
-    p.add_argument("out", help="the file (--to safetensors) or directory (--to dcp) to write; never inside "
-                               "or around PATH")
-    p.add_argument("--to", choices=["safetensors", "dcp"], required=True,
+    p.add_argument("out", help="the file (--to safetensors, --to torch) or directory (--to dcp) to write; "
+                               "never inside or around PATH")
+    p.add_argument("--to", choices=["safetensors", "dcp", "torch"], required=True,
                    help="safetensors: one file (raw components, or values with --dequantize); "
-                        "dcp: a plain DCP checkpoint (needs --dequantize)")
+                        "dcp: a plain DCP checkpoint (needs --dequantize); torch: one torch.save file "
+                        "of whole entries, as DCP's dcp_to_torch_save (quantized entries as their "
+                        "type, or values with --dequantize)")
     p.add_argument("--dequantize", action="store_true", help="write plain high-precision tensors")
     p.add_argument("--dtype", choices=sorted(_DTYPE_ARGS),
                    help="dtype of floating outputs (dequantized values are computed in it)")

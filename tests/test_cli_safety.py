@@ -201,3 +201,30 @@ def test_every_argument_has_help():
         for action in sub._actions:
             if action.dest != "help":
                 assert action.help, f"qdcp {name}: {action.dest} has no help text"
+
+
+# ----------------------------------------------------------------------------- convert --to torch
+
+def test_convert_to_torch_writes_whole_entries(ckpt, tmp_path):
+    """``qdcp convert CKPT OUT --to torch``: one torch.save file, as DCP's dcp_to_torch_save, with each
+    quantized entry under its own key: its values (``--dequantize``, plain tensors only: loads with
+    ``weights_only=True`` and no torchao) or its own type, bit-identical buffers."""
+    weight = CASE_BY_NAME["int8_row"].make(0)
+    proc = _qdcp("convert", ckpt, tmp_path / "values.pt", "--to", "torch", "--dequantize", "--quiet")
+    assert proc.returncode == 0 and "wrote 2 entries" in proc.stdout, proc.stderr
+    values = torch.load(tmp_path / "values.pt", weights_only=True)
+    assert sorted(values) == ["m.bias", "m.weight"] and type(values["m.weight"]) is torch.Tensor
+    assert torch.equal(values["m.weight"], weight.dequantize()) and torch.equal(values["m.bias"], torch.arange(4.0))
+    assert _qdcp("convert", ckpt, tmp_path / "typed.pt", "--to", "torch", "--quiet").returncode == 0
+    typed = torch.load(tmp_path / "typed.pt", weights_only=False)["m.weight"]
+    assert type(typed) is type(weight) and torch.equal(typed.qdata, weight.qdata) and torch.equal(typed.scale, weight.scale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["typed.pt", "values.pt"]  # no temporary left
+
+
+@pytest.mark.parametrize("extra", [[], ["--overwrite"]])
+def test_convert_to_torch_never_replaces_a_file(ckpt, tmp_path, extra):
+    out = tmp_path / "model.pt"
+    out.write_bytes(b"the user's own file")
+    proc = _qdcp("convert", ckpt, out, "--to", "torch", "--dequantize", *extra)
+    _usage_error(proc, "model.pt" if not extra else "--overwrite")
+    assert out.read_bytes() == b"the user's own file"
