@@ -188,6 +188,18 @@ class Record:
         return out
 
 
+    def whole(self, read_item) -> tuple[tuple[int, ...] | None, int] | None:
+        """:meth:`expected` for a read item that takes its stored chunk (or object) whole; None for
+        one that reads part of it, or when the checkpoint records no checksum for it. The one
+        place that decides whether an item is read whole."""
+        found = self.expected(read_item.storage_index.fqn, read_item.storage_index.offset)
+        if found is None:
+            return None
+        sizes = found[0]
+        whole = sizes is None or (not any(read_item.storage_offsets) and tuple(read_item.lengths) == sizes)
+        return found if whole else None
+
+
 def record(metadata: Metadata | None) -> Record | None:
     """The checksum record of ``metadata``, or None for a checkpoint written without checksums."""
     data = getattr(metadata, "planner_data", None)
@@ -236,14 +248,10 @@ class ReadVerifier:
         self._remaining = len(read_items)
         md = self.record.metadata.state_dict_metadata
         for item in read_items:
-            fqn = item.storage_index.fqn
-            found = self.record.expected(fqn, item.storage_index.offset)
-            if found is None:
-                continue
-            sizes, h = found
-            if sizes is None or (not any(item.storage_offsets) and tuple(item.lengths) == sizes):
-                dtype = md[fqn].properties.dtype if sizes is not None else None
-                self._whole[item] = (h, dtype)
+            found = self.record.whole(item)
+            if found is not None:
+                sizes, h = found
+                self._whole[item] = (h, md[item.storage_index.fqn].properties.dtype if sizes is not None else None)
 
     def note_verified(self, read_item) -> None:
         """The storage reader checked ``read_item`` against its recorded hash: not hashed again."""

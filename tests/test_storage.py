@@ -226,3 +226,20 @@ def test_async_save_to_memory_url():
     loaded = _state(1)
     dcp.load(loaded, storage_reader=qdcp.storage_reader(url), planner=QuantizedLoadPlanner())
     _check(loaded, saved)
+
+
+def test_the_planner_storage_contract_is_stated_as_protocols():
+    """qdcp's storage asks planners for more than DCP's protocols through runtime-checkable
+    protocols (qdcp.storage.hooks): qdcp's planners state them, DCP's default ones do not (and get
+    DCP's behaviour)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+
+    from qdcp.reader import _Assembler
+    from qdcp.storage.hooks import AdoptingLoadPlanner, ChecksummingSavePlanner, VerifyingLoadPlanner
+
+    assert isinstance(qdcp.QuantizedLoadPlanner(), VerifyingLoadPlanner)
+    assert not isinstance(qdcp.QuantizedLoadPlanner(), AdoptingLoadPlanner)
+    assert isinstance(_Assembler({}), AdoptingLoadPlanner)
+    assert isinstance(qdcp.QuantizedSavePlanner(), ChecksummingSavePlanner)
+    assert not isinstance(DefaultLoadPlanner(), (VerifyingLoadPlanner, AdoptingLoadPlanner))
+    assert not isinstance(DefaultSavePlanner(), ChecksummingSavePlanner)

@@ -17,6 +17,7 @@ from torch.futures import Future
 from qdcp import checksums
 from qdcp.errors import CheckpointFormatError, ChecksumError, QdcpError
 from qdcp.spec import describe_item
+from qdcp.storage.hooks import AdoptingLoadPlanner, verifies_whole_items
 from qdcp.storage.metadata import check_chunk_geometry, safe_load_metadata
 from qdcp.storage.torch_save import ViewReader, archived_tensor, check_zip_crcs
 from qdcp.storage.trailer import VerifyingTransforms, checksum_version, verified_view
@@ -118,12 +119,8 @@ class SafeReading:
     def _planner_checks(self, req, planner) -> bool:
         """Whether ``planner`` verifies this item itself: it says it checks the items it reads
         whole (``verifies_whole_items``), the checkpoint records a checksum, and it is read whole."""
-        found = self._qdcp_sums.expected(req.storage_index.fqn, req.storage_index.offset) \
-            if self._qdcp_sums is not None else None
-        if found is None or not getattr(planner, "verifies_whole_items", False):
-            return False
-        sizes = found[0]
-        return sizes is None or (not any(req.storage_offsets) and tuple(req.lengths) == sizes)
+        return self._qdcp_sums is not None and verifies_whole_items(planner) \
+            and self._qdcp_sums.whole(req) is not None
 
     def _recorded(self, req) -> int | None:
         """The checksum the checkpoint records for the stored item ``req`` reads (None if none)."""
@@ -154,9 +151,8 @@ class SafeReading:
 
     def _note_verified(self, req, planner) -> None:
         """Tell a qdcp planner that would check ``req`` itself that this reader has."""
-        note = getattr(planner, "note_verified", None)
-        if note is not None and self._planner_checks(req, planner):
-            note(req)
+        if self._planner_checks(req, planner):
+            planner.note_verified(req)
 
     def _read_buffer(self, length: int) -> torch.Tensor:
         buf = getattr(self, "_qdcp_buffer", None)
@@ -184,8 +180,7 @@ class SafeReading:
     def _planner_buffer(planner, req, length: int) -> torch.Tensor | None:
         """A buffer the planner offers for this stored item (``buffer_for``: the item is read there
         and the planner adopts the view), or None."""
-        offer = getattr(planner, "buffer_for", None)
-        buffer = offer(req, length) if offer is not None else None
+        buffer = planner.buffer_for(req, length) if isinstance(planner, AdoptingLoadPlanner) else None
         if buffer is None:
             return None
         if buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous() \
@@ -264,10 +259,9 @@ class SafeReading:
         """The part of a stored chunk ``req`` reads, to the planner: adopted as it is (qdcp's entry
         reader keeps a whole chunk as loaded), else copied into ``resolve_tensor``'s buffer while
         the bytes just read are hashed on another core, then committed."""
-        adopt = getattr(planner, "adopt_tensor", None)
-        if adoptable and adopt is not None:
+        if adoptable and isinstance(planner, AdoptingLoadPlanner):
             verified()
-            if adopt(req, tensor):
+            if planner.adopt_tensor(req, tensor):
                 return
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from qdcp.errors import QdcpError
+from qdcp.storage.hooks import records_checksums
 from qdcp.storage.metadata import METADATA_FILE
 from qdcp.storage.trailer import ChecksumExtension
 from qdcp.storage.urls import is_url
@@ -120,7 +121,7 @@ class AtomicWriting:
     def write_data(self, plan, planner):
         # a planner that records every item's checksum in the metadata makes the writer's own
         # qdcp-checksum trailers redundant: leave them out (the files stay stock-DCP readable)
-        self.transforms.extensions = () if getattr(planner, "records_checksums", False) else self._qdcp_extensions
+        self.transforms.extensions = () if records_checksums(planner) else self._qdcp_extensions
         try:
             fut = super().write_data(plan, planner)
             fut.wait()  # a torch.futures.Future, already complete for file-system writers
