@@ -279,7 +279,13 @@ class KeyPlanner:
         return KeyPlan(tuple(actions), to_dcp, tuple(handled), group)
 
 
-_PLAIN_STACK = Adapter()  # the default member naming, for plain [n, ...] stacks
+class _PlainStack:
+    """How a plain ``[n, ...]`` stack names its members: :meth:`Adapter.member_key`'s default."""
+
+    member_key = Adapter.member_key
+
+
+_PLAIN_STACK = _PlainStack()
 
 
 def _structure_key(entry: qspec.EntrySpec) -> tuple:

@@ -130,3 +130,30 @@ def test_load_bytes_refuses_pickled_code(tmp_path, capsys):
 def test_dequantize_argument_type_checked():
     with pytest.raises(TypeError, match="dequantize"):
         QuantizedSavePlanner(dequantize="yes")
+
+
+def test_an_adapter_must_implement_what_every_adapter_needs():
+    """``qdcp.Adapter`` states its required methods as abstract: a subclass missing one cannot be
+    made (TypeError naming it), and ``register_adapter`` refuses anything but an adapter."""
+    from qdcp.adapters.base import StoredOnlyAdapter
+
+    class Half(qdcp.Adapter):
+        type_names = ("mine.Half",)
+
+        def matches(self, cls):
+            return False
+
+    with pytest.raises(TypeError, match="abstract methods .*rebuild"):
+        Half()
+    with pytest.raises(TypeError, match="qdcp.Adapter instance"):
+        qdcp.register_adapter(object())
+
+    class Stored(StoredOnlyAdapter):  # a stored format without a tensor class: live methods refuse
+        type_names = ("mine.Stored",)
+
+        def rebuild(self, stored):
+            raise NotImplementedError
+
+    with pytest.raises(qdcp.UnsupportedTensorError, match="mine.Stored: a stored format with no live tensor"):
+        Stored().dequantize(torch.zeros(1))
+    assert not Stored().matches(torch.Tensor)

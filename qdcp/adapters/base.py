@@ -12,13 +12,15 @@ Planners and the stager talk to tensors only through this contract. Users add fa
 
 from __future__ import annotations
 
+import abc
+
 import dataclasses
 import threading
 from typing import Any, Callable, Mapping
 
 import torch
 
-from qdcp.errors import CheckpointFormatError
+from qdcp.errors import CheckpointFormatError, UnsupportedTensorError
 from qdcp.layouts import Chunk, Layout
 
 
@@ -33,7 +35,7 @@ class StoredEntry:
     components: Mapping[str, torch.Tensor]   #: canonical components of that chunk
 
 
-class Adapter:
+class Adapter(abc.ABC):
     """One family of quantized tensors. Subclass and register an instance with :func:`register_adapter`.
 
     Who calls what (this is the whole contract: no qdcp module calls anything else of an adapter):
@@ -60,23 +62,28 @@ class Adapter:
 
     ``examples/custom_adapter.py`` is a complete adapter exercised through all of these.
 
-    Required: :attr:`type_names`, :meth:`matches`, :meth:`type_name`, :meth:`component_names`,
-    :meth:`layouts`, :meth:`attributes`, :meth:`dequantize`, :meth:`rebuild`, :meth:`quantize_like`,
-    :meth:`from_inner_buffers`. The defaults of the rest assume components are plain attributes of
-    the instance, stored as is.
+    Required (abstract: a subclass missing one cannot be instantiated): :meth:`matches`,
+    :meth:`type_name`, :meth:`component_names`, :meth:`layouts`, :meth:`attributes`,
+    :meth:`dequantize`, :meth:`rebuild`, :meth:`quantize_like`, :meth:`from_inner_buffers`; and
+    :attr:`type_names` (checked by :func:`register_adapter`). The defaults of the rest assume
+    components are plain attributes of the instance, stored as is. A stored format with no tensor
+    class subclasses :class:`StoredOnlyAdapter` instead.
     """
 
     #: registry names of the types this adapter handles, e.g. ``("torchao.Int8Tensor",)``
     type_names: tuple[str, ...] = ()
 
+    @abc.abstractmethod
     def matches(self, cls: type) -> bool:
         """Whether live instances of ``cls`` belong to this adapter."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def type_name(self, t: torch.Tensor) -> str:
         """Registry name of ``t``'s type (one of :attr:`type_names`)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def attributes(self, t: torch.Tensor) -> dict[str, Any]:
         """Configuration of ``t`` as Python values that :func:`qdcp.spec.encode_value` accepts."""
         raise NotImplementedError
@@ -90,6 +97,7 @@ class Adapter:
         """Enums and records (by class name) that may appear in :meth:`attributes`."""
         return {}
 
+    @abc.abstractmethod
     def component_names(self, t: torch.Tensor) -> list[str]:
         """Names of the components present on ``t``, in a fixed order."""
         raise NotImplementedError
@@ -106,6 +114,7 @@ class Adapter:
         """Every tensor that holds ``t``'s data, in native form (what a stager must copy)."""
         return self.native_components(t)
 
+    @abc.abstractmethod
     def from_inner_buffers(self, t: torch.Tensor, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """A new instance like ``t`` whose data lives in ``buffers`` (same keys as :meth:`inner_buffers`)."""
         raise NotImplementedError
@@ -116,16 +125,19 @@ class Adapter:
         entry as that plain tensor, in place. None (default) for tensors holding quantized data."""
         return None
 
+    @abc.abstractmethod
     def layouts(self, t: torch.Tensor) -> dict[str, Layout]:
         """How each component shards with the logical tensor (shard-invariant)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def dequantize(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The high-precision tensor ``t`` stands for, computed the way its library does, as
         ``dtype`` (default: ``t``'s logical dtype). A wider ``dtype`` is computed in that precision
         where the library can, never rounded through the logical dtype first."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def rebuild(self, stored: StoredEntry) -> torch.Tensor:
         """A live instance of the library's class holding ``stored`` (any chunk's worth). Always a
         tensor: raises :class:`~qdcp.UnsupportedTensorError`, naming the library, where it cannot
@@ -138,6 +150,7 @@ class Adapter:
         the library (TransformerEngine's, in plain torch) override it."""
         return self.dequantize(self.rebuild(stored), dtype)
 
+    @abc.abstractmethod
     def quantize_like(self, target: torch.Tensor, hp: torch.Tensor,
                       global_amax: torch.Tensor | None = None) -> torch.Tensor:
         """Quantize ``hp`` the way ``target`` is configured; returns a new instance.
@@ -238,6 +251,22 @@ class Adapter:
     def members_loaded(self, t: torch.Tensor) -> None:
         """Called once after every member of ``t`` was loaded from its own checkpoint key: bring
         group-only state (buffers no member references) in line. Default: nothing."""
+
+
+class StoredOnlyAdapter(Adapter):
+    """An adapter for a stored format with no live tensor class (compressed-tensors' parameter
+    sets): it describes stored entries (:meth:`rebuild`, :meth:`dequantize_stored`, raw forms) and
+    never matches a live tensor, so the live-tensor methods refuse, naming the family."""
+
+    def matches(self, cls: type) -> bool:
+        return False
+
+    def _no_live(self, *args: Any, **kwargs: Any):
+        raise UnsupportedTensorError(f"{', '.join(self.type_names)}: a stored format with no live tensor class "
+                                     f"(nothing of it to save or quantize into); load it into another target")
+
+    type_name = attributes = component_names = from_inner_buffers = layouts = _no_live
+    dequantize = quantize_like = _no_live
 
 
 # ----------------------------------------------------------------------------- raw conversion

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from qdcp.adapters.base import Adapter, StoredEntry
+from qdcp.adapters.base import Adapter, StoredEntry, StoredOnlyAdapter
 from qdcp.adapters.formats import (MXFP8_FORMS, NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, affine_form, e2m1_to_float,
                                    repeat_blocks, unpack_fp4)
 from qdcp.errors import UnsupportedTensorError
@@ -33,13 +33,10 @@ def _expand(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, ...])
     return repeat_blocks(s, bn, bk, shape)
 
 
-class CompressedTensorsAdapter(Adapter):
+class CompressedTensorsAdapter(StoredOnlyAdapter):
     """The stored compressed-tensors schemes (sources only: there is no live instance to save)."""
 
     type_names = (NVFP4, MXFP8, FLOAT, INT)
-
-    def matches(self, cls):
-        return False
 
     def rebuild(self, stored):
         raise UnsupportedTensorError(f"{stored.type_name} is a compressed-tensors parameter set, not a tensor "
