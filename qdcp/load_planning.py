@@ -14,12 +14,13 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from qdcp import spec as qspec
-from qdcp.adapters.base import Adapter, adapter_for_type, find_adapter, find_type_adapter, raw_conversion
+from qdcp.adapters.base import (Adapter, adapter_for_type, describe_tensor, find_adapter, find_type_adapter,
+                                 raw_conversion)
 from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Chunk
 from qdcp.load_actions import (Destination, FromPlain, InPlace, IntoPlain, ItemRead, LoadAction, RawCopy,
                                Requantize, StoredSource, Temporaries)
-from qdcp.placement import Placed, describe_tensor, expand, is_empty, place, with_local
+from qdcp.placement import Placed, expand, is_empty, place, with_local
 
 __all__ = ["KeyPlan", "KeyPlanner", "GroupTarget", "Decoded"]
 

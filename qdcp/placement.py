@@ -15,13 +15,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from qdcp import spec as qspec
-from qdcp.adapters.base import Adapter
-from qdcp.errors import AlignmentError, UnsupportedTensorError
+from qdcp.errors import AlignmentError
 from qdcp.layouts import Chunk, Layout, full_chunk
 
-__all__ = ["Placed", "place", "with_local", "planning", "is_empty", "relative", "narrow", "expand",
-           "describe_tensor"]
+__all__ = ["Placed", "place", "with_local", "planning", "is_empty", "relative", "narrow", "expand"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,16 +99,5 @@ def expand(layouts: dict[str, Layout], shape: tuple[int, ...], chunk: Chunk) -> 
             return chunk
         chunk = grown
     raise AlignmentError(f"no aligned chunk covers {chunk} in a tensor of shape {shape}")
-
-
-def describe_tensor(t: torch.Tensor, adapter: Adapter, fqn: str) -> tuple[dict, dict[str, Layout]]:
-    """JSON attrs and layouts of a live instance, with a clear error for unstorable attributes."""
-    try:
-        attrs = {k: qspec.encode_value(v) for k, v in adapter.attributes(t).items()}
-    except TypeError as e:
-        raise UnsupportedTensorError(
-            f"key {fqn!r}: {adapter.type_name(t)} has an attribute qdcp cannot store ({e}); "
-            f"save this entry dequantized (QuantizedSavePlanner(dequantize=...)).") from None
-    return attrs, adapter.layouts(t)
 
 

@@ -31,12 +31,12 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWr
 
 from qdcp import checksums as sums
 from qdcp import spec as qspec
-from qdcp.adapters.base import Adapter, find_adapter
+from qdcp.adapters.base import Adapter, describe_tensor, find_adapter
 from qdcp.errors import (AlignmentError, LoadMismatchError, ReplicaMismatchError, StagingError,
                          UnsupportedTensorError)
 from qdcp.layouts import Chunk
 from qdcp.new_empty import register_new_empty
-from qdcp.placement import Placed, describe_tensor, is_empty, place, planning, with_local
+from qdcp.placement import Placed, is_empty, place, planning, with_local
 from qdcp.storage import refuse_existing_checkpoint
 
 DequantizeChoice = Union[bool, Callable[[str, torch.Tensor], bool]]

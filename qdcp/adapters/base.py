@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from qdcp import spec as qspec
 from qdcp.errors import CheckpointFormatError, UnsupportedTensorError
 from qdcp.layouts import Chunk, Layout
 
@@ -380,3 +381,15 @@ def adapter_for_type(type_name: str, fqn: str = "") -> Adapter:
             f"handles (known: {', '.join(registered_type_names()) or 'none'}). Install the library "
             f"that provides it or register an adapter with qdcp.register_adapter.")
     return adapter
+
+
+def describe_tensor(t: torch.Tensor, adapter: Adapter, fqn: str) -> tuple[dict, dict[str, Layout]]:
+    """The JSON attributes (as :mod:`qdcp.spec` encodes them) and the layouts of a live instance,
+    with a clear error naming ``fqn`` for an attribute that cannot be stored."""
+    try:
+        attrs = {k: qspec.encode_value(v) for k, v in adapter.attributes(t).items()}
+    except TypeError as e:
+        raise UnsupportedTensorError(
+            f"key {fqn!r}: {adapter.type_name(t)} has an attribute qdcp cannot store ({e}); "
+            f"save this entry dequantized (QuantizedSavePlanner(dequantize=...)).") from None
+    return attrs, adapter.layouts(t)

@@ -36,7 +36,7 @@ from qdcp.hf import safetensors_files as stf
 from qdcp.hf.ct_layout import read_quantization_config, unpack_int32
 from qdcp.hf.torchao_layout import part_name
 from qdcp.layouts import Blocked, Replicated
-from qdcp.placement import describe_tensor
+from qdcp.adapters.base import describe_tensor
 
 Getter = Callable[[str], torch.Tensor]
 
