@@ -56,8 +56,8 @@ from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
 from accelerate.utils.ao import convert_model_to_fp8_ao  # noqa: E402
 from accelerate.utils.fsdp_utils import (load_fsdp_model, load_fsdp_optimizer, save_fsdp_model,  # noqa: E402
                                          save_fsdp_optimizer)
-from dist_helpers import all_rows, init_torchrun_mesh  # noqa: E402
-from quantized_cases import bits, inner  # noqa: E402
+from dist_helpers import all_rows, init_torchrun_mesh, uint8_all_gather  # noqa: E402
+from quantized_cases import differences, inner  # noqa: E402
 from torchao.float8 import Float8LinearConfig  # noqa: E402
 from torchao.quantization import Int8WeightOnlyConfig, quantize_, to_nf4  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
@@ -107,18 +107,6 @@ class Net(nn.Module):
         return self.last(h.to(torch.bfloat16)).float()
 
 
-def _uint8_all_gather():
-    """FSDP2's all-gather with float8 buffers moved as their bytes (gloo has no float8)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
-
-    class Uint8AllGather(DefaultAllGather):
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            if output_tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
-            return super().__call__(output_tensor, input_tensor, group, async_op)
-    return Uint8AllGather()
-
-
 def build(seed: int, mesh, quantized: bool = True):
     model = Net(seed, quantized).to(DEVICE)
     for part in (model.first, model.base, model.middle):
@@ -126,7 +114,7 @@ def build(seed: int, mesh, quantized: bool = True):
     fully_shard(model, mesh=mesh, ignored_params=set(model.last.parameters()))  # Int8Tensor: no aten.split
     if not CUDA:
         for part in (model.first, model.base, model.middle, model):
-            part.set_custom_all_gather(_uint8_all_gather())
+            part.set_custom_all_gather(uint8_all_gather())
     opt = torchao.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-2, block_size=256)
     return model, opt
 
@@ -177,16 +165,6 @@ def snapshot(model: nn.Module, opt=None) -> dict[str, torch.Tensor]:
         for k, v in state.items():
             add(f"optim.{names[p]}.{k}", v)
     return out
-
-
-def differences(got: dict, want: dict) -> list[str]:
-    """The keys whose tensors are not bit-identical (or missing on one side)."""
-    diff = sorted(set(got) ^ set(want))
-    for k in sorted(set(got) & set(want)):
-        a, b = got[k], want[k]
-        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(bits(a), bits(b)):
-            diff.append(k)
-    return diff
 
 
 def kinds(model: nn.Module, opt) -> dict:

@@ -95,3 +95,15 @@ def run_one_rank_script(root, body: str, *, imports: str = "", timeout: int = 24
                                body=textwrap.indent(textwrap.dedent(body).strip("\n"), "    ")))
     return subprocess.run([sys.executable, script, str(root)], capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+
+
+def uint8_all_gather():
+    """FSDP2's default all-gather, with float8 buffers moved as their bytes (gloo has no float8)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    class Uint8AllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            if output_tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+    return Uint8AllGather()

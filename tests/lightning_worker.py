@@ -51,7 +51,7 @@ from lightning_fabric import Fabric  # noqa: E402
 from lightning_fabric.strategies import ModelParallelStrategy as FabricStock  # noqa: E402
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 from pytorch_lightning.strategies import ModelParallelStrategy as TrainerStock  # noqa: E402
-from quantized_cases import bits, inner  # noqa: E402
+from quantized_cases import differences, inner  # noqa: E402
 from torchao.quantization import Int8WeightOnlyConfig, quantize_, to_nf4  # noqa: E402
 from worker_results import RANK, WORLD, check, run, short  # noqa: E402
 
@@ -162,16 +162,6 @@ def snapshot(model: nn.Module, opt=None) -> dict[str, torch.Tensor]:
         for k, v in state.items():
             add(f"optim.{names[p]}.{k}", v)
     return out
-
-
-def differences(got: dict, want: dict) -> list[str]:
-    """The keys whose tensors are not bit-identical (or missing on one side)."""
-    diff = sorted(set(got) ^ set(want))
-    for k in sorted(set(got) & set(want)):
-        a, b = got[k].cpu(), want[k].cpu()
-        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(bits(a), bits(b)):
-            diff.append(k)
-    return diff
 
 
 KINDS = {"base": "NF4Tensor", "frozen": "Int8Tensor", "states": ["OptimState8bit", "Tensor"]}

@@ -237,3 +237,14 @@ def buffers_diff(a: torch.Tensor, b: torch.Tensor) -> str | None:
             return f"component {n} differs" + (f" (max abs diff {diff.max().item():.3g})" if diff is not None
                                                 and diff.numel() and torch.isfinite(diff).all() else "")
     return None
+
+
+def differences(got: dict, want: dict) -> list[str]:
+    """The keys of two ``{key: tensor}`` snapshots whose tensors are not bit-identical (shape, dtype
+    and bytes; compared on CPU), or that only one side has."""
+    diff = sorted(set(got) ^ set(want))
+    for k in sorted(set(got) & set(want)):
+        a, b = got[k].cpu(), want[k].cpu()
+        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(bits(a), bits(b)):
+            diff.append(k)
+    return diff

@@ -52,7 +52,7 @@ from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: 
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter  # noqa: E402
 from quantized_cases import bits  # noqa: E402
 from training_cases import values  # noqa: E402
-from training_dist_worker import build, step  # noqa: E402
+from training_dist_worker import build  # noqa: E402
 from worker_results import RANK, WORLD, check, run, short  # noqa: E402
 
 from qdcp.frameworks.torchtitan import QuantizedCheckpointManager, QuantizedModelWrapper  # noqa: E402

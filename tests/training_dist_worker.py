@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dist_helpers import all_rows, init_torchrun_mesh  # noqa: E402
+from dist_helpers import all_rows, init_torchrun_mesh, uint8_all_gather  # noqa: E402
 from qdcp import QuantizedLoadPlanner  # noqa: E402
 from quantized_cases import bits, gated_save_planner  # noqa: E402
 from training_cases import CASE_BY_NAME, D, unavailable, values  # noqa: E402
@@ -49,18 +49,6 @@ MODELS = tuple(n for n in ("float8", "moe_mxfp8") if not unavailable(CASE_BY_NAM
 STEPS, CHECKPOINTS = 8, (3, 6)
 
 
-def _uint8_all_gather():
-    """FSDP2's default all-gather, with float8 buffers moved as their bytes (gloo has no float8)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
-
-    class Uint8AllGather(DefaultAllGather):
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            if output_tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
-            return super().__call__(output_tensor, input_tensor, group, async_op)
-    return Uint8AllGather()
-
-
 def build(name: str, seed: int, mesh):
     case = CASE_BY_NAME[name]
     model = case.model(seed)
@@ -68,7 +56,7 @@ def build(name: str, seed: int, mesh):
     for part in parts + [model]:
         fully_shard(part, mesh=mesh)
         if name == "float8":
-            part.set_custom_all_gather(_uint8_all_gather())
+            part.set_custom_all_gather(uint8_all_gather())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     return model, opt
 
