@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from qdcp import checksums as sums
 from qdcp import spec as qspec
@@ -124,6 +125,9 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                 self.state_dict[fqn] = with_local(value, inner)
                 continue
             dequantize = self.dequantize(fqn, value) if callable(self.dequantize) else self.dequantize
+            if _sharded_inside(fqn, placed, adapter, dequantize):  # its values are a DTensor: DCP writes it
+                self.state_dict[fqn] = adapter.dequantize(placed.local, self.dequantize_dtype)
+                continue
             entry = self._plan_dequantized(fqn, placed, adapter) if dequantize \
                 else self._plan_raw(fqn, placed, adapter)
             self._entries[fqn] = entry
@@ -381,6 +385,21 @@ def _write_item(fqn: str, chunk: Chunk, global_shape, dtype: torch.dtype, *, sha
             chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
             properties=TensorProperties(dtype=dtype),
             size=torch.Size(global_shape)))
+
+
+def _sharded_inside(fqn: str, placed: Placed, adapter: Adapter, dequantize: bool) -> bool:
+    """Whether ``placed`` is a quantized tensor whose inner tensors are DTensors (torchao's
+    ``quantize_`` applied to an already sharded model): saved dequantized (its values, a DTensor),
+    refused raw, naming the key."""
+    if placed.is_dtensor or not any(isinstance(b, DTensor) for b in adapter.inner_buffers(placed.local).values()):
+        return False
+    if not dequantize:
+        raise UnsupportedTensorError(
+            f"key {fqn!r}: a {adapter.type_name(placed.local)} whose inner tensors are DTensors (quantized after "
+            f"the model was sharded, e.g. torchao's quantize_ on FSDP2/TP weights); qdcp stores a quantized "
+            f"tensor raw as a DTensor whose local tensor is quantized. Quantize before sharding, or save this "
+            f"entry dequantized (QuantizedSavePlanner(dequantize=...)).")
+    return True
 
 
 def _check_not_half_staged(fqn: str, t: torch.Tensor) -> None:

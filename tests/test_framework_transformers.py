@@ -1,0 +1,44 @@
+"""transformers' native distributed checkpoint (``save_pretrained(..., distributed_checkpoint=True)``)
+of a model quantized by torchao after it was sharded, through ``qdcp.install()``.
+
+One ``torchrun`` job (2 ranks, gloo) runs ``tests/transformers_worker.py``: a tiny Llama loaded with
+``DistributedConfig(fsdp_size=2)``, its MLP quantized by ``quantize_`` (``Int8Tensor``\\s whose inner
+tensors are DTensors). Under the switch, transformers' own save (DCP's ``HuggingFaceStorageWriter``)
+writes each quantized weight as its values and transformers' own load gives them back bit for bit
+(torchao's ``dequantize()``); stock transformers fails to save; a raw qdcp save of such a tensor is
+refused naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import torchrun_jobs
+
+pytest.importorskip("transformers.distributed")
+pytestmark = pytest.mark.multiproc
+
+WORKER = Path(__file__).with_name("transformers_worker.py")
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory) -> tuple[Path, dict]:
+    root = torchrun_jobs.shared_dir(tmp_path_factory, "transformers")
+    return root, torchrun_jobs.job(root, WORKER, "run", 2, 240)
+
+
+def test_distributed_save_and_load_under_the_switch_give_the_values(record):
+    torchrun_jobs.check_sections(record[1], "transformers at 2 ranks", ["switch"])
+
+
+def test_without_the_switch_the_save_fails(record):
+    torchrun_jobs.check_sections(record[1], "transformers at 2 ranks", [], require_all=False)
+    stock = json.loads((record[0] / "stock.json").read_text())
+    assert "data pointer on an invalid python storage" in stock["save"], stock
+
+
+def test_a_raw_save_of_a_tensor_quantized_after_sharding_is_refused_naming_the_key(record):
+    torchrun_jobs.check_sections(record[1], "transformers at 2 ranks", ["raw"])
