@@ -186,7 +186,9 @@ def _linear_range(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[
         if sizes[k] != shape[k]:
             raise AlignmentError(
                 f"chunk at offsets {tuple(offsets)} sizes {tuple(sizes)} is not contiguous in a "
-                f"tensor of shape {tuple(shape)}: only row (dim-0) shards map to a flat buffer")
+                f"tensor of shape {tuple(shape)}: only row (dim-0) shards map to a flat buffer (the nearest "
+                f"layout that works: shard it by rows only, e.g. Shard(0) where the weight is Shard(1), or "
+                f"Replicate() on the tensor-parallel mesh dimension)")
     start, stride = 0, 1
     for k in reversed(range(len(shape))):
         start += offsets[k] * stride

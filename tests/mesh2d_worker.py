@@ -173,7 +173,8 @@ def _save_refused(root: str, key: str, t) -> None:
         check("save", False, f"{key}: a column cut of flat-block optimizer state was saved")
     except BaseException as e:  # noqa: BLE001
         err = qdcp_error_in(e)
-        check("save", err is not None and repr(key) in str(err) and "dequantized" in str(err),
+        check("save", err is not None and repr(key) in str(err) and "dequantized" in str(err)
+              and "shard it by rows only" in str(err),
               f"{key}: not a clear qdcp error naming the key: {short(e)}")
     check("save", not os.path.exists(os.path.join(path, ".metadata")), f"{key}: a refused save wrote metadata")
 
