@@ -18,6 +18,7 @@ import os
 from typing import Any, Iterable, Mapping
 
 import torch
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from qdcp import spec as qspec
@@ -93,22 +94,11 @@ def _path(key: str, md: Metadata) -> tuple:
 
 
 def nest(flat: Mapping[str, Any], md: Metadata, into: dict | None = None) -> dict[str, Any]:
-    """``flat`` nested as the checkpoint's state dict was (dicts for names, lists for indices)."""
+    """``flat`` nested as the checkpoint's state dict was (dicts for names, lists for indices), as
+    DCP's own load puts values back into a nested state dict."""
     root: dict = {} if into is None else into
     for key, value in flat.items():
-        path = _path(key, md)
-        node: Any = root
-        for part, after in zip(path[:-1], path[1:]):
-            empty = [] if isinstance(after, int) else {}
-            if isinstance(node, list):
-                node.extend([None] * (part + 1 - len(node)))
-                node[part] = empty if node[part] is None else node[part]
-            else:
-                node.setdefault(part, empty)
-            node = node[part]
-        if isinstance(node, list):
-            node.extend([None] * (path[-1] + 1 - len(node)))
-        node[path[-1]] = value
+        set_element(root, _path(key, md), value)
     return root
 
 
