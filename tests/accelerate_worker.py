@@ -35,7 +35,6 @@ Commands (KIND = ``qdcp`` with the switch, ``stock`` without):
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -61,7 +60,7 @@ from quantized_cases import differences, inner  # noqa: E402
 from torchao.float8 import Float8LinearConfig  # noqa: E402
 from torchao.quantization import Int8WeightOnlyConfig, quantize_, to_nf4  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
-from worker_results import RANK, WORLD, check, run, short  # noqa: E402
+from worker_results import RANK, WORLD, check, record_outcome, run, short  # noqa: E402
 
 import qdcp  # noqa: E402
 
@@ -248,10 +247,7 @@ def load(root: str, mesh) -> None:
     plain = resume_plain(root, "qdcp", acc)
     check("load-plain", plain["error"] is None and not plain["differ"], f"plain model: {plain}")
     stock = {"resume": resume(root, "stock", acc), "plain": resume_plain(root, "stock", acc)}
-    if RANK == 0:
-        with open(os.path.join(root, f"stock-{WORLD}.json"), "w") as f:
-            json.dump(stock, f, indent=1)
-    dist.barrier()
+    record_outcome(os.path.join(root, f"stock-{WORLD}.json"), stock)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ Commands (KIND = ``qdcp`` for qdcp's strategies, ``stock`` for Lightning's):
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -53,7 +52,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 from pytorch_lightning.strategies import ModelParallelStrategy as TrainerStock  # noqa: E402
 from quantized_cases import differences, inner  # noqa: E402
 from torchao.quantization import Int8WeightOnlyConfig, quantize_, to_nf4  # noqa: E402
-from worker_results import RANK, WORLD, check, run, short  # noqa: E402
+from worker_results import RANK, WORLD, check, record_outcome, run, short  # noqa: E402
 
 from qdcp.frameworks.lightning import QuantizedFabricStrategy, QuantizedTrainerStrategy  # noqa: E402
 
@@ -338,10 +337,7 @@ def load(root: str, mesh) -> None:
     stock = {"fabric": fabric_load(root, "stock"),
              "trainer": trainer_load(root, "stock", os.path.join(root, "trainer-stock")),
              "plain": fabric_load_plain(root, "stock")}
-    if RANK == 0:
-        with open(os.path.join(root, f"stock-{WORLD}.json"), "w") as f:
-            json.dump(stock, f, indent=1)
-    dist.barrier()
+    record_outcome(os.path.join(root, f"stock-{WORLD}.json"), stock)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ MODE = ``disabled``, ``async``, ``async_with_pinned_mem``; sections ``save-MODE`
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -50,10 +49,10 @@ from torchtitan.components.checkpointer import MODEL, CheckpointManager  # noqa:
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer  # noqa: E402
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: E402
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter  # noqa: E402
-from quantized_cases import bits  # noqa: E402
+from quantized_cases import bits, differences  # noqa: E402
 from training_cases import values  # noqa: E402
 from training_dist_worker import build  # noqa: E402
-from worker_results import RANK, WORLD, check, run, short  # noqa: E402
+from worker_results import RANK, WORLD, check, record_outcome, run, short  # noqa: E402
 
 from qdcp.frameworks.torchtitan import QuantizedCheckpointManager, QuantizedModelWrapper  # noqa: E402
 
@@ -250,12 +249,9 @@ def stock(mode: str, root: str, mesh) -> None:
         outcome[f"{name}_load"] = _attempt(
             lambda: manager(cls, mode, where, fresh, opt2, lrs2, TrainState()).load(step=1))
         got = snapshot(fresh, opt2)
-        outcome[f"{name}_differ"] = sorted(k for k, v in ref.items() if not torch.equal(bits(got[k]), bits(v)))
+        outcome[f"{name}_differ"] = differences(got, ref)
         outcome[f"{name}_zero"] = sorted(k for k, v in got.items() if k.startswith("model") and not v.any())
-    if RANK == 0:
-        with open(os.path.join(root, f"stock-{mode}.json"), "w") as f:
-            json.dump(outcome, f, indent=1)
-    dist.barrier()
+    record_outcome(os.path.join(root, f"stock-{mode}.json"), outcome)
 
 
 def each_mode(fn):

@@ -17,7 +17,6 @@ DTensors, as ``quantize_`` makes of a sharded weight). Sections:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -33,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.distributed import DistributedConfig  # noqa: E402
-from worker_results import RANK, check, qdcp_error_in, run, short  # noqa: E402
+from worker_results import RANK, check, qdcp_error_in, record_outcome, run, short  # noqa: E402
 
 import qdcp  # noqa: E402
 from quantized_cases import differences  # noqa: E402
@@ -84,9 +83,7 @@ def runs(root: str, _mesh) -> None:
         model.save_pretrained(os.path.join(root, "stock"), distributed_checkpoint=True)
     except BaseException as e:  # noqa: BLE001  (DCP's CheckpointException is a BaseException)
         outcome = f"{type(e).__name__}: {short(e, 300)}"
-    if RANK == 0:
-        with open(os.path.join(root, "stock.json"), "w") as f:
-            json.dump({"save": outcome}, f)
+    record_outcome(os.path.join(root, "stock.json"), {"save": outcome})
     try:
         dcp.save(model.state_dict(), checkpoint_id=os.path.join(root, "raw"), planner=qdcp.QuantizedSavePlanner())
         check("raw", False, "a raw save of a quantized tensor with DTensor inner tensors was accepted")

@@ -69,6 +69,15 @@ def try_load(state: dict, path: str) -> BaseException | None:
         return e
 
 
+def record_outcome(path: str, data) -> None:
+    """Write what a section observed (``data``, JSON) to ``path`` from rank 0, for the test to
+    assert; every rank waits until it is written."""
+    if RANK == 0:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+    dist.barrier()
+
+
 def finish(results_path: str, crashed: BaseException | None = None) -> int:
     """Gather every rank's sections, write them (rank 0), tear down; the process exit status."""
     if crashed is not None:
