@@ -298,33 +298,36 @@ def _item_key(item: WriteItem) -> tuple[str, tuple[int, ...]]:
     return item.index.fqn, tuple(item.index.offset or ())
 
 
+def _diverged(per_rank: list[dict], shared_only: bool) -> dict[tuple, list[int]]:
+    """``{item key: [first rank, ranks whose hash differs from its]}`` over the items several ranks
+    hash (each rank's ``hashes``; with ``shared_only``, only the keys it lists as ``shared``)."""
+    first: dict[tuple, tuple[int, int]] = {}
+    diverged: dict[tuple, list[int]] = {}
+    for rank, part in enumerate(per_rank):
+        hashes = part["hashes"]
+        for key in (part["shared"] if shared_only else hashes):
+            seen = first.setdefault(key, (rank, hashes[key]))
+            if seen[1] != hashes[key]:
+                diverged.setdefault(key, [seen[0]]).append(rank)
+    return diverged
+
+
 def _check_shared(per_rank: list[dict]) -> None:
     """Items of a component that several ranks' shards hold (replicated, or constant along a dim
     the shards cut) must be equal: DCP keeps one rank's copy. Refuse them when they differ."""
-    first: dict[tuple, tuple[int, int]] = {}
-    for rank, part in enumerate(per_rank):
-        hashes = part["hashes"]
-        for key in part["shared"]:
-            seen = first.setdefault(key, (rank, hashes[key]))
-            if seen[1] != hashes[key]:
-                fqn, name = key[0].rsplit(qspec.COMPONENT_SEPARATOR, 1)
-                raise AlignmentError(
-                    f"key {fqn!r}: component {name!r} holds values shared by the shards of ranks "
-                    f"{seen[0]} and {rank} (one for the whole tensor, or for a block both shards "
-                    f"cut), but they differ: the shards were quantized each on its own (e.g. with "
-                    f"its own per-tensor scale). Quantize the shards with one scale for the whole "
-                    f"tensor, or save this entry dequantized.")
+    for key, ranks in _diverged(per_rank, shared_only=True).items():
+        fqn, name = key[0].rsplit(qspec.COMPONENT_SEPARATOR, 1)
+        raise AlignmentError(
+            f"key {fqn!r}: component {name!r} holds values shared by the shards of ranks "
+            f"{ranks[0]} and {ranks[1]} (one for the whole tensor, or for a block both shards "
+            f"cut), but they differ: the shards were quantized each on its own (e.g. with "
+            f"its own per-tensor scale). Quantize the shards with one scale for the whole "
+            f"tensor, or save this entry dequantized.")
 
 
 def _check_replicas(per_rank: list[dict]) -> None:
     """Every chunk several ranks hold must have one hash; the diverged ones are named."""
-    first: dict[tuple, tuple[int, int]] = {}
-    diverged: dict[tuple, list[int]] = {}
-    for rank, part in enumerate(per_rank):
-        for key, h in part["hashes"].items():
-            seen = first.setdefault(key, (rank, h))
-            if seen[1] != h:
-                diverged.setdefault(key, [seen[0]]).append(rank)
+    diverged = _diverged(per_rank, shared_only=False)
     if diverged:
         lines = [f"key {_user_key(fqn)}: the chunk at {list(offsets)} of rank(s) {ranks[1:]} differs from rank "
                  f"{ranks[0]}'s" for (fqn, offsets), ranks in sorted(diverged.items())[:10]]
