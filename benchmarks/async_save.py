@@ -38,7 +38,7 @@ from torchao.quantization.granularity import PerRow  # noqa: E402
 
 from qdcp import QuantizedSavePlanner  # noqa: E402
 from qdcp.adapters.base import find_adapter  # noqa: E402
-from qdcp.stager import QuantizedStager  # noqa: E402
+from qdcp.staging.stager import QuantizedStager  # noqa: E402
 
 SHAPE = (4096, 4096)
 _PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -49,7 +49,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import qdcp
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
 from qdcp.adapters.base import StoredEntry
-from qdcp.placement import narrow
+from qdcp.layouts import narrow
 
 warnings.filterwarnings("ignore")
 
@@ -275,12 +275,12 @@ def rank_states_2d(mesh2d: tuple[int, int], layers: int, shards: Shards) -> dict
 
 def plan_twin(plan, shards: Shards) -> dict:
     """DCP's baseline for a qdcp local plan: plain tensors whose chunks are exactly the items qdcp
-    writes (each a ``qdcp.chunked.ChunkCopies``, which DCP plans through its ``_Checkpointable``
+    writes (each a ``qdcp.staging.chunked.ChunkCopies``, which DCP plans through its ``_Checkpointable``
     protocol), planned by DCP's default planner."""
     import dataclasses as dc
     from collections import defaultdict
 
-    from qdcp.chunked import ChunkCopies
+    from qdcp.staging.chunked import ChunkCopies
 
     by_fqn = defaultdict(list)
     for item in plan.items:

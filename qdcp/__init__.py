@@ -11,6 +11,17 @@ or DCP's own calls with qdcp's planners passed in::
     dcp.load(state, checkpoint_id=path, planner=qdcp.QuantizedLoadPlanner())
 
 or, for frameworks that call DCP without a planner, process-wide: ``qdcp.install()``.
+
+The package, data flowing one way (each folder's ``__init__`` says what its modules do):
+
+- ``adapters/``: what each quantized tensor class holds and how its components shard (one per family).
+- ``layouts.py``, ``spec.py``, ``checksums.py``: how a component maps to logical chunks, the on-disk
+  format (versioned JSON spec), the checksums recorded with it.
+- ``planning/``: DCP's save and load planners over those.
+- ``staging/``: copies by inner buffers (async saves, offloading).
+- ``storage/``: safe metadata, verified reads, atomic checksummed writes.
+- ``checkpoint.py`` (``qdcp.save`` / ``load``), ``reader.py`` (reading without a target), ``hf/``
+  (Hugging Face layouts), ``frameworks/`` (torchtitan, Lightning, ``install()``, consolidation), ``cli.py``.
 """
 
 from qdcp.adapters import Adapter, StoredEntry, find_adapter, register_adapter, registered_type_names
@@ -29,21 +40,20 @@ from qdcp.errors import (
     StagingError,
     UnsupportedTensorError,
 )
-from qdcp.new_empty import enable_new_empty, register_new_empty, unregister_new_empty
-from qdcp.offload import to_device
+from qdcp.staging import QuantizedStager, enable_new_empty, register_new_empty, to_device, unregister_new_empty
 from qdcp.reader import CheckpointEntries, describe, read_entry, read_metadata, read_stored
 from qdcp.storage import (
     CheckpointReader,
     CheckpointWriter,
+    set_default_stager,
     storage_reader,
     storage_writer,
 )
-from qdcp.planner import QuantizedLoadPlanner, QuantizedSavePlanner
+from qdcp.planning import QuantizedLoadPlanner, QuantizedSavePlanner
 from qdcp.checkpoint import async_save, load, save
 from qdcp.hf import ExportError, ExportResult, QuantizedHFReader, export
-from qdcp.stager import QuantizedStager
-from qdcp.switch import install, installed, is_installed, uninstall
-from qdcp.consolidate import ConsolidatingLoadPlanner, consolidate, dcp_to_torch_save
+from qdcp.frameworks.switch import install, installed, is_installed, uninstall
+from qdcp.frameworks.consolidate import ConsolidatingLoadPlanner, consolidate, dcp_to_torch_save
 
 for _adapter in _torchao.builtin_adapters() + _torchao_training.builtin_adapters():
     register_adapter(_adapter)
@@ -51,6 +61,7 @@ for _adapter in (_transformer_engine.builtin_adapters() + _te_grouped.builtin_ad
                  + _compressed_tensors.builtin_adapters()):
     register_adapter(_adapter)
 del _adapter
+set_default_stager(QuantizedStager)  # what qdcp's writers stage through when DCP uses them as stager
 register_new_empty()  # for torchao classes already imported; QuantizedSavePlanner() adds later ones
 
 __version__ = "0.1.0"

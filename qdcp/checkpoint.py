@@ -19,8 +19,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from qdcp.load_planner import QuantizedLoadPlanner
-from qdcp.save_planner import DequantizeChoice, QuantizedSavePlanner
+from qdcp.planning.load import QuantizedLoadPlanner
+from qdcp.planning.save import DequantizeChoice, QuantizedSavePlanner
 from qdcp.storage import storage_reader, storage_writer
 
 __all__ = ["save", "async_save", "load"]

@@ -32,7 +32,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from tqdm import tqdm
 
-from qdcp import outputs
+from qdcp.storage import outputs
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 from qdcp.hf.safetensors_files import SAFETENSORS_DTYPES, ShardWriter, TensorOut
@@ -213,7 +213,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def _to_torch(args: argparse.Namespace) -> int:
     """``--to torch``: the whole checkpoint in one ``torch.save`` file (:func:`qdcp.dcp_to_torch_save`),
     written under a fresh temporary name and renamed into place; never over an existing file."""
-    from qdcp.consolidate import consolidate
+    from qdcp.frameworks.consolidate import consolidate
 
     if args.dtype or args.overwrite:
         why = "(it writes each entry in its own dtype)" if args.dtype else \

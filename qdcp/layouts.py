@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from qdcp.errors import AlignmentError, CheckpointFormatError
+
+if TYPE_CHECKING:
+    import torch
 
 Chunk = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -32,6 +35,13 @@ Chunk = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 def full_chunk(shape: Sequence[int]) -> Chunk:
     """The chunk covering the whole tensor."""
     return tuple(0 for _ in shape), tuple(int(s) for s in shape)
+
+
+def narrow(t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    """The view of ``t`` that is ``chunk``."""
+    for dim, (o, s) in enumerate(zip(*chunk)):
+        t = t.narrow(dim, o, s)
+    return t
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -11,14 +11,16 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from qdcp import spec as qspec
 from qdcp.adapters.base import StoredEntry, adapter_for_type
 from qdcp.dcp_copies import read_items
 from qdcp.errors import CheckpointFormatError
-from qdcp.placement import narrow
+from qdcp.layouts import narrow
 from qdcp.storage import storage_reader
+from qdcp.storage.metadata import load_object
 
 def read_metadata(path: str | os.PathLike, **storage_options: Any) -> Metadata:
     """The DCP ``Metadata`` of the checkpoint at ``path`` (a path or fsspec URL), read safely."""
@@ -127,11 +129,23 @@ class CheckpointEntries:
             self._memory.reset([self.metadata.storage_data[r.storage_index].length for r in whole])
             arena = self._memory
         assembler = _Assembler({fqn: sd_md[fqn] for fqn in fqns}, arena)
+        self._read(reads, assembler)
+        return assembler.done()
+
+    def object_item(self, fqn: str) -> Any:
+        """The non-tensor item ``fqn``, verified and unpickled without running code."""
+        where = MetadataIndex(fqn)
+        none = torch.Size((0,))
+        assembler = _Assembler({})
+        self._read([ReadItem(type=LoadItemType.BYTE_IO, dest_index=where, dest_offsets=none,
+                             storage_index=where, storage_offsets=none, lengths=none)], assembler)
+        return assembler.objects[fqn]
+
+    def _read(self, reads: list[ReadItem], assembler: "_Assembler") -> None:
         if not self._set_up:
             self._storage.set_up_storage_reader(self.metadata, True)
             self._set_up = True
         self._storage.read_data(LoadPlan(reads), assembler).wait()
-        return assembler.done()
 
     def entry(self, key: str, *, dequantize: bool = False, dtype: torch.dtype | None = None) -> Any:
         """What :func:`read_entry` returns for ``key``."""
@@ -144,9 +158,7 @@ class CheckpointEntries:
         if item is None:
             raise KeyError(f"key {key!r} is not in the checkpoint at {os.fspath(self.path)!r}")
         if not isinstance(item, TensorStorageMetadata):
-            state = {key: None}
-            _load_quietly(state, self.path)
-            return state[key]
+            return self.object_item(key)
         value = self.tensor_items([key])[key]
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
@@ -195,6 +207,7 @@ class _Assembler:
         self._items = items
         self._arena = arena
         self._out: dict[str, torch.Tensor] = {}
+        self.objects: dict[str, Any] = {}
 
     def buffer_for(self, req: ReadItem, nbytes: int) -> torch.Tensor | None:
         if self._arena is None or not _reads_whole_item(req, self._items[req.dest_index.fqn]):
@@ -220,7 +233,10 @@ class _Assembler:
         pass
 
     def load_bytes(self, req: ReadItem, value) -> None:
-        raise CheckpointFormatError(f"{req.storage_index.fqn!r}: an object where a tensor was expected")
+        fqn = req.dest_index.fqn
+        if fqn in self._items:
+            raise CheckpointFormatError(f"{req.storage_index.fqn!r}: an object where a tensor was expected")
+        self.objects[fqn] = load_object(value, fqn)
 
     def done(self) -> dict[str, torch.Tensor]:
         missing = sorted(set(self._items) - set(self._out))
@@ -293,17 +309,6 @@ def _check_claimed_bytes(item: Any, fqn: str, stored: int) -> None:
             f"metadata is corrupt or hostile")
 
 
-def _load_quietly(state: dict, path) -> None:
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    from qdcp.planner import QuantizedLoadPlanner
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=storage_reader(path), planner=QuantizedLoadPlanner(),
-                 no_dist=True)
 
 
 def check_chunks(metadata: Metadata) -> list[str]:

@@ -1,5 +1,5 @@
-"""The load side by component: which action each target key gets (qdcp.load_planning), what each
-action reads and how it finishes (qdcp.load_actions), from a checkpoint's metadata alone."""
+"""The load side by component: which action each target key gets (qdcp.planning.key_plans), what each
+action reads and how it finishes (qdcp.planning.actions), from a checkpoint's metadata alone."""
 from __future__ import annotations
 
 import pytest
@@ -8,8 +8,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
 from qdcp.adapters import find_adapter
-from qdcp.load_actions import FromPlain, InPlace, IntoPlain, RawCopy, Requantize
-from qdcp.load_planning import KeyPlanner
+from qdcp.planning.actions import FromPlain, InPlace, IntoPlain, RawCopy, Requantize
+from qdcp.planning.key_plans import KeyPlanner
 from quantized_cases import CASE_BY_NAME, SHAPE, bits_diff, components_diff, qdcp_load, qdcp_save
 
 INT8, INT8_GROUP = CASE_BY_NAME["int8_row"], CASE_BY_NAME["int8_group32"]

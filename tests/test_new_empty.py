@@ -1,8 +1,8 @@
-"""qdcp.new_empty, what the plain call needs:
+"""qdcp.staging.new_empty, what the plain call needs:
 ``dcp.async_save(state, checkpoint_id=p, planner=QuantizedSavePlanner())``.
 
 No ``async_stager``: DCP's default stager copies each wrapper subclass through ``new_empty`` and a
-deep copy of its ``__dict__``. qdcp fills the same-size ``new_empty`` torchao lacks (qdcp.new_empty);
+deep copy of its ``__dict__``. qdcp fills the same-size ``new_empty`` torchao lacks (qdcp.staging.new_empty);
 these tests check the checkpoints that call writes against ``dcp.save``'s, byte for byte.
 """
 
@@ -89,14 +89,14 @@ def test_a_library_new_empty_is_never_replaced():
     Int8Tensor.implements(NEW_EMPTY)(own)
     try:
         qdcp.enable_new_empty()
-        assert Int8Tensor not in qdcp.new_empty.filled_classes()
+        assert Int8Tensor not in qdcp.staging.new_empty.filled_classes()
         assert torch.equal(STATES["int8"](0)["0.weight"].new_empty((1,)), torch.full((1,), 7.0))
         qdcp.unregister_new_empty()
         assert NEW_EMPTY in table  # removing qdcp's registrations leaves the library's
     finally:
         del table[NEW_EMPTY]
         qdcp.enable_new_empty()
-    assert Int8Tensor in qdcp.new_empty.filled_classes()
+    assert Int8Tensor in qdcp.staging.new_empty.filled_classes()
 
 
 def test_turned_off_the_plain_call_fails_before_writing(tmp_path):

@@ -34,7 +34,7 @@ def test_to_meta_moves_every_inner_buffer_in_place(case):
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_tensor_copy_keeps_bits(case):
     t = case.make(0)
-    moved = qdcp.offload.tensor_to_device(t, "cpu")
+    moved = qdcp.staging.offload.tensor_to_device(t, "cpu")
     assert_same_buffers(moved, t)
 
 

@@ -127,3 +127,20 @@ def test_entries_reuse_memory_read_in_place(tmp_path, writer):
     data.write_bytes(bytes(raw))
     with pytest.raises(ChecksumError, match="key 'b'"):
         CheckpointEntries(tmp_path / "c", reuse_memory=True).entry("b")
+
+
+def test_read_entry_of_objects_reads_them_safely(tmp_path):
+    """Non-tensor entries come back as saved, read without a load planner and unpickled without
+    running code (a class outside the allowlist is refused, naming the key)."""
+    import argparse
+    import fractions
+
+    path = str(tmp_path / "ckpt")
+    objects = {"step": 7, "args": argparse.Namespace(lr=0.5), "names": ["a", "b"]}
+    qdcp.save({**objects, "w": torch.arange(4.0)}, path)
+    for key, value in objects.items():
+        assert qdcp.read_entry(path, key) == value
+    bad = str(tmp_path / "bad")
+    qdcp.save({"third": fractions.Fraction(1, 3)}, bad)
+    with pytest.raises(qdcp.LoadMismatchError, match="'third'.*fractions.Fraction"):
+        qdcp.read_entry(bad, "third")

@@ -16,7 +16,7 @@ from torchao.quantization import Int8WeightOnlyConfig
 from dist_helpers import run_one_rank_script
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, StagingError, UnsupportedTensorError
 from qdcp.adapters.base import find_adapter
-from qdcp.stager import QuantizedStager
+from qdcp.staging.stager import QuantizedStager
 from quantized_cases import CASES, assert_bitwise_equal, assert_same_buffers, inner
 from state_dicts import (
     STATES,
@@ -276,7 +276,7 @@ _PROCESS_IMPORTS = """
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 from dist_helpers import dtensor_from_local
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
-from qdcp.stager import QuantizedStager
+from qdcp.staging.stager import QuantizedStager
 from state_dicts import assert_same_checkpoint, assert_same_state, mixed, mutate, snapshot
 """
 _PROCESS_MAIN = '''

@@ -181,3 +181,34 @@ def test_async_save_through_checkpoint_writer_stages_quantized_tensors(tmp_path)
     fut.result()
     writer.close()
     assert_is_version(load(path), 1)
+
+
+def test_async_save_through_checkpoint_writer_uses_the_stager_it_was_given(tmp_path):
+    """``CheckpointWriter(path, stager=s)``: DCP stages through the writer, which hands the call to
+    ``s`` (its buffers hold the staged copy) and leaves ``s`` open for the caller's next save."""
+    stager = qdcp.QuantizedStager()
+    for version in (1, 2):
+        live = state(version)
+        path = tmp_path / f"ckpt{version}"
+        writer = CheckpointWriter(path, stager=stager)
+        fut = dcp.async_save(live, storage_writer=writer, planner=QuantizedSavePlanner())
+        live["int8"].qdata.zero_()
+        fut.result()
+        writer.close()  # not the writer's to close: the stager keeps its buffers for the next save
+        assert stager.staged_nbytes > 0  # still open, its buffers kept for the next save
+        assert_is_version(load(path), version)
+    stager.close()
+    with pytest.raises(qdcp.StagingError, match="closed"):
+        stager.stage(state(3))
+
+
+def test_storage_package_does_not_import_staging():
+    """The writer asks for a stager through a factory (``set_default_stager``), never imports one."""
+    import ast
+    import pathlib
+
+    for f in pathlib.Path(qdcp.storage.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert not any(n.startswith(("qdcp.staging", "qdcp.planning")) for n in names), (f, names)

@@ -372,6 +372,6 @@ def test_to_device_moves_every_buffer_and_keeps_the_parameter():
     assert all(mem._rowwise_data.device.type == "meta" for mem in m.w.quantized_tensors)
     # a copy keeps every bit (and the storage class)
     st = BY["mxfp8_both"].build(0, internal=True)
-    moved = qdcp.offload.tensor_to_device(st, "cpu")
+    moved = qdcp.staging.offload.tensor_to_device(st, "cpu")
     assert type(moved) is GroupedTensorStorage
     assert_same_flat(moved, st)

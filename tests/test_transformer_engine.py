@@ -569,7 +569,7 @@ def test_inner_buffers_round_trip(case):
 
 
 def test_quantized_stager_async_save_equals_sync(tmp_path):
-    from qdcp.stager import QuantizedStager
+    from qdcp.staging.stager import QuantizedStager
     state = {c.name: c.build(i) for i, c in enumerate(CASES)}
     dcp.save(state, checkpoint_id=tmp_path / "sync", planner=QuantizedSavePlanner())
     fut = dcp.async_save(state, checkpoint_id=tmp_path / "async", planner=QuantizedSavePlanner(),

@@ -54,7 +54,7 @@ class Adapter(abc.ABC):
       :meth:`quantize_unsupported` (other types), :meth:`members` / :meth:`member_chunk` /
       :meth:`members_loaded` (groups);
     - the stager and :func:`qdcp.to_device`: :meth:`inner_buffers`, :meth:`from_inner_buffers`;
-    - DCP's default stager (through qdcp.new_empty): :meth:`loaded_classes`, :meth:`add_op`;
+    - DCP's default stager (through qdcp.staging.new_empty): :meth:`loaded_classes`, :meth:`add_op`;
     - ``qdcp.export`` (Hugging Face layouts): :meth:`rebuild`, :meth:`raw_forms_out` /
       :meth:`to_raw_form`, and :meth:`new_from_raw_form` (torchao's layout holding another family's bits);
     - ``qdcp.read_entry`` and the CLI: :meth:`rebuild` (a live instance; needs the library),

@@ -16,7 +16,7 @@ Two kinds:
 
 DCP's default async stager copies a tensor through ``new_empty``: the wrappers answer it with a
 plain, uninitialised tensor (their dispatch unwraps every op it does not list), which DCP then
-writes. qdcp fills a same-size ``new_empty`` that builds a real wrapper (see qdcp.new_empty):
+writes. qdcp fills a same-size ``new_empty`` that builds a real wrapper (see qdcp.staging.new_empty):
 through ``torch.library.register_torch_dispatch`` for the wrappers (their own ``__torch_dispatch__``
 has no op table) and through ``TorchAOBaseTensor.implements`` for the int8 weight.
 """

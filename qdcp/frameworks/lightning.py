@@ -53,8 +53,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from qdcp.load_planner import QuantizedLoadPlanner
-from qdcp.save_planner import QuantizedSavePlanner
+from qdcp.planning.load import QuantizedLoadPlanner
+from qdcp.planning.save import QuantizedSavePlanner
 
 __all__ = ["QuantizedFabricStrategy", "QuantizedTrainerStrategy", "save_sharded", "load_sharded"]
 

@@ -41,10 +41,10 @@ from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManag
 from torchtitan.tools.utils import GarbageCollection
 
 from qdcp.adapters import find_adapter
-from qdcp.load_planner import QuantizedLoadPlanner
-from qdcp.placement import place, with_local
-from qdcp.save_planner import QuantizedSavePlanner
-from qdcp.stager import QuantizedStager
+from qdcp.planning.load import QuantizedLoadPlanner
+from qdcp.planning.placement import place, with_local
+from qdcp.planning.save import QuantizedSavePlanner
+from qdcp.staging.stager import QuantizedStager
 
 __all__ = ["QuantizedCheckpointManager", "QuantizedModelWrapper", "plain_weights"]
 

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
-from qdcp import outputs
+from qdcp.storage import outputs
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 from qdcp.hf import safetensors_files as stf
@@ -121,7 +121,7 @@ def _check_output(checkpoint: str, out_dir: str, overwrite: bool) -> None:
 
 
 class _OutputRefused(ExportError, outputs.OutputError):
-    """``out_dir`` cannot be written (an :class:`ExportError` and a :class:`qdcp.outputs.OutputError`)."""
+    """``out_dir`` cannot be written (an :class:`ExportError` and a :class:`qdcp.storage.outputs.OutputError`)."""
 
 
 def _sources(md) -> tuple[dict[str, Source], list[str]]:

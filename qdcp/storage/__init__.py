@@ -15,8 +15,9 @@ One job per module:
   checkpoint unless ``overwrite=True``; with it, new data files get fresh names and the new
   ``.metadata`` atomically replaces the old one (``rename``), so a save killed at any point leaves
   the previous checkpoint loadable. One save per path at a time per process. Used by
-  ``dcp.async_save`` as its stager (DCP's hook: a writer that is an ``AsyncStager``), it hands the
-  staging to :class:`qdcp.QuantizedStager`. :func:`refuse_existing_checkpoint` guards the plain path.
+  ``dcp.async_save`` as its stager (DCP's hook: a writer that is an ``AsyncStager``), it stages
+  nothing itself: it hands the call to the stager it was given, else to one made by
+  :func:`set_default_stager`'s factory (``import qdcp`` sets :class:`qdcp.QuantizedStager`). :func:`refuse_existing_checkpoint` guards the plain path.
 - :mod:`~qdcp.storage.factories`: :func:`storage_writer` / :func:`storage_reader` pick the
   file-system or fsspec variant for a path or URL (``memory://``, ``s3://``...).
 """
@@ -26,8 +27,8 @@ from qdcp.storage.factories import storage_reader, storage_writer
 from qdcp.storage.metadata import MAX_METADATA_BYTES, METADATA_FILE, check_chunk_geometry, safe_load_metadata
 from qdcp.storage.reader import CheckpointReader
 from qdcp.storage.trailer import ChecksumExtension
-from qdcp.storage.writer import CheckpointWriter, refuse_existing_checkpoint
+from qdcp.storage.writer import CheckpointWriter, refuse_existing_checkpoint, set_default_stager
 
 __all__ = ["CheckpointReader", "CheckpointWriter", "storage_reader", "storage_writer", "safe_load_metadata",
-           "check_chunk_geometry", "refuse_existing_checkpoint", "ChecksumExtension", "ChecksumError",
+           "check_chunk_geometry", "refuse_existing_checkpoint", "set_default_stager", "ChecksumExtension", "ChecksumError",
            "CheckpointFormatError", "MAX_METADATA_BYTES", "METADATA_FILE"]

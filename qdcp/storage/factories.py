@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from qdcp.errors import QdcpError
 from qdcp.storage.reader import CheckpointReader, SafeReading
@@ -39,16 +40,16 @@ def storage_reader(path: str | os.PathLike, **storage_options: Any) -> FileSyste
 
 
 def storage_writer(path: str | os.PathLike, overwrite: bool = False, checksums: bool = True,
-                   **kwargs: Any) -> FileSystemWriter:
+                   stager: AsyncStager | None = None, **kwargs: Any) -> FileSystemWriter:
     """A :class:`CheckpointWriter` for a local path, or its fsspec twin for a URL.
 
     For URLs, ``kwargs`` are fsspec storage options; the commit is a rename (not atomic on object
-    stores), but ``.metadata`` is still written last.
+    stores), but ``.metadata`` is still written last. ``stager``: as :class:`CheckpointWriter`'s.
     """
     if is_url(path):
         _need_fsspec()
-        return FsspecCheckpointWriter(path, overwrite=overwrite, checksums=checksums, **kwargs)
-    return CheckpointWriter(path, overwrite=overwrite, checksums=checksums, **kwargs)
+        return FsspecCheckpointWriter(path, overwrite=overwrite, checksums=checksums, stager=stager, **kwargs)
+    return CheckpointWriter(path, overwrite=overwrite, checksums=checksums, stager=stager, **kwargs)
 
 
 def _need_fsspec() -> None:
@@ -68,7 +69,7 @@ if FsspecWriter is not None:
         """:class:`CheckpointWriter` for fsspec URLs (the commit rename is not atomic on object stores)."""
 
         def __init__(self, path: str, overwrite: bool = False, checksums: bool = True,
-                     **kwargs: Any) -> None:
+                     stager: AsyncStager | None = None, **kwargs: Any) -> None:
             extensions = [ChecksumExtension()] if checksums else None
             super().__init__(os.fspath(path), overwrite=True, _extensions=extensions, **kwargs)
-            self._setup_atomic(overwrite)
+            self._setup_atomic(overwrite, stager)

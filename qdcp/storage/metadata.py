@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import pickle
+import re
 from typing import IO, Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
 
-from qdcp.errors import CheckpointFormatError
+from qdcp.errors import CheckpointFormatError, LoadMismatchError
 from qdcp.spec import chunk_problems, describe_item
 
-__all__ = ["MAX_METADATA_BYTES", "METADATA_FILE", "safe_load_metadata", "check_chunk_geometry"]
+__all__ = ["MAX_METADATA_BYTES", "METADATA_FILE", "safe_load_metadata", "check_chunk_geometry", "load_object",
+           "SAFE_OBJECT_TYPES"]
 
 MAX_METADATA_BYTES = 1 << 30
 METADATA_FILE = ".metadata"
@@ -93,3 +97,22 @@ def check_chunk_geometry(md: Metadata) -> None:
     if problems:
         fqn, problem = problems[0]
         raise CheckpointFormatError(f"{describe_item(fqn)}: {problem}; the checkpoint's metadata is corrupt")
+
+
+# types a stored non-tensor object may hold beyond torch.load's weights_only allowlist
+SAFE_OBJECT_TYPES = (io.BytesIO, argparse.Namespace)
+
+
+def load_object(value: io.BytesIO, fqn: str, weights_only: bool = True):
+    """A non-tensor object, unpickled without running code unless ``weights_only`` is False."""
+    try:
+        with torch.serialization.safe_globals(list(SAFE_OBJECT_TYPES)):
+            return torch.load(value, weights_only=weights_only)
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        raise LoadMismatchError(
+            f"key {fqn!r}: the checkpoint stores a pickled object that refers to "
+            f"{refused.group(1) if refused else 'a global'}, which loading with weights_only=True "
+            f"refuses (a pickle can run code). If you trust this checkpoint, pass "
+            f"QuantizedLoadPlanner(weights_only=False), or allow that type with "
+            f"torch.serialization.add_safe_globals.") from e

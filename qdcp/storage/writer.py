@@ -11,9 +11,10 @@ import pickle
 import threading
 import uuid
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -51,6 +52,17 @@ def refuse_existing_checkpoint(storage_meta: StorageMeta | None, who: str) -> No
             f"atomically")
 
 
+_default_stager: Callable[[], AsyncStager] | None = None
+
+
+def set_default_stager(factory: Callable[[], AsyncStager] | None) -> None:
+    """What a qdcp writer stages through when ``dcp.async_save`` uses it as its stager and it was
+    given none: ``factory()``, made once per writer (``import qdcp`` sets :class:`qdcp.QuantizedStager`);
+    None: DCP's own staging."""
+    global _default_stager
+    _default_stager = factory
+
+
 class AtomicWriting:
     """Mixin for DCP's file-system writers: no silent overwrite, atomic commit, one save per path."""
 
@@ -60,19 +72,21 @@ class AtomicWriting:
             _guarded_metas[id(meta)] = meta  # this writer refuses an existing checkpoint itself
         return meta
 
-    def _setup_atomic(self, overwrite: bool) -> None:
+    def _setup_atomic(self, overwrite: bool, stager: AsyncStager | None = None) -> None:
         self.qdcp_overwrite = overwrite
         self._qdcp_extensions = tuple(self.transforms.extensions)
         self._holds_path = False
-        self._stager = None
+        self._stager = stager
+        self._owns_stager = stager is None
 
-    # DCP uses a writer that is an AsyncStager as the stager of dcp.async_save when none is given:
-    # stage through qdcp's stager so quantized tensors are copied by their inner buffers.
+    # DCP's hook: ``dcp.async_save`` without ``async_stager`` stages through a writer that is an
+    # AsyncStager (FileSystemWriter is one). This writer does no staging of its own: it hands the
+    # call to the stager it was given, else to one from the default factory (set_default_stager).
     def stage(self, state_dict):
         if self._stager is None:
-            from qdcp.stager import QuantizedStager
-
-            self._stager = QuantizedStager()
+            if _default_stager is None:
+                return super().stage(state_dict)  # DCP's own (FileSystemWriter's) staging
+            self._stager = _default_stager()
         return self._stager.stage(state_dict)
 
     def synchronize_staging(self) -> None:
@@ -80,13 +94,15 @@ class AtomicWriting:
             self._stager.synchronize_staging()
 
     def close(self) -> None:
-        if self._stager is not None:
+        """Closes the stager this writer made (a stager passed in stays its owner's)."""
+        if self._stager is not None and self._owns_stager:
             self._stager.close()
             self._stager = None
 
     def __getstate__(self):  # the PROCESS checkpointer pickles the writer: buffers stay here
         state = self.__dict__.copy()
         state["_stager"] = None
+        state["_owns_stager"] = True
         return state
 
     def _key(self) -> str:
@@ -198,11 +214,14 @@ class CheckpointWriter(AtomicWriting, FileSystemWriter):
             readable by stock DCP), otherwise by this writer, which appends an XXH3-64 to each
             item (``qdcp-checksum/2``; such files need :class:`CheckpointReader`). Both are
             verified by :class:`CheckpointReader`. False: no writer checksums.
+        stager: what ``dcp.async_save`` stages through when it uses this writer as its stager (no
+            ``async_stager`` given); it stays the caller's to close. Default: a
+            :class:`~qdcp.QuantizedStager` this writer makes, and closes in :meth:`close`.
         **kwargs: ``FileSystemWriter`` options (``thread_count``, ``sync_files``...).
     """
 
     def __init__(self, path: str | os.PathLike, overwrite: bool = False, checksums: bool = True,
-                 **kwargs: Any) -> None:
+                 stager: AsyncStager | None = None, **kwargs: Any) -> None:
         extensions = [ChecksumExtension()] if checksums else None
         super().__init__(path, overwrite=True, _extensions=extensions, **kwargs)
-        self._setup_atomic(overwrite)
+        self._setup_atomic(overwrite, stager)

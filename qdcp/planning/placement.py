@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from qdcp.errors import AlignmentError
 from qdcp.layouts import Chunk, Layout, full_chunk
 
-__all__ = ["Placed", "place", "with_local", "planning", "is_empty", "relative", "narrow", "expand"]
+__all__ = ["Placed", "place", "with_local", "planning", "is_empty", "relative", "expand"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +82,6 @@ def relative(inner: Chunk, outer: Chunk) -> Chunk:
     return tuple(i - o for i, o in zip(inner[0], outer[0])), inner[1]
 
 
-def narrow(t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-    """The view of ``t`` that is ``chunk``."""
-    for dim, (o, s) in enumerate(zip(*chunk)):
-        t = t.narrow(dim, o, s)
-    return t
 
 
 def expand(layouts: dict[str, Layout], shape: tuple[int, ...], chunk: Chunk) -> Chunk:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from qdcp import spec as qspec
-from qdcp.load_planner import QuantizedLoadPlanner
+from qdcp.planning.load import QuantizedLoadPlanner
 
 __all__ = ["consolidate", "dcp_to_torch_save", "ConsolidatingLoadPlanner"]
 

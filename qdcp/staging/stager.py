@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from qdcp.adapters.base import find_adapter
-from qdcp.chunked import names_own_chunks, staged_copy
+from qdcp.staging.chunked import names_own_chunks, staged_copy
 from qdcp.errors import StagingError, UnsupportedTensorError
 
 __all__ = ["QuantizedStager"]

@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from qdcp.adapters.base import Adapter, RawConversion, StoredEntry, adapter_for_type, find_adapter
 from qdcp.layouts import Chunk
-from qdcp.placement import Placed, narrow, relative
+from qdcp.layouts import narrow
+from qdcp.planning.placement import Placed, relative
 
 __all__ = ["Temporaries", "Destination", "ItemRead", "StoredSource", "LoadAction", "InPlace", "RawCopy",
            "Requantize", "IntoPlain", "FromPlain"]

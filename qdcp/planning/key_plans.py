@@ -1,7 +1,7 @@
 """Choosing the load action for each target key, from the checkpoint's metadata alone.
 
 :class:`KeyPlanner` is built once per load from the checkpoint's metadata and asked, per target
-key, for a :class:`KeyPlan`: the :mod:`qdcp.load_actions` to run, and what (if anything) it leaves
+key, for a :class:`KeyPlan`: the :mod:`qdcp.planning.actions` to run, and what (if anything) it leaves
 to DCP's own path. Every check that metadata allows is made here, before anything is read.
 """
 
@@ -18,9 +18,9 @@ from qdcp.adapters.base import (Adapter, adapter_for_type, describe_tensor, find
                                  raw_conversion)
 from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Chunk
-from qdcp.load_actions import (Destination, FromPlain, InPlace, IntoPlain, ItemRead, LoadAction, RawCopy,
+from qdcp.planning.actions import (Destination, FromPlain, InPlace, IntoPlain, ItemRead, LoadAction, RawCopy,
                                Requantize, StoredSource, Temporaries)
-from qdcp.placement import Placed, expand, is_empty, place, with_local
+from qdcp.planning.placement import Placed, expand, is_empty, place, with_local
 
 __all__ = ["KeyPlan", "KeyPlanner", "GroupTarget", "Decoded"]
 

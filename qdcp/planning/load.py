@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
 import math
-import pickle
-import re
 import threading
 import warnings
 
@@ -20,19 +17,18 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from qdcp import checksums as sums
 from qdcp import spec as qspec
 from qdcp.dcp_copies import pre_2_4_state_dict, read_items
-from qdcp.errors import CheckpointFormatError, LoadMismatchError
-from qdcp.load_actions import ItemRead, LoadAction, Temporaries
-from qdcp.load_planning import GroupTarget, KeyPlan, KeyPlanner
-from qdcp.load_shadows import Shadows
-from qdcp.placement import narrow, planning
+from qdcp.errors import CheckpointFormatError
+from qdcp.layouts import narrow
+from qdcp.planning.actions import ItemRead, LoadAction, Temporaries
+from qdcp.planning.key_plans import GroupTarget, KeyPlan, KeyPlanner
+from qdcp.planning.shadows import Shadows
+from qdcp.planning.placement import planning
+from qdcp.storage.metadata import load_object
 
 __all__ = ["QuantizedLoadPlanner"]
 
 # Objects whose unpickling runs no code, allowed beside torch's weights-only types: what trainers
 # checkpoint as non-tensor state (torchtitan's TrainState keeps its losses in a BytesIO).
-_SAFE_OBJECT_TYPES = (io.BytesIO, argparse.Namespace)
-
-
 class QuantizedLoadPlanner(DefaultLoadPlanner):
     """A :class:`~torch.distributed.checkpoint.DefaultLoadPlanner` that fills whatever the target holds.
 
@@ -43,12 +39,12 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     against the checksum the save recorded (:class:`~qdcp.ChecksumError`); items read in part are
     checked by :class:`~qdcp.CheckpointReader`. ``atomic`` (default False, DCP's in-place load):
     True loads into copies of the targets and copies them in only once every read of this rank has
-    arrived and been verified, so a failed load leaves every target as it was (:mod:`qdcp.load_shadows`;
+    arrived and been verified, so a failed load leaves every target as it was (:mod:`qdcp.planning.shadows`;
     costs one copy of the loaded state). With ``allow_partial_load``, ``loaded_keys`` and
     ``missing_keys`` say which target keys the checkpoint had; a load that matches none warns.
 
     DCP calls, in order, on every rank: ``set_up_planner`` (plans every target key against the
-    checkpoint's metadata: ``_actions`` holds the :mod:`qdcp.load_actions` by target key, ``_by_item``
+    checkpoint's metadata: ``_actions`` holds the :mod:`qdcp.planning.actions` by target key, ``_by_item``
     the action each planned item name feeds, ``_handled`` the checkpoint keys they account for;
     keys left in ``state_dict`` go DCP's own way); ``create_local_plan`` (DCP's reads, plus each
     action's); ``finish_plan`` (``_pending`` counts the reads each action still waits for); then,
@@ -218,7 +214,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self._verify.check_bytes(read_item, value.getbuffer(), read_item.dest_index.fqn)
-        obj = _load_object(value, read_item.dest_index.fqn, self.weights_only)
+        obj = load_object(value, read_item.dest_index.fqn, self.weights_only)
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
             put = lambda: set_element(self.original_state_dict, self.mappings[fqn], obj)  # noqa: E731
@@ -277,19 +273,6 @@ def _report_partial(loaded: list[str], missing: list[str], metadata: Metadata, s
         f"(qdcp.describe(path) lists them).", UserWarning, stacklevel=2)
 
 
-def _load_object(value: io.BytesIO, fqn: str, weights_only: bool):
-    """A non-tensor object, unpickled without running code unless ``weights_only`` is False."""
-    try:
-        with torch.serialization.safe_globals(list(_SAFE_OBJECT_TYPES)):
-            return torch.load(value, weights_only=weights_only)
-    except pickle.UnpicklingError as e:
-        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-        raise LoadMismatchError(
-            f"key {fqn!r}: the checkpoint stores a pickled object that refers to "
-            f"{refused.group(1) if refused else 'a global'}, which loading with weights_only=True "
-            f"refuses (a pickle can run code). If you trust this checkpoint, pass "
-            f"QuantizedLoadPlanner(weights_only=False), or allow that type with "
-            f"torch.serialization.add_safe_globals.") from e
 
 
 def _reads_of(key: str, read: ItemRead) -> list[ReadItem]:

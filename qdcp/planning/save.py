@@ -36,8 +36,8 @@ from qdcp.adapters.base import Adapter, describe_tensor, find_adapter
 from qdcp.errors import (AlignmentError, LoadMismatchError, ReplicaMismatchError, StagingError,
                          UnsupportedTensorError)
 from qdcp.layouts import Chunk
-from qdcp.new_empty import register_new_empty
-from qdcp.placement import Placed, is_empty, place, planning, with_local
+from qdcp.staging.new_empty import register_new_empty
+from qdcp.planning.placement import Placed, is_empty, place, planning, with_local
 from qdcp.storage import refuse_existing_checkpoint
 
 DequantizeChoice = Union[bool, Callable[[str, torch.Tensor], bool]]

@@ -116,7 +116,7 @@ _switched: list[type] = []
 def _switched_empty_planner() -> type:
     """qdcp's ``ConsolidatingLoadPlanner``, unpickling objects as :func:`install` was told."""
     if not _switched:
-        from qdcp.consolidate import ConsolidatingLoadPlanner
+        from qdcp.frameworks.consolidate import ConsolidatingLoadPlanner
 
         class SwitchedEmptyStateDictLoadPlanner(ConsolidatingLoadPlanner):
             """What ``qdcp.install()`` puts in place of DCP's ``_EmptyStateDictLoadPlanner``."""
@@ -149,7 +149,7 @@ def _wrap(original: Callable, adjust: Callable[[dict[str, Any]], None], storage:
 
 
 def _save_arguments(arguments: dict[str, Any]) -> None:
-    from qdcp.save_planner import QuantizedSavePlanner
+    from qdcp.planning.save import QuantizedSavePlanner
 
     planner = arguments.get("planner")
     if planner is None or type(planner) is DefaultSavePlanner:
@@ -160,7 +160,7 @@ def _save_arguments(arguments: dict[str, Any]) -> None:
 def _async_arguments(arguments: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.staging import AsyncStager
 
-    from qdcp.stager import QuantizedStager
+    from qdcp.staging.stager import QuantizedStager
 
     _save_arguments(arguments)
     writer = arguments.get("storage_writer")
@@ -176,7 +176,7 @@ def _torch_stages(writer: Any) -> bool:
 
 
 def _load_arguments(arguments: dict[str, Any]) -> None:
-    from qdcp.load_planner import QuantizedLoadPlanner
+    from qdcp.planning.load import QuantizedLoadPlanner
 
     planner = arguments.get("planner")
     if planner is None or type(planner) is DefaultLoadPlanner:
