@@ -26,6 +26,9 @@ both are asserted bit-exact. Plain targets equal the library's ``dequantize()`` 
 Commands: ``save`` (4 ranks), ``model`` (4 ranks: a real ``parallelize_module`` + ``fully_shard``
 model saved and loaded at 1-D 4 and in one process), ``load-same`` / ``load-fsdp`` / ``load-other`` (4),
 ``load-tp`` (2), ``load-single`` (1).
+
+Where CUDA has a device per rank, the ranks run nccl with their tensors on their GPU (the
+multi-GPU suite); gloo on CPU otherwise. Expectations are computed on CPU either way.
 """
 
 from __future__ import annotations
@@ -46,11 +49,11 @@ from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dist_helpers import dtensor_from_local  # noqa: E402
+from dist_helpers import dtensor_from_local, init_torchrun_mesh  # noqa: E402
 from quantized_cases import CASE_BY_NAME, components_diff  # noqa: E402
 from worker_results import RANK, WORLD, check, qdcp_error_in, run, short  # noqa: E402
 
-from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
+from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, to_device  # noqa: E402
 
 SHAPE = (128, 128)
 NAMES = ("int8_row", "float8_row", "mx_fp8", "nvfp4", "optim8bit_signed", "optim4bit", "optimfp8")
@@ -61,6 +64,8 @@ REFUSED = {(name, "rowwise") for name in FLAT}  # a column cut of flat blocks is
 PER_ROW = ("int8_row", "float8_row")  # one scale per row of the (local) tensor
 COL_BLOCK = {"mx_fp8": 32, "nvfp4": 16}  # scales per block of columns
 Block = tuple[int, int, int, int]  # row offset, column offset, rows, columns
+CUDA = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD
+DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if CUDA else torch.device("cpu")
 
 
 def hp(name: str) -> torch.Tensor:
@@ -123,7 +128,11 @@ def expected_local(name: str, target: Block, sources: list[Block]) -> torch.Tens
 # ----------------------------------------------------------------------------- save
 
 def mesh2d(shape=(2, 2)):
-    return init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(DEVICE.type, shape, mesh_dim_names=("dp", "tp"))
+
+
+def mesh1d():
+    return init_device_mesh(DEVICE.type, (WORLD,))
 
 
 def real_placements(mesh) -> dict[str, tuple]:
@@ -134,9 +143,10 @@ def real_placements(mesh) -> dict[str, tuple]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp_fsdp = nn.Sequential(nn.Linear(SHAPE[1], SHAPE[0], bias=False), nn.ReLU(), nn.Linear(SHAPE[0], SHAPE[1], bias=False))
+    tp_fsdp.to(DEVICE)
     parallelize_module(tp_fsdp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(tp_fsdp, mesh=mesh["dp"])
-    hsdp = fully_shard(nn.Linear(SHAPE[1], SHAPE[0], bias=False), mesh=mesh)
+    hsdp = fully_shard(nn.Linear(SHAPE[1], SHAPE[0], bias=False, device=DEVICE), mesh=mesh)
     return {"colwise": tp_fsdp[0].weight.placements, "rowwise": tp_fsdp[2].weight.placements,
             "hsdp": hsdp.weight.placements}
 
@@ -150,7 +160,7 @@ def save(root: str, mesh) -> None:
         case = CASE_BY_NAME[name]
         for layout, placements in LAYOUTS.items():
             b = block_of(mesh, placements)
-            t = dtensor_from_local(case.from_hp(cut(hp(name), b)), mesh, placements, SHAPE, case.dtype)
+            t = dtensor_from_local(case.from_hp(cut(hp(name), b).to(DEVICE)), mesh, placements, SHAPE, case.dtype)
             if (name, layout) in REFUSED:
                 _save_refused(root, f"{name}.{layout}", t)
                 continue
@@ -203,8 +213,8 @@ def load_into(section: str, mesh, placements, root: str) -> None:
             case = CASE_BY_NAME[name]
             if name in FLAT and b[3] != SHAPE[1]:
                 continue  # a column cut of flat-block state: refused (see save)
-            local = case.from_hp(torch.zeros(b[2:], dtype=case.dtype)) if kind == "same" \
-                else torch.zeros(b[2:], dtype=case.dtype)
+            zeros = torch.zeros(b[2:], dtype=case.dtype, device=DEVICE)
+            local = case.from_hp(zeros) if kind == "same" else zeros
             state[key] = dtensor_from_local(local, mesh, placements, SHAPE, case.dtype) if mesh is not None else local
             expect[key] = expected_local(name, b, srcs) if kind == "same" else cut(values(name, srcs), b)
         try:
@@ -213,7 +223,7 @@ def load_into(section: str, mesh, placements, root: str) -> None:
             check(section, False, f"{kind} targets: the load failed: {short(e)}")
             continue
         for key, t in state.items():
-            diff = components_diff(t._local_tensor if mesh is not None else t, expect[key])
+            diff = components_diff(to_device(t._local_tensor if mesh is not None else t, "cpu"), expect[key])
             check(section, diff is None, f"{kind} {key} block {b} at {WORLD} ranks: {diff}")
 
 
@@ -224,11 +234,11 @@ def load_same(root: str, _mesh) -> None:
 
 
 def load_fsdp(root: str, _mesh) -> None:
-    load_into("fsdp", init_device_mesh("cpu", (WORLD,)), (Shard(0),), root)
+    load_into("fsdp", mesh1d(), (Shard(0),), root)
 
 
 def load_tp(root: str, _mesh) -> None:
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = mesh1d()
     load_into("tp-rows", mesh, (Shard(0),), root)
     load_into("tp-cols", mesh, (Shard(1),), root)
 
@@ -252,8 +262,8 @@ def replicas(root: str, _mesh) -> None:
     for diverged in (False, True):
         full = hp("int8_row") + (1 if diverged and dp == 1 else 0)
         plain = full.float() + (1 if diverged and dp == 1 else 0)
-        state = {"w": dtensor_from_local(case.from_hp(cut(full, b)), mesh, placements, SHAPE, case.dtype),
-                 "p": dtensor_from_local(cut(plain, b), mesh, placements, SHAPE, torch.float32)}
+        state = {"w": dtensor_from_local(case.from_hp(cut(full, b).to(DEVICE)), mesh, placements, SHAPE, case.dtype),
+                 "p": dtensor_from_local(cut(plain, b).to(DEVICE), mesh, placements, SHAPE, torch.float32)}
         path = os.path.join(root, f"replicas-{diverged}")
         try:
             dcp.save(state, checkpoint_id=path, planner=QuantizedSavePlanner(check_replicas=True))
@@ -279,4 +289,4 @@ COMMANDS = {"save": save, "replicas": replicas, "load-same": load_same, "load-fs
             "load-other": load_other, "load-single": load_single}
 
 if __name__ == "__main__":
-    sys.exit(run(COMMANDS, lambda: dist.init_process_group("gloo")))
+    sys.exit(run(COMMANDS, lambda: init_torchrun_mesh(DEVICE)))
