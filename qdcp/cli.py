@@ -17,7 +17,6 @@ Exit status: 0 success, 1 a check failed, 2 bad usage / missing or unreadable ch
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import logging
@@ -35,7 +34,6 @@ from tqdm import tqdm
 from qdcp.storage import outputs
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
-from qdcp.hf.safetensors_files import SAFETENSORS_DTYPES, ShardWriter, TensorOut
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -198,15 +196,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.to == "dcp" and not args.dequantize:
         print("qdcp: --to dcp needs --dequantize (a raw copy is the checkpoint itself)", file=sys.stderr)
         return EXIT_USAGE
-    if args.to == "safetensors":
-        outputs.check_replaceable(args.out, args.overwrite, directory=False, ours=_written_by_qdcp,
-                                  what="a safetensors file qdcp wrote")
-    else:
-        outputs.check_replaceable(args.out, args.overwrite, directory=True, ours=_DCP_FILES, required=".metadata",
-                                  what="a DCP checkpoint (.metadata and *.distcp files)")
     dtype = _DTYPE_ARGS[args.dtype] if args.dtype else None
     if args.to == "safetensors":
-        return _to_safetensors(_Entries(args.path, args.quiet, "convert"), args.out, args.dequantize, dtype)
+        return _to_safetensors(args, dtype)
+    outputs.check_replaceable(args.out, args.overwrite, directory=True, ours=_DCP_FILES, required=".metadata",
+                              what="a DCP checkpoint (.metadata and *.distcp files)")
     return _to_dcp_dequantized(_Entries(args.path, args.quiet, "convert"), args.out, dtype, args.overwrite)
 
 
@@ -246,96 +240,20 @@ def _leaves(state: Any) -> int:
 _DCP_FILES = outputs.name_matcher(r"\.metadata", r"\.metadata\.tmp", r"[^/]*\.distcp")
 
 
-def _written_by_qdcp(path: str) -> bool:
-    """Whether ``path`` is a safetensors file ``qdcp convert`` wrote (its header says so)."""
-    from safetensors import safe_open
+def _to_safetensors(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
+    """``--to safetensors``: :func:`qdcp.hf.convert.to_safetensors`, its result printed."""
+    from qdcp.hf.convert import UnwritableDtype, to_safetensors
 
     try:
-        with safe_open(path, "pt") as f:
-            return (f.metadata() or {}).get("producer") == "qdcp"
-    except Exception:  # not a safetensors file at all
-        return False
-
-
-def _tensor_plan(entries: _Entries, dequantize: bool, dtype: torch.dtype | None):
-    """``(tensor name, shape, dtype, entry key, component or None)`` of every tensor to write, and
-    the keys of objects (which safetensors cannot hold)."""
-    plan, skipped = [], []
-    for key in entries.keys:
-        entry = entries.specs.get(key)
-        if entries.raw(key) is not None and not dequantize:
-            plan += [(qspec.component_fqn(key, c.name), c.shape, c.dtype, key, c.name) for c in entry.components]
-            continue
-        item = entries.md.state_dict_metadata.get(key)
-        if entry is None and not isinstance(item, TensorStorageMetadata):
-            skipped.append(key)
-            continue
-        base = entry.dtype if entries.raw(key) is not None else (
-            (entry.stored_dtype or entry.dtype) if entry is not None else item.properties.dtype)
-        shape = entry.shape if entry is not None else tuple(item.size)
-        plan.append((key, tuple(shape), dtype if dtype is not None and base.is_floating_point else base, key, None))
-    return plan, skipped
-
-
-def _file_metadata(entries: _Entries, dequantize: bool) -> dict[str, str]:
-    """The header metadata: the qdcp spec of the raw entries (raw export) under ``"qdcp"``."""
-    meta = {"format": "pt", "producer": "qdcp"}
-    raw = {k: e for k, e in entries.specs.items() if e.storage == qspec.RAW}
-    if raw and not dequantize:
-        meta["qdcp"] = qspec.dumps(raw)
-    return meta
-
-
-def _to_safetensors(entries: _Entries, out: str, dequantize: bool, dtype: torch.dtype | None) -> int:
-    """Stream entries into one safetensors file; memory holds one entry at a time.
-
-    Raw export (default): components under ``<key>.__qdcp__.<component>`` (read as stored: no
-    library needed) and the qdcp spec of the raw entries in the header metadata under ``"qdcp"``;
-    plain tensors under their key. With ``dequantize``: every tensor entry as a plain tensor under
-    its key. Objects are skipped.
-    """
-    plan, skipped = _tensor_plan(entries, dequantize, dtype)
-    bad = next((row for row in plan if row[2] not in SAFETENSORS_DTYPES), None)
-    if bad is not None:
-        print(f"qdcp: {bad[0]}: dtype {bad[2]} has no safetensors name", file=sys.stderr)
+        result = to_safetensors(args.path, args.out, dequantize=args.dequantize, dtype=dtype,
+                                overwrite=args.overwrite, progress=False if args.quiet else None)
+    except UnwritableDtype as e:
+        print(f"qdcp: {e.row.name}: dtype {e.row.dtype} has no safetensors name", file=sys.stderr)
         return EXIT_FAILED
-    by_key: dict[str, list] = {}
-    for row in plan:
-        by_key.setdefault(row[3], []).append(row)
-    outs = [TensorOut(name, tuple(shape), dt) for name, shape, dt, _, _ in plan]
-    with _replacing_file(out) as tmp, ShardWriter(tmp, outs, _file_metadata(entries, dequantize)) as writer:
-        for key in entries:
-            rows = by_key.get(key, ())
-            if not rows:
-                continue
-            if rows[0][4] is not None:  # raw components, as stored
-                stored = entries.reading.stored(key).components
-                tensors = [stored[comp] for *_, comp in rows]
-            else:
-                tensors = [entries.values(key, rows[0][2])]
-            for (name, _, dt, _, _), t in zip(rows, tensors):
-                writer.write(name, t.to(dt))
-    for key in skipped:
+    for key in result.skipped:
         print(f"qdcp: skipped non-tensor entry {key!r} (safetensors holds tensors only)", file=sys.stderr)
-    print(f"wrote {out}: {_count(len(plan), 'tensor', 'tensors')}, {sum(t.nbytes for t in outs)} bytes")
+    print(f"wrote {result.out}: {_count(result.tensors, 'tensor', 'tensors')}, {result.nbytes} bytes")
     return EXIT_OK
-
-
-@contextlib.contextmanager
-def _replacing_file(out: str) -> Iterator[str]:
-    """A fresh temporary file beside ``out`` (never a name the user may hold) to write; renamed to
-    ``out`` when the block succeeds, removed when it fails."""
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".qdcp-convert-", suffix=".safetensors.tmp", dir=parent)
-    os.close(fd)
-    try:
-        yield tmp
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def _to_dcp_dequantized(entries: _Entries, out: str, dtype: torch.dtype | None, overwrite: bool) -> int:

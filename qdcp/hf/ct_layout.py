@@ -30,6 +30,13 @@ packed the same way along N (``weight_zero_point`` int32 ``(N / (32 / bits), gro
 and group strategies only. Dynamic activation quantization the source states (torchao's
 ``act_quant_kwargs``) becomes the scheme's ``input_activations`` where the library has its args
 (:func:`input_activations`); other activation settings are not carried (weight-only).
+
+Reading (:meth:`CompressedTensorsLayout.entries`, what :class:`qdcp.QuantizedHFReader` presents):
+each module a config group targets is one entry of a source-only type
+(:mod:`qdcp.adapters.compressed_tensors`) whose components are the module's parameters, as stored
+(packed integers unpacked when read); the strategy gives the block each scale covers
+(:func:`block_of`, the inverse of :func:`strategy_of` the writer uses), ``quantization_status``
+and the stored dtypes say whether they are codes. The rules of the format, both ways, are here.
 """
 
 from __future__ import annotations
@@ -37,16 +44,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Mapping, Sequence
+import re
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
+from qdcp.adapters import compressed_tensors as ct
 from qdcp.adapters.base import StoredEntry, adapter_for_type
 from qdcp.adapters.formats import MXFP8_FORMS, NVFP4_ROW16, nvfp4_decode_scale, parse_affine_form
-from qdcp.errors import QdcpError
-from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Source, UnsupportedEntry
+from qdcp.errors import CheckpointFormatError, QdcpError
+from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Item, Presented, Source, UnsupportedEntry, presented
 from qdcp.hf.safetensors_files import RowBlocks, TensorOut
+from qdcp.layouts import Blocked, Replicated
 from qdcp.reader import stored_on_meta
+
+if TYPE_CHECKING:
+    from qdcp.hf.reader import HFDirectory
 
 CT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this writes
 _MXFP8 = MXFP8_FORMS[torch.float8_e4m3fn]
@@ -155,7 +168,9 @@ def unpack_int32(words: torch.Tensor, bits: int, length: int, out: torch.Tensor 
     return out.sub_(8)
 
 
-def _strategy(block: tuple[int, int], shape: tuple[int, ...]) -> dict:
+def strategy_of(block: tuple[int, int], shape: tuple[int, ...]) -> dict:
+    """The ``weights`` args stating a scale per ``block`` of a 2-D ``shape``: ``strategy`` tensor,
+    channel, group (``group_size``) or block (``block_structure``). Inverse: :func:`block_of`."""
     n, k = shape
     if block == (n, k):
         return {"strategy": "tensor"}
@@ -164,6 +179,22 @@ def _strategy(block: tuple[int, int], shape: tuple[int, ...]) -> dict:
     if block[0] == 1:
         return {"strategy": "group", "group_size": block[1]}
     return {"strategy": "block", "block_structure": list(block)}
+
+
+def block_of(weights: Mapping, shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The block of ``shape`` each scale covers, as the ``weights`` args' strategy states it (a
+    single scale: the whole tensor). Inverse of :func:`strategy_of`."""
+    n, k = shape
+    strategy = weights.get("strategy")
+    if strategy == "tensor" or tuple(scale_shape) in ((1,), (1, 1)):
+        return (n, k)
+    if strategy == "channel":
+        return (1, k)
+    if strategy == "group":
+        return (1, int(weights["group_size"]))
+    if strategy == "block":
+        return tuple(int(b) for b in weights["block_structure"])
+    raise CheckpointFormatError(f"compressed-tensors strategy {strategy!r} is not read by qdcp")
 
 
 class CompressedTensorsLayout(HFLayout):
@@ -221,6 +252,33 @@ class CompressedTensorsLayout(HFLayout):
                 "kv_cache_scheme": None, "global_compression_ratio": None, "sparsity_config": {},
                 "transform_config": {}, "version": CT_VERSION}
 
+    @classmethod
+    def reads(cls, config: Mapping) -> bool:
+        """A directory whose config's ``quantization_config`` says ``quant_method: compressed-tensors``."""
+        return _quantization_config(config) is not None
+
+    def entries(self, directory: "HFDirectory") -> list[Presented]:
+        """Each module a config group targets that holds quantization parameters, read as the
+        format's codes where ``quantization_status`` is ``compressed`` (or absent and the stored
+        dtypes are codes), else left as the dense tensors they are. A module whose stored dtypes
+        contradict the status, or codes no group targets, are refused."""
+        d = directory
+        qc = read_quantization_config(d.config)
+        status = qc.get("quantization_status")
+        if status is not None and status not in _STATUSES:
+            raise CheckpointFormatError(f"{d.path}: compressed-tensors quantization_status {status!r} is not one "
+                                        f"qdcp reads ({', '.join(_STATUSES)})")
+        out, seen = [], set()
+        for group in (qc.get("config_groups") or {}).values():
+            fmt = group.get("format") or qc.get("format")
+            weights = group.get("weights") or {}
+            for module in _modules(d, group.get("targets"), qc.get("ignore")):
+                if module not in seen and _compressed(d, module, status):
+                    out.append(_entry(d, module, fmt, weights))
+                seen.add(module)
+        _refuse_unread_codes(d, set().union(*(e.consumed for e in out)), status)
+        return out
+
 
 def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape, inputs: str) -> tuple[Scheme, list]:
     """The scheme and ``(name, shape, dtype)`` of each tensor of a form's entry (shapes only). The
@@ -238,7 +296,7 @@ def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape, inputs: str) -> 
                 [("weight", (n, k), torch.float8_e4m3fn), ("weight_scale", (n, k // 32), torch.uint8)])
     kind, block = parse_affine_form(form)
     scale = t["scale"]
-    strategy = _strategy(block, shape)
+    strategy = strategy_of(block, shape)
     scale_shape = (1,) if strategy["strategy"] == "tensor" else tuple(scale.shape)
     if kind == "float8":
         if t["data"].dtype != torch.float8_e4m3fn:
@@ -299,9 +357,208 @@ def _tensors(form: str, t: Mapping[str, torch.Tensor], shape, inputs: str) -> di
     return out
 
 
+def _quantization_config(config: Mapping) -> dict | None:
+    """The config's compressed-tensors ``quantization_config`` (or ``compression_config``), or None."""
+    qc = config.get("quantization_config") or config.get("compression_config")
+    return qc if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors" else None
+
+
 def read_quantization_config(config: Mapping) -> dict:
     """The ``quantization_config`` of a compressed-tensors ``config.json`` (checked to be one)."""
-    qc = config.get("quantization_config") or config.get("compression_config")
-    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
-        raise QdcpError(f"not a compressed-tensors config: {json.dumps(qc)[:200]}")
+    qc = _quantization_config(config)
+    if qc is None:
+        found = config.get("quantization_config") or config.get("compression_config")
+        raise QdcpError(f"not a compressed-tensors config: {json.dumps(found)[:200]}")
     return qc
+
+
+
+# ----------------------------------------------------------------------------- reading a directory
+
+def _matches(module: str, patterns) -> bool:
+    """Whether a config group's ``targets`` (or ``ignore``) name ``module``."""
+    for p in patterns or ():
+        if p.startswith("re:"):
+            if re.match(p[3:], module):
+                return True
+        elif p == module or p in ("Linear", "nn.Linear"):  # class targets: every quantized module
+            return True
+    return False
+
+
+#: quantization_status values: "compressed" stores the format's codes; the others dense weights (with
+#: the quantization parameters beside them): "decompressed" is what transformers saves after a
+#: loaded model decompressed itself, "frozen" / "initialized" / "calibration" a model saved before
+#: compression
+_STATUSES = ("compressed", "decompressed", "frozen", "initialized", "calibration")
+_UNPACKED = ("naive-quantized", "float-quantized", "int-quantized")
+_E4M3, _INTEGERS = (torch.float8_e4m3fn,), (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_DENSE = "a 16-bit or wider floating dtype"
+#: per format, the stored dtype of each parameter (``_DENSE``: any of those), required ones first:
+#: what :func:`_plan_form` writes, and what others write (fp8 / e8m0 scales, wider shapes)
+_READ_DTYPES = {
+    "nvfp4-pack-quantized": {"weight_packed": (torch.uint8,), "weight_scale": _E4M3, "weight_global_scale": _DENSE},
+    "mxfp8-quantized": {"weight": _E4M3, "weight_scale": (torch.uint8, torch.float8_e8m0fnu)},
+    "naive-quantized": {"weight": _E4M3 + (torch.int8,), "weight_scale": _DENSE, "weight_zero_point": _INTEGERS},
+    "float-quantized": {"weight": _E4M3, "weight_scale": _DENSE},
+    "int-quantized": {"weight": (torch.int8,), "weight_scale": _DENSE, "weight_zero_point": _INTEGERS},
+    "pack-quantized": {"weight_packed": (torch.int32,), "weight_scale": _DENSE, "weight_shape": _INTEGERS,
+                       "weight_zero_point": (torch.int32,)},
+}
+_REQUIRED = {"nvfp4-pack-quantized": 3, "mxfp8-quantized": 2, "pack-quantized": 3}
+_PARAMETERS = ("weight_packed", "weight_scale", "weight_global_scale", "weight_shape", "weight_zero_point")
+
+
+def _allowed_dtypes(fmt: str, weights: Mapping) -> dict:
+    expected = dict(_READ_DTYPES[fmt])
+    if fmt == "naive-quantized" and weights.get("type") in ("float", "int"):
+        expected["weight"] = _E4M3 if weights["type"] == "float" else (torch.int8,)
+    return expected
+
+
+def _is_dense(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize >= 2
+
+
+def _modules(d: "HFDirectory", targets, ignore) -> list[str]:
+    """Modules holding quantization parameters (``weight_scale`` or ``weight_packed``) that
+    ``targets`` name and ``ignore`` does not."""
+    found = {n.rsplit(".", 1)[0] for n in d.tensors if n.endswith((".weight_scale", ".weight_packed"))}
+    return sorted(m for m in found if _matches(m, targets) and not _matches(m, ignore))
+
+
+def _compressed(d: "HFDirectory", module: str, status: str | None) -> bool:
+    """Whether ``module``'s tensors are the format's codes (True) or its dense weight (False), as
+    ``quantization_status`` says (absent: as the stored dtypes say); a status the stored dtypes
+    contradict is refused."""
+    weight = d.tensors.get(f"{module}.weight")
+    dense = weight is not None and _is_dense(weight[2]) and f"{module}.weight_packed" not in d.tensors
+    if status is None or dense == (status != "compressed"):
+        return not dense
+    if dense:
+        stored, fix = f"a dense {weight[2]} weight", "'decompressed' if these are the model's dense weights"
+    else:
+        stored = f"{weight[2]} codes" if weight is not None else "packed codes (weight_packed)"
+        fix = "'compressed' if these are the format's codes"
+    raise CheckpointFormatError(f"key {module + '.weight'!r}: the config's quantization_status is {status!r} but "
+                                f"the directory stores {stored}: qdcp cannot tell what it holds and does not "
+                                f"load it (set quantization_status to {fix})")
+
+
+def _refuse_unread_codes(d: "HFDirectory", consumed: set[str], status: str | None) -> None:
+    """Refuse codes no entry reads (a module no config group targets): loaded as plain tensors
+    they would be wrong values."""
+    for name, (_, _, dtype) in d.tensors.items():
+        if name in consumed:
+            continue
+        module = name.rsplit(".", 1)[0]
+        codes = name.endswith(".weight_packed") or (
+            name.endswith(".weight") and not _is_dense(dtype) and f"{module}.weight_scale" in d.tensors)
+        if codes:
+            raise CheckpointFormatError(
+                f"key {module + '.weight'!r}: {name!r} holds compressed-tensors codes ({dtype}) but no config group "
+                f"that reads them targets module {module!r} (quantization_status {status!r}); "
+                f"qdcp will not load them as plain values")
+
+
+def _check_dtypes(d: "HFDirectory", key: str, module: str, fmt: str, weights: Mapping) -> None:
+    """Every parameter the format needs is there with the dtype its codes or scales must have."""
+    for i, (part, allowed) in enumerate(_allowed_dtypes(fmt, weights).items()):
+        name = f"{module}.{part}"
+        if name not in d.tensors:
+            if i < _REQUIRED.get(fmt, 2):
+                raise CheckpointFormatError(f"key {key!r}: a {fmt} module stores {name!r}; the directory lacks it")
+            continue
+        dtype = d.tensors[name][2]
+        if not (_is_dense(dtype) if allowed == _DENSE else dtype in allowed):
+            want = allowed if allowed == _DENSE else " or ".join(map(str, allowed))
+            raise CheckpointFormatError(
+                f"key {key!r}: {name!r} is stored as {dtype}, but {fmt} stores it as {want}: qdcp cannot tell "
+                f"what it holds (a model re-saved under a config it no longer matches?); it is not loaded")
+
+
+def _entry(d: "HFDirectory", module: str, fmt: str, weights: Mapping) -> Presented:
+    """One quantized module's entry, its parameters checked against what ``fmt`` stores."""
+    key = f"{module}.weight"
+    if fmt not in _READ_DTYPES:
+        raise CheckpointFormatError(f"key {key!r}: compressed-tensors format {fmt!r} is not read by qdcp "
+                                    f"({', '.join(_READ_DTYPES)} are)")
+    _check_dtypes(d, key, module, fmt, weights)
+    t = {part: f"{module}.{part}" for part in _PARAMETERS}
+    if fmt == "nvfp4-pack-quantized":
+        n, half = d.tensors[t["weight_packed"]][1]
+        comps = {"weight_packed": (Blocked((1, 2)), t["weight_packed"]),
+                 "weight_scale": (Blocked((1, 16)), t["weight_scale"]),
+                 "weight_global_scale": (Replicated((1,)), t["weight_global_scale"])}
+        return _presented(d, key, ct.NVFP4, (n, half * 2), torch.bfloat16, {}, comps)
+    if fmt == "mxfp8-quantized":
+        comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (Blocked((1, 32)), t["weight_scale"])}
+        return _presented(d, key, ct.MXFP8, d.tensors[key][1], torch.bfloat16, {}, comps)
+    asymmetric = not weights.get("symmetric", True) or t["weight_zero_point"] in d.tensors
+    is_int = weights.get("type") == "int" or (key in d.tensors and d.tensors[key][2] == torch.int8)
+    if asymmetric and not (is_int and (fmt in _UNPACKED or weights.get("strategy") in ("channel", "group"))):
+        raise CheckpointFormatError(f"key {key!r}: asymmetric compressed-tensors weights are read as integers "
+                                    f"(packed per channel or group, or unpacked); this is {fmt}, "
+                                    f"{weights.get('type')} {weights.get('strategy')}")
+    if asymmetric and t["weight_zero_point"] not in d.tensors:
+        raise CheckpointFormatError(f"key {key!r}: an asymmetric scheme without {t['weight_zero_point']!r}")
+    if fmt in _UNPACKED:
+        return _unpacked(d, key, t, weights, asymmetric)
+    return _packed(d, key, t, weights, asymmetric)
+
+
+def _unpacked(d: "HFDirectory", key: str, t: Mapping[str, str], weights: Mapping, asymmetric: bool) -> Presented:
+    """naive / float / int-quantized: the codes stored as they are (FP8 E4M3 or int8)."""
+    scale = d.meta(t["weight_scale"])
+    shape = d.tensors[key][1]
+    kind = ct.INT if d.tensors[key][2] == torch.int8 else ct.FLOAT
+    block = block_of(weights, shape, tuple(scale.shape))
+    layout = _scale_layout(block, shape, scale)
+    comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (layout, t["weight_scale"])}
+    attrs = {"block": list(block)}
+    if kind == ct.INT:
+        attrs["bits"] = int(weights.get("num_bits", 8))
+    if asymmetric:
+        comps["weight_zero_point"] = (layout, t["weight_zero_point"])
+        attrs["symmetric"] = False
+    return _presented(d, key, kind, shape, scale.dtype, attrs, comps)
+
+
+def _packed(d: "HFDirectory", key: str, t: Mapping[str, str], weights: Mapping, asymmetric: bool) -> Presented:
+    """pack-quantized: int4 / int8 codes packed in int32 words (zero points packed along N)."""
+    shape = tuple(int(s) for s in d.tensor(t["weight_shape"]).tolist())
+    bits = int(weights.get("num_bits", 4))
+    if bits not in (4, 8) or len(shape) != 2:
+        raise CheckpointFormatError(f"key {key!r}: pack-quantized {bits}-bit weights of shape {shape} are not read "
+                                    f"by qdcp (2-D, 4 or 8 bits are)")
+    scale = d.meta(t["weight_scale"])
+    block = block_of(weights, shape, tuple(scale.shape))
+    packed, zero, layout = t["weight_packed"], t["weight_zero_point"], _scale_layout(block, shape, scale)
+    comps = {"weight": (Blocked((1, 1)), lambda get, out: unpack_int32(get(packed), bits, shape[1], out)),
+             "weight_scale": (layout, t["weight_scale"])}
+    attrs, built = {"block": list(block), "bits": bits}, {"weight": (shape, torch.int8)}
+    if asymmetric:  # zero points packed along N, one column per group
+        comps["weight_zero_point"] = (layout, lambda get, out: unpack_int32(get(zero).t(), bits, shape[0]).t())
+        attrs["symmetric"], built["weight_zero_point"] = False, (tuple(scale.shape), torch.int8)
+    used = {packed, t["weight_shape"]} | ({zero} if asymmetric else set())
+    return _presented(d, key, ct.INT, shape, scale.dtype, attrs, comps, built=built, used=used)
+
+
+def _scale_layout(block, shape, scale):
+    return Replicated(tuple(scale.shape)) if tuple(block) == tuple(shape) else Blocked(tuple(block))
+
+
+def _presented(d: "HFDirectory", key: str, type_name: str, shape, dtype, attrs, comps, built=None,
+               used=frozenset()) -> Presented:
+    """The entry from ``{component: (layout, file tensor name | build function)}``; ``built``: the
+    shape and dtype of each built component; ``used``: file tensors consumed besides those named."""
+    items = {}
+    for name, (layout, source) in comps.items():
+        if callable(source):
+            item = Item(*built[name], build=source)
+        else:
+            _, cshape, cdtype = d.tensors[source]
+            item = Item(cshape, cdtype, tensor=source)
+        items[name] = (item, layout)
+    named = {c for _, c in comps.values() if isinstance(c, str)}
+    return presented(key, type_name, shape, dtype, attrs, items, named | set(used))

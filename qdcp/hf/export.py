@@ -28,7 +28,7 @@ from qdcp.storage import outputs
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 from qdcp.hf import safetensors_files as stf
-from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Source, UnsupportedEntry
+from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Source, UnsupportedEntry, layout_named
 from qdcp.reader import CheckpointEntries
 
 
@@ -46,17 +46,6 @@ class ExportResult:
     nbytes: int                       #: tensor bytes written
     dequantized: tuple[str, ...]      #: quantized keys written as plain values
     skipped: tuple[str, ...]          #: non-tensor entries (safetensors holds tensors only)
-
-
-def layout_named(name: str) -> HFLayout:
-    """The export layout ``name``: ``"torchao"`` or ``"compressed-tensors"``."""
-    from qdcp.hf.ct_layout import CompressedTensorsLayout
-    from qdcp.hf.torchao_layout import TorchAOLayout
-
-    layouts = {"torchao": TorchAOLayout, "compressed-tensors": CompressedTensorsLayout}
-    if name not in layouts:
-        raise ValueError(f"unknown export format {name!r}; choose one of {sorted(layouts)}")
-    return layouts[name]()
 
 
 def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format: str,

@@ -1,26 +1,37 @@
-"""What an export layout is: how each checkpoint entry becomes named safetensors tensors, file
-metadata, and the ``quantization_config`` of ``config.json``.
+"""What a Hugging Face layout is, both ways: how each checkpoint entry becomes named safetensors
+tensors, file metadata and the ``quantization_config`` of ``config.json`` (export), and how a
+directory in the layout presents its quantized entries again (import, :class:`QuantizedHFReader`).
 
 A layout plans every entry from the checkpoint's metadata alone (so an entry it cannot represent
 is refused before any file is written), then produces each entry's tensors from its stored
-components, one entry at a time.
+components, one entry at a time. Reading, it names each quantized entry of a directory: its qdcp
+spec, where each component comes from (a file tensor, or computed from file tensors) and which
+file tensors it consumes. Finding files, the index and reading tensors stay in
+:mod:`qdcp.hf.reader`, the same for every layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+import importlib
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
+from qdcp import spec as qspec
 from qdcp.adapters.base import StoredEntry
 from qdcp.errors import QdcpError
 from qdcp.hf.safetensors_files import RowBlocks, TensorOut
 from qdcp.spec import EntrySpec
 
+if TYPE_CHECKING:
+    from qdcp.hf.reader import HFDirectory
+
 
 #: ``read(names)``: components of one stored entry, whole, by name
 ComponentReader = Callable[[Sequence[str]], Mapping[str, torch.Tensor]]
+#: ``get(name)``: one file tensor of a directory, whole
+Getter = Callable[[str], torch.Tensor]
 
 
 class UnsupportedEntry(QdcpError):
@@ -52,10 +63,55 @@ class EntryPlan:
         return sum(t.nbytes for t in self.tensors)
 
 
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """Where one presented component of a directory's entry comes from: a file tensor, read by
+    byte range as it is, or computed from whole file tensors by ``build(get, out)`` (into ``out``,
+    a buffer of its shape and dtype, where it can: it returns what it filled)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tensor: str | None = None   #: the file tensor holding it as presented
+    build: Callable[[Getter, torch.Tensor | None], torch.Tensor] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Presented:
+    """One quantized entry of a directory as a layout presents it to DCP: its qdcp raw spec, where
+    each component comes from, and the file tensors it consumes (not presented on their own)."""
+
+    spec: EntrySpec
+    items: Mapping[str, Item]
+    consumed: frozenset[str]
+
+
+def presented(key: str, type_name: str, shape, dtype: torch.dtype, attrs: Mapping,
+              components: Mapping[str, tuple[Item, Any]], consumed) -> Presented:
+    """A :class:`Presented` entry from ``{component: (item, layout)}`` (layouts of
+    :mod:`qdcp.layouts`, in the spec's component order)."""
+    specs = tuple(qspec.ComponentSpec(n, item.shape, item.dtype, layout.to_json())
+                  for n, (item, layout) in components.items())
+    spec = qspec.EntrySpec(key, qspec.RAW, type_name, tuple(shape), dtype, dict(attrs), specs)
+    return Presented(spec, {n: item for n, (item, _) in components.items()}, frozenset(consumed))
+
+
 class HFLayout:
-    """One Hugging Face checkpoint layout (``"torchao"``, ``"compressed-tensors"``)."""
+    """One Hugging Face checkpoint layout (``"torchao"``, ``"compressed-tensors"``): writes a
+    directory (:meth:`plan`, :meth:`produce`, :meth:`file_metadata`, :meth:`quantization_config`)
+    and presents one (:meth:`reads`, :meth:`entries`)."""
 
     name: str = ""
+
+    @classmethod
+    def reads(cls, config: Mapping) -> bool:
+        """Whether a directory whose ``config.json`` holds ``config`` is in this layout."""
+        raise NotImplementedError
+
+    def entries(self, directory: "HFDirectory") -> list[Presented]:
+        """The quantized entries of ``directory`` (every other file tensor is presented plain, as
+        it is); a directory the layout cannot read as it says raises :class:`CheckpointFormatError`
+        naming the key."""
+        raise NotImplementedError
 
     def plan(self, src: Source, read: ComponentReader) -> EntryPlan:
         """The plan of a raw quantized entry; raises :class:`UnsupportedEntry` if it has no form here.
@@ -83,3 +139,26 @@ class HFLayout:
     def quantization_config(self, plans: Sequence[EntryPlan]) -> dict | None:
         """The ``quantization_config`` of ``config.json`` for a checkpoint of ``plans``."""
         raise NotImplementedError
+
+
+#: the layouts, by name; reading tries them in this order (the first that :meth:`HFLayout.reads` a
+#: directory's config presents it; torchao's reads any directory, plain ones included)
+_LAYOUTS = {"compressed-tensors": ("qdcp.hf.ct_layout", "CompressedTensorsLayout"),
+            "torchao": ("qdcp.hf.torchao_layout", "TorchAOLayout")}
+
+
+def layout_named(name: str) -> HFLayout:
+    """The layout ``name``: ``"torchao"`` or ``"compressed-tensors"``."""
+    if name not in _LAYOUTS:
+        raise ValueError(f"unknown export format {name!r}; choose one of {sorted(_LAYOUTS)}")
+    module, cls = _LAYOUTS[name]
+    return getattr(importlib.import_module(module), cls)()
+
+
+def layout_of(config: Mapping) -> HFLayout:
+    """The layout a directory whose ``config.json`` holds ``config`` is read in."""
+    for name in _LAYOUTS:
+        layout = layout_named(name)
+        if layout.reads(config):
+            return layout
+    raise AssertionError("the torchao layout reads every directory")

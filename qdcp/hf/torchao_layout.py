@@ -12,21 +12,31 @@ Entries of TransformerEngine's MXFP8 and NVFP4 types are written as torchao's ``
 ``NVFP4Tensor`` holding the same bits (through the neutral raw forms both families declare).
 ``config.json`` gets transformers' ``TorchAoConfig`` dict: one torchao config for every quantized
 entry (``FqnToConfig`` by module where they differ).
+
+Reading (:meth:`TorchAOLayout.entries`), an entry is one that the files' metadata describes with a
+torchao class: rebuilt by torchao's allow-listed decoder (``object_from_dict``, nothing unpickled)
+on the meta device to learn its components, which are then read from the file tensors holding them
+(or computed from the whole entry where qdcp's canonical component differs, e.g. a swizzled scale).
+Any directory is read this way; one without such metadata (plain) has no quantized entries.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
-from qdcp.adapters.base import StoredEntry, adapter_for_type, find_type_adapter
-from qdcp.errors import UnsupportedTensorError
-from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Source, UnsupportedEntry
+from qdcp.adapters.base import StoredEntry, adapter_for_type, describe_tensor, find_adapter, find_type_adapter
+from qdcp.errors import CheckpointFormatError, UnsupportedTensorError
+from qdcp.hf.layout import (ComponentReader, EntryPlan, Getter, HFLayout, Item, Presented, Source, UnsupportedEntry,
+                            presented)
 from qdcp.hf.safetensors_files import TensorOut
 from qdcp.reader import stored_on_meta
+
+if TYPE_CHECKING:
+    from qdcp.hf.reader import HFDirectory
 
 _SAFETENSORS = "torchao.prototype.safetensors.safetensors_utils"
 _FORM_BUILDERS = ("torchao.MXTensor", "torchao.NVFP4Tensor")
@@ -116,6 +126,28 @@ class TorchAOLayout(HFLayout):
                 "modules_to_not_convert": None, "include_input_output_embeddings": False,
                 "untie_embedding_weights": False}
 
+    @classmethod
+    def reads(cls, config: Mapping) -> bool:
+        """Every directory: the files' metadata says which entries are torchao's (none: plain)."""
+        return True
+
+    def entries(self, directory: "HFDirectory") -> list[Presented]:
+        """The entries the files' metadata describes with a torchao class, once each
+        (transformers and qdcp write the whole directory's metadata into every file; two files
+        describing one entry differently are refused)."""
+        described: dict[str, tuple[str, str]] = {}
+        for file, meta in directory.file_metadata.items():
+            for key in json.loads(meta.get("tensor_names", "[]")):
+                desc = meta.get(key, "{}")
+                if key in described and described[key][1] != desc:
+                    raise CheckpointFormatError(f"key {key!r}: {described[key][0]} and {file} describe it "
+                                                f"differently in their torchao metadata; which one holds its "
+                                                f"tensors is unknown")
+                described.setdefault(key, (file, desc))
+        parsed = {key: json.loads(desc) for key, (_, desc) in described.items()}
+        return [_presented(directory, key, desc) for key, desc in parsed.items()
+                if desc.get("_type") not in (None, "Tensor")]
+
 
 def ao_config(t: torch.Tensor) -> Any:
     """The torchao config whose ``quantize_`` makes tensors configured like ``t`` (None if none does)."""
@@ -148,3 +180,32 @@ def ao_config(t: torch.Tensor) -> Any:
         return mx.NVFP4WeightOnlyConfig(use_dynamic_per_tensor_scale=dynamic) if act is None else \
             mx.NVFP4DynamicActivationNVFP4WeightConfig(use_dynamic_per_tensor_scale=dynamic)
     return None
+
+
+def _presented(d: "HFDirectory", key: str, desc: dict) -> Presented:
+    """Entry ``key`` that torchao's metadata ``desc`` describes: components read from the file
+    tensors holding them as they are, the others computed from the whole entry."""
+    object_from_dict = _torchao(_SAFETENSORS, "object_from_dict")
+    names = {p: part_name(key, p) for p in desc.get("_tensor_data_names", [])}
+    missing = [n for n in names.values() if n not in d.tensors]
+    if missing:
+        raise CheckpointFormatError(f"key {key!r}: torchao's metadata names tensors {missing} the files lack")
+
+    def instance(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return object_from_dict({"_type": desc["_type"], "_data": {**desc.get("_data", {}), **tensors}})
+
+    t = instance({p: d.meta(n) for p, n in names.items()})
+    adapter = find_adapter(t)
+    if adapter is None:
+        raise CheckpointFormatError(f"key {key!r}: no qdcp adapter for torchao's {desc['_type']}")
+    attrs, layouts = describe_tensor(t, adapter, key)
+    comps = {}
+    for name, value in adapter.components(t).items():
+        if name in names and value is getattr(t, name):
+            item = Item(tuple(value.shape), value.dtype, tensor=names[name])
+        else:  # computed from the whole entry (e.g. a swizzled scale, unswizzled)
+            def build(get: Getter, out=None, name=name) -> torch.Tensor:
+                return adapter.components(instance({p: get(n) for p, n in names.items()}))[name]
+            item = Item(tuple(value.shape), value.dtype, build=build)
+        comps[name] = (item, layouts[name])
+    return presented(key, adapter.type_name(t), t.shape, t.dtype, attrs, comps, names.values())
