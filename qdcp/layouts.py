@@ -206,6 +206,43 @@ def _linear_range(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[
     return start, math.prod(sizes)
 
 
+def nearest_aligned(layouts: dict[str, Layout], shape: Sequence[int], chunk: Chunk) -> str:
+    """For an error about ``chunk`` of a tensor of ``shape`` whose components have ``layouts``: what
+    splits blocks (per dim, the blocks of every :class:`Blocked` layout together) and the nearest
+    layouts whose shards do not; "" where ``chunk`` falls on them on every dim."""
+    notes, fixes = [], []
+    for d, (o, s, n) in enumerate(zip(chunk[0], chunk[1], shape)):
+        b = _dim_block(layouts, len(shape), d)
+        if o % b == 0 and ((o + s) % b == 0 or o + s == n):
+            continue
+        what = "rows" if d == 0 else "columns" if d == len(shape) - 1 else f"indices of dim {d}"
+        notes.append(f"this shard holds {s} {what}, less than one block of {b}" if s < b
+                     else f"its {what} [{o}, {o + s}) cut blocks of {b}")
+        fixes.append(_aligned_cut(d, n, b, s, what, _dim_block(layouts, len(shape), 0)))
+    if not fixes:
+        return ""
+    return (f" ({'; '.join(notes)}). The nearest layout that works: {'; '.join(fixes)}; or a plain "
+            f"tensor target, which loads from any sharding (the dequantized values)")
+
+
+def _dim_block(layouts: dict[str, Layout], rank: int, d: int) -> int:
+    """The logical extent along dim ``d`` that every Blocked layout's blocks fall on."""
+    return math.lcm(1, *(lay.block[d] for lay in layouts.values()
+                         if isinstance(lay, Blocked) and len(lay.block) == rank and lay.block[d]))
+
+
+def _aligned_cut(d: int, n: int, b: int, s: int, what: str, row_block: int) -> str:
+    """The nearest Shard(d) (no more shards than now) whose shards fall on blocks of ``b``, and
+    the layouts that keep dim ``d`` whole."""
+    now = ceil_div(n, max(s, 1))  # about how many shards cut dim d now
+    k = next(k for k in range(now, 0, -1) if k == 1 or ceil_div(n, k) % b == 0)
+    rows = f", its shards on multiples of {row_block} rows" if row_block > 1 else ""
+    how = "Replicate() on the mesh dimension that cuts it" + (f", or Shard(0) there instead{rows}" if d else "")
+    if k == 1:
+        return f"dim {d} whole on every rank ({how}; its {n} {what} do not split into shards of whole blocks of {b})"
+    return f"Shard({d}) over {k} ranks ({ceil_div(n, k)} {what} each), or dim {d} whole on every rank ({how})"
+
+
 _parsed: dict[tuple, Layout] = {}
 
 

@@ -17,7 +17,7 @@ from qdcp import spec as qspec
 from qdcp.adapters.base import (Adapter, adapter_for_type, describe_tensor, find_adapter, find_type_adapter,
                                  raw_conversion)
 from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorError
-from qdcp.layouts import Chunk
+from qdcp.layouts import Chunk, nearest_aligned
 from qdcp.planning.actions import (Destination, FromPlain, InPlace, IntoPlain, ItemRead, LoadAction, RawCopy,
                                Requantize, StoredSource, Temporaries)
 from qdcp.planning.placement import Placed, expand, is_empty, place, with_local
@@ -154,8 +154,8 @@ class KeyPlanner:
             try:
                 chunk = layouts[c.name].map_chunk(source.shape, placed.chunk)
             except AlignmentError as e:
-                raise AlignmentError(f"key {fqn!r}: component {c.name!r}: the target shard "
-                                     f"{placed.chunk} {e}") from None
+                raise AlignmentError(f"key {fqn!r}: component {c.name!r}: the target shard {placed.chunk} "
+                                     f"{e}{nearest_aligned(layouts, source.shape, placed.chunk)}") from None
             dest = native.get(c.name)
             direct = dest is not None and dest.is_contiguous() and tuple(dest.shape) == chunk[1]
             reads.append(self._read(src_fqn, source, c.name, chunk, fqn=fqn, buffer=dest if direct else None))
