@@ -206,10 +206,14 @@ def _linear_range(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[
     return start, math.prod(sizes)
 
 
-def nearest_aligned(layouts: dict[str, Layout], shape: Sequence[int], chunk: Chunk) -> str:
+PLAIN_TARGET = "a plain tensor target, which loads from any sharding (the dequantized values)"
+
+
+def nearest_aligned(layouts: dict[str, Layout], shape: Sequence[int], chunk: Chunk,
+                    otherwise: str = PLAIN_TARGET) -> str:
     """For an error about ``chunk`` of a tensor of ``shape`` whose components have ``layouts``: what
     splits blocks (per dim, the blocks of every :class:`Blocked` layout together) and the nearest
-    layouts whose shards do not; "" where ``chunk`` falls on them on every dim."""
+    layouts whose shards do not, else ``otherwise``; "" where ``chunk`` falls on them on every dim."""
     notes, fixes = [], []
     for d, (o, s, n) in enumerate(zip(chunk[0], chunk[1], shape)):
         b = _dim_block(layouts, len(shape), d)
@@ -221,8 +225,7 @@ def nearest_aligned(layouts: dict[str, Layout], shape: Sequence[int], chunk: Chu
         fixes.append(_aligned_cut(d, n, b, s, what, _dim_block(layouts, len(shape), 0)))
     if not fixes:
         return ""
-    return (f" ({'; '.join(notes)}). The nearest layout that works: {'; '.join(fixes)}; or a plain "
-            f"tensor target, which loads from any sharding (the dequantized values)")
+    return f" ({'; '.join(notes)}). The nearest layout that works: {'; '.join(fixes)}; or {otherwise}"
 
 
 def _dim_block(layouts: dict[str, Layout], rank: int, d: int) -> int:

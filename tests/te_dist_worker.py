@@ -237,8 +237,9 @@ def save(root: str, mesh) -> None:
         except BaseException as e:  # noqa: BLE001
             q = qdcp_error_in(e)
             outcomes[fmt] = f"error {type(q or e).__name__}: {_short(q or e, 400)}"
-            check("unaligned_save_error", isinstance(q, AlignmentError) and repr(key) in str(q),
-                  f"{fmt}: not an AlignmentError naming {key!r}: {_short(e)}")
+            check("unaligned_save_error", isinstance(q, AlignmentError) and repr(key) in str(q)
+                  and "The nearest layout that works: " in str(q) and "save this entry dequantized" in str(q),
+                  f"{fmt}: not an AlignmentError naming {key!r} and the nearest layout: {_short(e)}")
         dist.barrier()
         check("unaligned_save_error", not os.path.exists(os.path.join(path, ".metadata")),
               f"{fmt}: a refused save left a .metadata behind")

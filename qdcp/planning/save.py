@@ -35,7 +35,7 @@ from qdcp import spec as qspec
 from qdcp.adapters.base import Adapter, describe_tensor, find_adapter
 from qdcp.errors import (AlignmentError, LoadMismatchError, ReplicaMismatchError, StagingError,
                          UnsupportedTensorError)
-from qdcp.layouts import Chunk
+from qdcp.layouts import Chunk, nearest_aligned
 from qdcp.staging.new_empty import register_new_empty
 from qdcp.planning.placement import Placed, is_empty, place, planning, with_local
 from qdcp.storage import refuse_existing_checkpoint
@@ -169,13 +169,13 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                     if not is_empty(placed.chunk) else None
             except AlignmentError as e:
                 raise AlignmentError(
-                    f"key {fqn!r}: component {name!r}: this rank's shard {placed.chunk} {e}. Shard on "
-                    f"block boundaries, or save this entry dequantized.") from None
+                    f"key {fqn!r}: component {name!r}: this rank's shard {placed.chunk} {e}"
+                    f"{_nearest(layouts, placed) or '. Shard on block boundaries, or ' + _DEQUANTIZED}.") from None
             if chunk is not None and tuple(value.shape) != chunk[1]:
                 raise AlignmentError(
                     f"key {fqn!r}: component {name!r} has local shape {tuple(value.shape)} but the "
                     f"shard {placed.chunk} of {placed.global_shape} needs {chunk[1]}; the shard does "
-                    f"not own whole blocks. Save this entry dequantized.")
+                    f"not own whole blocks{_nearest(layouts, placed) or '. ' + _DEQUANTIZED.capitalize()}.")
             specs.append(qspec.ComponentSpec(name, tuple(global_shape), value.dtype, layout.to_json()))
             if chunk is not None:
                 item = _write_item(name, chunk, global_shape, value.dtype, sharded=placed.is_dtensor)
@@ -310,6 +310,14 @@ def _diverged(per_rank: list[dict], shared_only: bool) -> dict[tuple, list[int]]
             if seen[1] != hashes[key]:
                 diverged.setdefault(key, [seen[0]]).append(rank)
     return diverged
+
+
+_DEQUANTIZED = "save this entry dequantized (QuantizedSavePlanner(dequantize=...))"
+
+
+def _nearest(layouts: dict, placed: Placed) -> str:
+    """The nearest layout whose shards own whole blocks, for a save refused for cutting them."""
+    return nearest_aligned(layouts, placed.global_shape, placed.chunk, otherwise=_DEQUANTIZED)
 
 
 def _check_shared(per_rank: list[dict]) -> None:
