@@ -274,6 +274,47 @@ def test_swizzle_matches_the_reference_layout():
     assert torch.equal(unswizzle_128x4(sw, 200, 7), compact)
 
 
+# ----------------------------------------------------------------------------- the declaration
+
+_ROW, _COL = ["rowwise_data", "rowwise_scale_inv"], ["columnwise_data", "columnwise_scale_inv"]
+_NV_ROW, _NV_COL = _ROW + ["amax_rowwise"], _COL + ["amax_columnwise"]
+# canonical names stored per case (what checkpoints hold; must not change)
+STORED_NAMES = {
+    **{c.name: ["data", "scale_inv"] for c in CASES if c.name.startswith("f8_")},
+    "mxfp8_rowwise": _ROW, "mxfp8_columnwise": _COL, "mxfp8_both": _ROW + _COL,
+    "mxfp8_both_swizzled_e5m2": _ROW + _COL,
+    "block2d_rowwise": _ROW, "block2d_both": _ROW, "block2d_columnwise_only": _ROW,  # one quantization
+    "block1d_both": _ROW + _COL, "block1d_columnwise_only": _COL,
+    "nvfp4_rowwise": _NV_ROW, "nvfp4_both": _NV_ROW + _NV_COL, "nvfp4_both_swizzled": _NV_ROW + _NV_COL,
+    "nvfp4_columnwise_only": _NV_COL, "nvfp4_row_scaled": _NV_ROW,
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_the_declaration_is_the_single_source(case):
+    """Each TE adapter's component_names / layouts / components / native_components are its
+    declared COMPONENTS for the usages the tensor holds: same names in order, declared dtypes,
+    layouts whose component shape is the component's, in-place ones views of the declared buffer."""
+    t = case.build(0)
+    adapter = find_adapter(t)
+    attrs = adapter.attributes(t)
+    usages = {u for u in ("rowwise", "columnwise") if getattr(t, f"_{u}_data", None) is not None}
+    declared = [c for c in adapter.declared(attrs) if c.usage is None or c.usage in usages]
+    names = [c.name for c in declared]
+    assert names == STORED_NAMES[case.name]
+    assert adapter.component_names(t) == names
+    layouts, comps, native = adapter.layouts(t), adapter.components(t), adapter.native_components(t)
+    assert list(layouts) == names and list(comps) == names
+    assert {n: v.dtype for n, v in comps.items()} == {c.name: c.dtype_for(attrs) for c in declared}
+    for c in declared:
+        assert layouts[c.name].component_shape(tuple(t.shape)) == tuple(comps[c.name].shape), c.name
+    assert list(native) == [c.name for c in declared if c.is_in_place(t)]
+    for name, view in native.items():
+        c = next(c for c in declared if c.name == name)
+        assert view.dtype == c.dtype_for(attrs) and torch.equal(bits(view), bits(comps[name]))
+        assert view.data_ptr() == getattr(t, c.buffer).data_ptr(), name  # the TE buffer itself
+
+
 # ----------------------------------------------------------------------------- load matrix
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

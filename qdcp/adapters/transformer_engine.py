@@ -9,6 +9,10 @@ re-swizzled, transposes recomputed). Quantizing would need TE's CUDA kernels, wh
 drive, so loading into a TE tensor of another format or from plain values raises
 :class:`UnsupportedTensorError` (at load planning).
 
+Each adapter declares its components (the class-level ``COMPONENTS`` tuple of
+:class:`~qdcp.adapters.te_components.Component`: TE attribute, usage, dtype, layout, native
+transforms); :class:`TEAdapter` derives every per-component method from that declaration.
+
 Canonical components per type (see docs/format.md):
 
 - ``Float8Tensor``: ``data`` (logical shape, fp8) and ``scale_inv`` (1,) f32. A transpose-only
@@ -37,7 +41,8 @@ from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.adapters.formats import (as_u8, bits_as, ceil_div, copy_bits, e2m1_to_float, pad2, repeat_blocks, round_up,
                                    rows, swizzle_128x4, unpack_fp4, unswizzle_128x4,
                                    NVFP4_ROW16, mxfp8_form)
-from qdcp.layouts import Blocked, Layout, Replicated
+from qdcp.adapters.te_components import Component, blocked, blocks
+from qdcp.layouts import Blocked
 
 _TE_TENSOR_MODULE = "transformer_engine.pytorch.tensor"
 
@@ -75,10 +80,17 @@ def _te_dtype(code: int):
 # ----------------------------------------------------------------------------- adapter base
 
 class TEAdapter(Adapter):
-    """Shared machinery: recognition, TE's inner buffers for the stager, and GPU-only errors."""
+    """Shared machinery: recognition, TE's inner buffers for the stager, GPU-only errors, and every
+    per-component method, derived from the subclass's declared :attr:`COMPONENTS`
+    (:mod:`qdcp.adapters.te_components`). A subclass adds only what is format-specific: its
+    attributes, the dequantize math and TE's constructor call."""
 
     cls_name: str = ""
     format_name: str = ""
+    #: canonical components of every usage, in stored order (see :class:`Component`)
+    COMPONENTS: tuple[Component, ...] = ()
+    #: raw interchange of the rowwise direction: ``(form tensor, canonical component)`` pairs
+    RAW_FORM: tuple[tuple[str, str], ...] = ()
 
     def __init__(self) -> None:
         self.type_names = (f"transformer_engine.{self.cls_name}",)
@@ -119,10 +131,102 @@ class TEAdapter(Adapter):
             raise LoadMismatchError(f"{self.cls_name}: expected buffers {sorted(names)}, got {sorted(buffers)}")
         return type(t).__tensor_unflatten__(dict(buffers), ctx, t.shape, t.stride())
 
-    # --- canonical
-    def native_components(self, t):
-        return {}
+    # --- canonical components: all derived from the declaration
+    def declared(self, attrs) -> tuple[Component, ...]:
+        """The components declared for a tensor with ``attrs``, every usage (default :attr:`COMPONENTS`)."""
+        return self.COMPONENTS
 
+    def present_components(self, t, attrs=None, *, check_2d: bool = True) -> list[Component]:
+        """The declared components live ``t`` holds (those of its usages), in order. ``check_2d``
+        refuses, naming the class and shape, one that needs a 2-D tensor on a tensor of another rank."""
+        found = []
+        for c in self.declared(self.attributes(t) if attrs is None else attrs):
+            if c.present(t):
+                if check_2d and c.needs_2d:
+                    _check_2d(t.shape, self.cls_name, c.needs_2d)
+                found.append(c)
+        return found
+
+    def component_names(self, t):
+        """Names of the declared components of ``t``'s usages (refuses 2-D-only ones on other ranks)."""
+        return [c.name for c in self.present_components(t)]
+
+    # layouts / components / native_components do not refuse a non-2-D tensor: a dequantized save
+    # describes and dequantizes (from the rowwise components) tensors of any rank.
+    def layouts(self, t):
+        """Each present component's declared layout (replicated: its whole native buffer)."""
+        attrs = self.attributes(t)
+        return {c.name: c.layout_for(t, attrs) for c in self.present_components(t, attrs, check_2d=False)}
+
+    def components(self, t):
+        """Each present component in canonical form, as its declared dtype."""
+        attrs = self.attributes(t)
+        return {c.name: c.canonical(t, attrs) for c in self.present_components(t, attrs, check_2d=False)}
+
+    def native_components(self, t):
+        """The present components whose canonical form is their TE buffer (views of it)."""
+        attrs = self.attributes(t)
+        return {c.name: c.canonical(t, attrs) for c in self.present_components(t, attrs, check_2d=False)
+                if c.is_in_place(t)}
+
+    def copy_into(self, target, components):
+        """Write canonical ``components`` into ``target``'s buffers (padding zero, swizzle and
+        transposed copies as the target keeps them)."""
+        present = {c.name: c for c in self.present_components(target)}
+        unknown = set(components) - set(present)
+        if unknown:
+            raise LoadMismatchError(
+                f"the target {self.cls_name} has no component(s) {sorted(unknown)} to load into")
+        swizzled = bool(getattr(target, "_with_gemm_swizzled_scales", False))
+        for name, value in components.items():
+            self._copy_component(target, present[name], value, swizzled)
+
+    def _copy_component(self, target, comp: Component, value: torch.Tensor, swizzled: bool) -> None:
+        """Copy canonical ``value`` into every TE buffer of ``comp`` that ``target`` has."""
+        for attr, native in comp.native(value, swizzled).items():
+            buf = getattr(target, attr)
+            if buf is not None:
+                copy_bits(buf, native)
+
+    def _native_kwargs(self, attrs, comps) -> dict[str, Any]:
+        """TE constructor keywords (buffer names without the underscore) holding canonical ``comps``
+        in the compact, unswizzled native layout; None for declared buffers ``comps`` does not fill."""
+        declared = {c.name: c for c in self.declared(attrs)}
+        kw: dict[str, Any] = {a.lstrip("_"): None for c in declared.values()
+                              for a in (c.buffer, *(d for d, _ in c.derived))}
+        for name, value in comps.items():
+            if name in declared:
+                kw.update((a.lstrip("_"), v.contiguous()) for a, v in declared[name].native(value, False).items())
+        return kw
+
+    # --- raw interchange through a neutral form (formats.py), from the declared RAW_FORM
+    _FORM_TENSORS = {"data": as_u8, "scale": as_u8, "amax": lambda v: v.float().reshape(())}
+
+    def raw_form(self, attrs) -> str | None:
+        """The neutral form the rowwise direction of a tensor with ``attrs`` is, or None (default)."""
+        return None
+
+    def raw_forms_out(self, type_name, attrs):
+        """The declared :attr:`RAW_FORM` where :meth:`raw_form` names one for ``attrs``."""
+        form = self.raw_form(attrs)
+        return {form: [c for _, c in self.RAW_FORM]} if form else {}
+
+    def to_raw_form(self, type_name, attrs, form, components):
+        """The form's tensors from the components :attr:`RAW_FORM` maps them to."""
+        return {k: self._FORM_TENSORS[k](components[c]) for k, c in self.RAW_FORM}
+
+    def raw_forms_in(self, target):
+        """The form of a rowwise-only target (a columnwise copy needs TE's kernels)."""
+        if not self.RAW_FORM or target._rowwise_data is None or target._columnwise_data is not None:
+            return ()
+        form = self.raw_form(self.attributes(target))
+        return (form,) if form else ()
+
+    def from_raw_form(self, target, form, tensors):
+        """Fill ``target`` from the form's tensors through :meth:`copy_into`."""
+        self.copy_into(target, {c: tensors[k] for k, c in self.RAW_FORM})
+
+    # --- values
     def dequantize(self, t, dtype=None):
         """TE's dequantize math in plain torch (float32, then ``dtype``: a float32 target gets the
         exact products, never rounded through the logical dtype)."""
@@ -156,17 +260,6 @@ class TEAdapter(Adapter):
     def quantize_like(self, target, hp, global_amax=None):
         raise UnsupportedTensorError(self.quantize_unsupported(target))
 
-    def copy_into(self, target, components):
-        unknown = set(components) - set(self.component_names(target))
-        if unknown:
-            raise LoadMismatchError(
-                f"the target {self.cls_name} has no component(s) {sorted(unknown)} to load into")
-        for name, value in components.items():
-            self._copy_component(target, name, value)
-
-    def _copy_component(self, target, name: str, value: torch.Tensor) -> None:
-        raise NotImplementedError
-
 
 def _check_2d(t_shape, cls_name: str, what: str) -> None:
     if len(t_shape) != 2:
@@ -175,47 +268,167 @@ def _check_2d(t_shape, cls_name: str, what: str) -> None:
             f"entry dequantized (QuantizedSavePlanner(dequantize=...)).")
 
 
+def _fp8_attrs(t) -> dict[str, Any]:
+    return {"fp8_dtype": _FP8_NAMES[int(t._fp8_dtype)]}
+
+
+def _fp8(attrs) -> torch.dtype:
+    """Canonical dtype of fp8 data: the tensor's own fp8 dtype."""
+    return _FP8_TORCH[attrs["fp8_dtype"]]
+
+
+# ----------------------------------------------------------------------------- TE's native layouts
+# Transforms between TE's native buffers and canonical components: ``(t, buffer) -> canonical``
+# (unpadded, unswizzled, logical order) and ``(canonical, swizzled) -> native`` (zero-padded,
+# re-swizzled where the target is).
+
+def _transposed(t, buf):
+    """TE keeps this copy transposed: back to logical order."""
+    return as_u8(buf).t().contiguous()
+
+
+def _transpose_back(value, swizzled):
+    return as_u8(value).t()
+
+
+def _flat(value, swizzled):
+    return value.reshape(-1)
+
+
+def _row_scale(block: int):
+    """Compact ``(M.., N/block)`` scale from TE's padded (or 128x4-swizzled) ``(M, N/block)`` buffer."""
+    def compact(t, buf):
+        shape = tuple(t.shape)
+        m, nb = rows(shape), ceil_div(shape[-1], block)
+        s = as_u8(buf)
+        s = unswizzle_128x4(s, m, nb) if t._with_gemm_swizzled_scales else s[:m, :nb]
+        return s.contiguous().reshape(*shape[:-1], nb)
+    return compact
+
+
+def _row_scale_native(value, swizzled):
+    """TE's padded ``(128k, 4k)`` (or swizzled) buffer of a compact rows-by-blocks scale."""
+    c = as_u8(value.contiguous())
+    c = c.reshape(-1, c.shape[-1])
+    if swizzled:
+        return swizzle_128x4(c)
+    return pad2(c, round_up(c.shape[0], 128), round_up(c.shape[1], 4))
+
+
+def _mx_col_scale(t, buf):
+    """MXFP8 columnwise ``(M/32, N)``; swizzled scales tile the transposed ``(N, M/32)`` matrix."""
+    m, n = rows(tuple(t.shape)), t.shape[-1]
+    mb = ceil_div(m, 32)
+    s = as_u8(buf)
+    s = unswizzle_128x4(s, n, mb).t() if t._with_gemm_swizzled_scales else s[:mb, :n]
+    return s.contiguous()
+
+
+def _mx_col_scale_native(value, swizzled):
+    c = as_u8(value.contiguous())
+    c = c.reshape(-1, c.shape[-1])
+    n_rows, n_cols = round_up(c.shape[0], 4), round_up(c.shape[1], 128)
+    if swizzled:
+        return swizzle_128x4(c.t()).reshape(n_rows, n_cols)
+    return pad2(c, n_rows, n_cols)
+
+
+def _nvfp4_col_scale(t, buf):
+    """NVFP4 columnwise ``(M/16, N)``: TE keeps it transposed, ``(N, M/16)``, padded or swizzled."""
+    m, n = rows(tuple(t.shape)), t.shape[-1]
+    mb = ceil_div(m, 16)
+    s = as_u8(buf)
+    s = unswizzle_128x4(s, n, mb) if t._with_gemm_swizzled_scales else s[:n, :mb]
+    return s.t().contiguous()
+
+
+def _nvfp4_col_scale_native(value, swizzled):
+    return _row_scale_native(as_u8(value.contiguous()).t(), swizzled)
+
+
+def _nvfp4_amax(t, buf):
+    return buf.reshape(*t.shape[:-1], 1) if t._row_scaled_nvfp4 else buf
+
+
+def _nvfp4_amax_layout(shape, attrs):
+    """Row-scaled NVFP4: one amax per row; else replicated."""
+    return Blocked((1,) * (len(shape) - 1) + (shape[-1],)) if attrs["row_scaled"] else None
+
+
+def _block_row_scale(t, buf):
+    """Blockwise 1x128 rowwise ``(M, N/128)``; TE keeps it as ``(N/128, roundup(M, 4))``."""
+    m, n = t.shape
+    return buf[:ceil_div(n, 128), :m].t().contiguous()
+
+
+def _block_row_scale_native(value, swizzled):
+    m, tn = value.shape
+    return pad2(value.t(), tn, round_up(m, 4))
+
+
+def _block_col_scale(t, buf):
+    """Blockwise 1x128 columnwise ``(M/128, N)``; TE pads the columns to 4."""
+    m, n = t.shape
+    return buf[:ceil_div(m, 128), :n].contiguous()
+
+
+def _block_pad_cols(value, swizzled):
+    r, c = value.shape
+    return pad2(value, r, round_up(c, 4))
+
+
+def _block2d_data(t, buf):
+    """128x128: the rowwise data, or (columnwise only) the transpose of the columnwise copy."""
+    return buf if buf is not None else t._columnwise_data.t().contiguous()
+
+
+def _block2d_scale(t, buf):
+    """128x128 ``(M/128, N/128)`` tiles, from the rowwise scale or the transposed columnwise one."""
+    tm, tn = (ceil_div(s, 128) for s in t.shape)
+    if t._rowwise_data is not None:
+        return buf[:tm, :tn].contiguous()
+    return t._columnwise_scale_inv[:tn, :tm].t().contiguous()
+
+
+def _block2d_col_scale(value):
+    tm, tn = value.shape
+    return pad2(value.t(), tn, round_up(tm, 4))
+
+
+def _u8_t(value):
+    return as_u8(value).t()
+
+
 # ----------------------------------------------------------------------------- Float8Tensor
+
+def _float8_data(t, data):
+    """``_data``, or (Hopper, columnwise only) the transpose moved back to logical order."""
+    if data is not None:
+        return data
+    if t._transpose is not None and not t._transpose_invalid:
+        return t._transpose.movedim(0, -1).contiguous()
+    raise UnsupportedTensorError("Float8Tensor holds neither data nor a valid transpose")
+
 
 class TEFloat8TensorAdapter(TEAdapter):
     """TE ``Float8Tensor`` (delayed and current scaling): fp8 data and one ``scale_inv``."""
 
     cls_name = "Float8Tensor"
     format_name = "Float8 (per-tensor scaling)"
+    COMPONENTS = (
+        # the transpose (Hopper) is recomputed from data on load, so data is in place only without one
+        Component("data", "_data", None, _fp8, blocks(), to_canonical=_float8_data,
+                  derived=(("_transpose", lambda v: as_u8(v).movedim(-1, 0)),),
+                  in_place=lambda t: t._data is not None and t._transpose is None),
+        Component("scale_inv", "_scale_inv", None, torch.float32),
+    )
 
     def attributes(self, t):
-        return {"fp8_dtype": _FP8_NAMES[int(t._fp8_dtype)]}
+        return _fp8_attrs(t)
 
-    def component_names(self, t):
-        return ["data", "scale_inv"]
-
-    def layouts(self, t):
-        return {"data": Blocked((1,) * t.ndim), "scale_inv": Replicated(tuple(t._scale_inv.shape))}
-
-    def components(self, t):
-        fp8 = _FP8_TORCH[_FP8_NAMES[int(t._fp8_dtype)]]
-        if t._data is not None:
-            data = t._data.view(fp8)
-        elif t._transpose is not None and not t._transpose_invalid:
-            data = t._transpose.movedim(0, -1).contiguous().view(fp8)
-        else:
-            raise UnsupportedTensorError("Float8Tensor holds neither data nor a valid transpose")
-        return {"data": data, "scale_inv": t._scale_inv}
-
-    def native_components(self, t):
-        out = {"scale_inv": t._scale_inv}
-        if t._data is not None and t._transpose is None:  # else copy_into recomputes the transpose
-            out["data"] = t._data.view(_FP8_TORCH[_FP8_NAMES[int(t._fp8_dtype)]])
-        return out
-
-    def _copy_component(self, target, name, value):
-        if name == "scale_inv":
-            target._scale_inv.copy_(value.reshape(target._scale_inv.shape))
-            return
-        if target._data is not None:
-            copy_bits(target._data, value)
-        if target._transpose is not None:
-            copy_bits(target._transpose, as_u8(value).movedim(-1, 0))
+    def _copy_component(self, target, comp, value, swizzled):
+        super()._copy_component(target, comp, value, swizzled)
+        if comp.derived and target._transpose is not None:
             target._transpose_invalid = False
 
     def _dequantize(self, attrs, shape, dtype, comps):
@@ -236,81 +449,23 @@ class TEMXFP8TensorAdapter(TEAdapter):
 
     cls_name = "MXFP8Tensor"
     format_name = "MXFP8"
+    _E8M0, _COL = torch.float8_e8m0fnu, "columnwise MXFP8 data"
+    COMPONENTS = (
+        Component("rowwise_data", "_rowwise_data", "rowwise", _fp8, blocks()),
+        Component("rowwise_scale_inv", "_rowwise_scale_inv", "rowwise", _E8M0, blocks(32),
+                  to_canonical=_row_scale(32), to_native=_row_scale_native),
+        Component("columnwise_data", "_columnwise_data", "columnwise", _fp8, blocks(), needs_2d=_COL),
+        Component("columnwise_scale_inv", "_columnwise_scale_inv", "columnwise", _E8M0, blocked(32, 1),
+                  to_canonical=_mx_col_scale, to_native=_mx_col_scale_native, needs_2d=_COL),
+    )
+    # Raw interchange: the rowwise direction is OCP MXFP8 (E8M0 per 32 along rows).
+    RAW_FORM = (("data", "rowwise_data"), ("scale", "rowwise_scale_inv"))
 
     def attributes(self, t):
-        return {"fp8_dtype": _FP8_NAMES[int(t._fp8_dtype)]}
+        return _fp8_attrs(t)
 
-    def component_names(self, t):
-        names = []
-        if t._rowwise_data is not None:
-            names += ["rowwise_data", "rowwise_scale_inv"]
-        if t._columnwise_data is not None:
-            _check_2d(t.shape, self.cls_name, "columnwise MXFP8 data")
-            names += ["columnwise_data", "columnwise_scale_inv"]
-        return names
-
-    def layouts(self, t):
-        ones = (1,) * t.ndim
-        out: dict[str, Layout] = {}
-        if t._rowwise_data is not None:
-            out["rowwise_data"] = Blocked(ones)
-            out["rowwise_scale_inv"] = Blocked(ones[:-1] + (32,))
-        if t._columnwise_data is not None:
-            out["columnwise_data"] = Blocked(ones)
-            out["columnwise_scale_inv"] = Blocked((32, 1))
-        return out
-
-    def components(self, t):
-        fp8 = _FP8_TORCH[_FP8_NAMES[int(t._fp8_dtype)]]
-        shape = tuple(t.shape)
-        m, n = rows(shape), shape[-1]
-        out = {}
-        if t._rowwise_data is not None:
-            s = as_u8(t._rowwise_scale_inv)
-            nb = ceil_div(n, 32)
-            s = unswizzle_128x4(s, m, nb) if t._with_gemm_swizzled_scales else s[:m, :nb]
-            out["rowwise_data"] = t._rowwise_data.view(fp8)
-            out["rowwise_scale_inv"] = s.contiguous().view(torch.float8_e8m0fnu).reshape(*shape[:-1], nb)
-        if t._columnwise_data is not None:
-            s = as_u8(t._columnwise_scale_inv)
-            mb = ceil_div(m, 32)
-            # Swizzled columnwise scales tile the transposed (N, M/32) matrix.
-            s = unswizzle_128x4(s, n, mb).t() if t._with_gemm_swizzled_scales else s[:mb, :n]
-            out["columnwise_data"] = t._columnwise_data.view(fp8)
-            out["columnwise_scale_inv"] = s.contiguous().view(torch.float8_e8m0fnu)
-        return out
-
-    def native_components(self, t):
-        fp8 = _FP8_TORCH[_FP8_NAMES[int(t._fp8_dtype)]]
-        out = {}
-        if t._rowwise_data is not None:
-            out["rowwise_data"] = t._rowwise_data.view(fp8)
-        if t._columnwise_data is not None:
-            out["columnwise_data"] = t._columnwise_data.view(fp8)
-        return out
-
-    @staticmethod
-    def native_scale(compact: torch.Tensor, columnwise: bool, swizzled: bool) -> torch.Tensor:
-        """TE's padded (and optionally swizzled) scale buffer from a compact canonical one."""
-        c = as_u8(compact.contiguous())
-        c = c.reshape(-1, c.shape[-1])
-        if columnwise:
-            rows, cols = round_up(c.shape[0], 4), round_up(c.shape[1], 128)
-            if swizzled:
-                return swizzle_128x4(c.t()).reshape(rows, cols)
-            return pad2(c, rows, cols)
-        if swizzled:
-            return swizzle_128x4(c)
-        return pad2(c, round_up(c.shape[0], 128), round_up(c.shape[1], 4))
-
-    def _copy_component(self, target, name, value):
-        buf = getattr(target, "_" + name)
-        if name.endswith("_data"):
-            copy_bits(buf, value)
-        else:
-            native = self.native_scale(value, name.startswith("columnwise"),
-                                       target._with_gemm_swizzled_scales)
-            copy_bits(buf, native)
+    def raw_form(self, attrs):
+        return mxfp8_form(_FP8_TORCH.get(attrs.get("fp8_dtype")))
 
     def _dequantize(self, attrs, shape, dtype, comps):
         fp8 = attrs["fp8_dtype"]
@@ -322,31 +477,10 @@ class TEMXFP8TensorAdapter(TEAdapter):
 
     def _rebuild_te(self, attrs, shape, dtype, comps):
         te = _te_tensor_module()
-        kw = {}
-        for d in ("rowwise", "columnwise"):
-            data = comps.get(f"{d}_data")
-            kw[f"{d}_data"] = None if data is None else as_u8(data).contiguous()
-            scale = comps.get(f"{d}_scale_inv")
-            kw[f"{d}_scale_inv"] = None if scale is None else self.native_scale(scale, d == "columnwise", False)
         device = next(v.device for v in comps.values())
         return te.MXFP8Tensor(shape=shape, dtype=dtype, fp8_dtype=_te_dtype(_FP8_CODES[attrs["fp8_dtype"]]),
-                              quantizer=None, with_gemm_swizzled_scales=False, device=device, **kw)
-
-    # Raw interchange: the rowwise direction is OCP MXFP8 (E8M0 per 32 along rows).
-    def raw_forms_out(self, type_name, attrs):
-        form = mxfp8_form(_FP8_TORCH.get(attrs.get("fp8_dtype")))
-        return {form: ["rowwise_data", "rowwise_scale_inv"]} if form else {}
-
-    def to_raw_form(self, type_name, attrs, form, components):
-        return {"data": as_u8(components["rowwise_data"]), "scale": as_u8(components["rowwise_scale_inv"])}
-
-    def raw_forms_in(self, target):
-        if target._rowwise_data is None or target._columnwise_data is not None:
-            return ()  # a columnwise copy is a separate quantization: needs a GPU
-        return (mxfp8_form(_FP8_TORCH[_FP8_NAMES[int(target._fp8_dtype)]]),)
-
-    def from_raw_form(self, target, form, tensors):
-        self.copy_into(target, {"rowwise_data": tensors["data"], "rowwise_scale_inv": tensors["scale"]})
+                              quantizer=None, with_gemm_swizzled_scales=False, device=device,
+                              **self._native_kwargs(attrs, comps))
 
 
 # ----------------------------------------------------------------------------- blockwise FP8
@@ -356,85 +490,35 @@ class TEFloat8BlockwiseQTensorAdapter(TEAdapter):
 
     cls_name = "Float8BlockwiseQTensor"
     format_name = "blockwise FP8"
+    #: 1x128: each present direction is its own quantization (data in logical order)
+    COMPONENTS = (
+        Component("rowwise_data", "_rowwise_data", "rowwise", _fp8, blocks()),
+        Component("rowwise_scale_inv", "_rowwise_scale_inv", "rowwise", torch.float32, blocks(1, 128),
+                  to_canonical=_block_row_scale, to_native=_block_row_scale_native),
+        Component("columnwise_data", "_columnwise_data", "columnwise", _fp8, blocks(),
+                  to_canonical=_transposed, to_native=_transpose_back),
+        Component("columnwise_scale_inv", "_columnwise_scale_inv", "columnwise", torch.float32,
+                  blocks(128, 1), to_canonical=_block_col_scale, to_native=_block_pad_cols),
+    )
+    #: 128x128: one quantization, stored rowwise; the columnwise copy is its transpose (rebuilt on load)
+    COMPONENTS_2D = (
+        Component("rowwise_data", "_rowwise_data", None, _fp8, blocks(), to_canonical=_block2d_data,
+                  derived=(("_columnwise_data", _u8_t),),
+                  in_place=lambda t: t._rowwise_data is not None and t._columnwise_data is None),
+        Component("rowwise_scale_inv", "_rowwise_scale_inv", None, torch.float32, blocks(128, 128),
+                  to_canonical=_block2d_scale, to_native=_block_pad_cols,
+                  derived=(("_columnwise_scale_inv", _block2d_col_scale),)),
+    )
 
     def attributes(self, t):
         return {"fp8_dtype": _FP8_NAMES[int(t._fp8_dtype)], "block_scaling_dim": 2 if t._is_2D_scaled else 1}
 
-    def component_names(self, t):
-        _check_2d(t.shape, self.cls_name, "blockwise FP8")
-        if t._is_2D_scaled:
-            return ["rowwise_data", "rowwise_scale_inv"]
-        names = []
-        if t._rowwise_data is not None:
-            names += ["rowwise_data", "rowwise_scale_inv"]
-        if t._columnwise_data is not None:
-            names += ["columnwise_data", "columnwise_scale_inv"]
-        return names
+    def declared(self, attrs):
+        return self.COMPONENTS_2D if attrs["block_scaling_dim"] == 2 else self.COMPONENTS
 
-    def layouts(self, t):
-        if t._is_2D_scaled:
-            return {"rowwise_data": Blocked((1, 1)), "rowwise_scale_inv": Blocked((128, 128))}
-        out: dict[str, Layout] = {}
-        if t._rowwise_data is not None:
-            out["rowwise_data"] = Blocked((1, 1))
-            out["rowwise_scale_inv"] = Blocked((1, 128))
-        if t._columnwise_data is not None:
-            out["columnwise_data"] = Blocked((1, 1))
-            out["columnwise_scale_inv"] = Blocked((128, 1))
-        return out
-
-    def components(self, t):
-        _check_2d(t.shape, self.cls_name, "blockwise FP8")
-        fp8 = _FP8_TORCH[_FP8_NAMES[int(t._fp8_dtype)]]
-        m, n = t.shape
-        tm, tn = ceil_div(m, 128), ceil_div(n, 128)
-        out = {}
-        if t._is_2D_scaled:
-            if t._rowwise_data is not None:
-                out["rowwise_data"] = t._rowwise_data.view(fp8)
-                out["rowwise_scale_inv"] = t._rowwise_scale_inv[:tm, :tn].contiguous()
-            else:  # columnwise only: the transpose of the rowwise copy, with transposed tiles
-                out["rowwise_data"] = t._columnwise_data.t().contiguous().view(fp8)
-                out["rowwise_scale_inv"] = t._columnwise_scale_inv[:tn, :tm].t().contiguous()
-            return out
-        if t._rowwise_data is not None:
-            out["rowwise_data"] = t._rowwise_data.view(fp8)
-            out["rowwise_scale_inv"] = t._rowwise_scale_inv[:tn, :m].t().contiguous()
-        if t._columnwise_data is not None:
-            out["columnwise_data"] = t._columnwise_data.t().contiguous().view(fp8)
-            out["columnwise_scale_inv"] = t._columnwise_scale_inv[:tm, :n].contiguous()
-        return out
-
-    def native_components(self, t):
-        if t._rowwise_data is not None and not (t._is_2D_scaled and t._columnwise_data is not None):
-            return {"rowwise_data": t._rowwise_data.view(_FP8_TORCH[_FP8_NAMES[int(t._fp8_dtype)]])}
-        return {}  # a 2-D columnwise copy is rebuilt by copy_into
-
-    @staticmethod
-    def native_buffers(is_2d: bool, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        """TE buffers (by attribute) that canonical component ``name`` fills."""
-        if name == "rowwise_data":
-            out = {"_rowwise_data": as_u8(value)}
-            if is_2d:  # the 128x128 columnwise copy is the transpose of the rowwise one
-                out["_columnwise_data"] = as_u8(value).t()
-            return out
-        if name == "columnwise_data":
-            return {"_columnwise_data": as_u8(value).t()}
-        if is_2d:  # rowwise_scale_inv (tm, tn)
-            tm, tn = value.shape
-            return {"_rowwise_scale_inv": pad2(value, tm, round_up(tn, 4)),
-                    "_columnwise_scale_inv": pad2(value.t(), tn, round_up(tm, 4))}
-        if name == "rowwise_scale_inv":  # (m, tn) -> (tn, roundup(m, 4))
-            m, tn = value.shape
-            return {"_rowwise_scale_inv": pad2(value.t(), tn, round_up(m, 4))}
-        tm, n = value.shape  # columnwise_scale_inv (tm, n) -> (tm, roundup(n, 4))
-        return {"_columnwise_scale_inv": pad2(value, tm, round_up(n, 4))}
-
-    def _copy_component(self, target, name, value):
-        for attr, native in self.native_buffers(target._is_2D_scaled, name, value).items():
-            buf = getattr(target, attr)
-            if buf is not None:
-                copy_bits(buf, native)
+    def present_components(self, t, attrs=None, *, check_2d=True):
+        _check_2d(t.shape, self.cls_name, "blockwise FP8")  # every component, either usage
+        return super().present_components(t, attrs, check_2d=check_2d)
 
     def _dequantize(self, attrs, shape, dtype, comps):
         fp8 = _FP8_TORCH[attrs["fp8_dtype"]]
@@ -453,19 +537,10 @@ class TEFloat8BlockwiseQTensorAdapter(TEAdapter):
 
     def _rebuild_te(self, attrs, shape, dtype, comps):
         te = _te_tensor_module()
-        is_2d = attrs["block_scaling_dim"] == 2
-        kw = {"_rowwise_data": None, "_rowwise_scale_inv": None,
-              "_columnwise_data": None, "_columnwise_scale_inv": None}
-        for name, value in comps.items():
-            native = self.native_buffers(is_2d, name, value)
-            kw.update({k: v.contiguous() for k, v in native.items()})
         device = next(v.device for v in comps.values())
         return te.Float8BlockwiseQTensor(
-            shape=shape, dtype=dtype, rowwise_data=kw["_rowwise_data"],
-            rowwise_scale_inv=kw["_rowwise_scale_inv"], columnwise_data=kw["_columnwise_data"],
-            columnwise_scale_inv=kw["_columnwise_scale_inv"],
-            fp8_dtype=_te_dtype(_FP8_CODES[attrs["fp8_dtype"]]), quantizer=None, is_2D_scaled=is_2d,
-            device=device)
+            shape=shape, dtype=dtype, fp8_dtype=_te_dtype(_FP8_CODES[attrs["fp8_dtype"]]), quantizer=None,
+            is_2D_scaled=attrs["block_scaling_dim"] == 2, device=device, **self._native_kwargs(attrs, comps))
 
 
 # ----------------------------------------------------------------------------- NVFP4Tensor
@@ -475,88 +550,30 @@ class TENVFP4TensorAdapter(TEAdapter):
 
     cls_name = "NVFP4Tensor"
     format_name = "NVFP4"
+    _E4M3, _COL = torch.float8_e4m3fn, "columnwise NVFP4 data"
+    COMPONENTS = (
+        Component("rowwise_data", "_rowwise_data", "rowwise", torch.uint8, blocks(2)),
+        Component("rowwise_scale_inv", "_rowwise_scale_inv", "rowwise", _E4M3, blocks(16),
+                  to_canonical=_row_scale(16), to_native=_row_scale_native),
+        Component("amax_rowwise", "_amax_rowwise", "rowwise", torch.float32, _nvfp4_amax_layout,
+                  to_canonical=_nvfp4_amax, to_native=_flat, in_place=lambda t: not t._row_scaled_nvfp4),
+        Component("columnwise_data", "_columnwise_data", "columnwise", torch.uint8, blocked(2, 1),
+                  to_canonical=_transposed, to_native=_transpose_back, needs_2d=_COL),
+        Component("columnwise_scale_inv", "_columnwise_scale_inv", "columnwise", _E4M3, blocked(16, 1),
+                  to_canonical=_nvfp4_col_scale, to_native=_nvfp4_col_scale_native, needs_2d=_COL),
+        Component("amax_columnwise", "_amax_columnwise", "columnwise", torch.float32, to_native=_flat,
+                  needs_2d=_COL),
+    )
+    # Raw interchange: the rowwise direction with one global amax is NVFP4's row-16 form.
+    RAW_FORM = (("data", "rowwise_data"), ("scale", "rowwise_scale_inv"), ("amax", "amax_rowwise"))
 
     def attributes(self, t):
         rht = bool(t._columnwise_data is not None and getattr(t._quantizer, "with_rht", False))
         return {"row_scaled": bool(t._row_scaled_nvfp4), "use_4over6": bool(t._nvfp4_use_4over6),
                 "e4m3_max": int(t._nvfp4_e4m3_max), "columnwise_rht": rht}
 
-    def component_names(self, t):
-        names = []
-        if t._rowwise_data is not None:
-            names += ["rowwise_data", "rowwise_scale_inv", "amax_rowwise"]
-        if t._columnwise_data is not None:
-            _check_2d(t.shape, self.cls_name, "columnwise NVFP4 data")
-            names += ["columnwise_data", "columnwise_scale_inv", "amax_columnwise"]
-        return names
-
-    def layouts(self, t):
-        ones = (1,) * t.ndim
-        out: dict[str, Layout] = {}
-        if t._rowwise_data is not None:
-            out["rowwise_data"] = Blocked(ones[:-1] + (2,))
-            out["rowwise_scale_inv"] = Blocked(ones[:-1] + (16,))
-            out["amax_rowwise"] = (Blocked(ones[:-1] + (t.shape[-1],)) if t._row_scaled_nvfp4
-                                   else Replicated(tuple(t._amax_rowwise.shape)))
-        if t._columnwise_data is not None:
-            out["columnwise_data"] = Blocked((2, 1))
-            out["columnwise_scale_inv"] = Blocked((16, 1))
-            out["amax_columnwise"] = Replicated(tuple(t._amax_columnwise.shape))
-        return out
-
-    def components(self, t):
-        shape = tuple(t.shape)
-        m, n = rows(shape), shape[-1]
-        swz = t._with_gemm_swizzled_scales
-        out = {}
-        if t._rowwise_data is not None:
-            nb = ceil_div(n, 16)
-            s = as_u8(t._rowwise_scale_inv)
-            s = unswizzle_128x4(s, m, nb) if swz else s[:m, :nb]
-            out["rowwise_data"] = as_u8(t._rowwise_data)
-            out["rowwise_scale_inv"] = s.contiguous().view(torch.float8_e4m3fn).reshape(*shape[:-1], nb)
-            amax = t._amax_rowwise
-            out["amax_rowwise"] = amax.reshape(*shape[:-1], 1) if t._row_scaled_nvfp4 else amax
-        if t._columnwise_data is not None:
-            mb = ceil_div(m, 16)
-            s = as_u8(t._columnwise_scale_inv)
-            s = unswizzle_128x4(s, n, mb) if swz else s[:n, :mb]
-            out["columnwise_data"] = as_u8(t._columnwise_data).t().contiguous()
-            out["columnwise_scale_inv"] = s.t().contiguous().view(torch.float8_e4m3fn)
-            out["amax_columnwise"] = t._amax_columnwise
-        return out
-
-    def native_components(self, t):
-        out = {}
-        if t._rowwise_data is not None:
-            out["rowwise_data"] = as_u8(t._rowwise_data)
-            if not t._row_scaled_nvfp4:
-                out["amax_rowwise"] = t._amax_rowwise
-        if t._columnwise_data is not None:
-            out["amax_columnwise"] = t._amax_columnwise
-        return out
-
-    @staticmethod
-    def native_scale(compact: torch.Tensor, columnwise: bool, swizzled: bool) -> torch.Tensor:
-        c = as_u8(compact.contiguous())
-        c = c.reshape(-1, c.shape[-1])
-        if columnwise:
-            c = c.t()  # (N, M/16): TE keeps columnwise scales in the transposed orientation
-        if swizzled:
-            return swizzle_128x4(c)
-        return pad2(c, round_up(c.shape[0], 128), round_up(c.shape[1], 4))
-
-    def _copy_component(self, target, name, value):
-        buf = getattr(target, "_" + name)
-        if name == "rowwise_data":
-            copy_bits(buf, value)
-        elif name == "columnwise_data":
-            copy_bits(buf, as_u8(value).t())
-        elif name.endswith("_scale_inv"):
-            copy_bits(buf, self.native_scale(value, name.startswith("columnwise"),
-                                              target._with_gemm_swizzled_scales))
-        else:
-            buf.copy_(value.reshape(buf.shape))
+    def raw_form(self, attrs):
+        return None if attrs.get("row_scaled") or attrs.get("use_4over6") else NVFP4_ROW16
 
     def _dequantize(self, attrs, shape, dtype, comps):
         if attrs.get("use_4over6"):
@@ -586,42 +603,12 @@ class TENVFP4TensorAdapter(TEAdapter):
 
     def _rebuild_te(self, attrs, shape, dtype, comps):
         te = _te_tensor_module()
-        kw: dict[str, Any] = {}
-        for d in ("rowwise", "columnwise"):
-            data = comps.get(f"{d}_data")
-            if data is None:
-                kw[f"{d}_data"] = kw[f"{d}_scale_inv"] = kw[f"amax_{d}"] = None
-                continue
-            kw[f"{d}_data"] = as_u8(data).contiguous() if d == "rowwise" else as_u8(data).t().contiguous()
-            kw[f"{d}_scale_inv"] = self.native_scale(comps[f"{d}_scale_inv"], d == "columnwise", False)
-            kw[f"amax_{d}"] = comps[f"amax_{d}"].reshape(-1).contiguous()
         device = next(v.device for v in comps.values())
         return te.NVFP4Tensor(
             shape=shape, dtype=dtype, fp4_dtype=_te_dtype(_FP4_CODE), quantizer=None,
             with_gemm_swizzled_scales=False, row_scaled_nvfp4=bool(attrs.get("row_scaled")),
             nvfp4_use_4over6=bool(attrs.get("use_4over6")), nvfp4_e4m3_max=int(attrs.get("e4m3_max", 448)),
-            device=device, **kw)
-
-    # Raw interchange: the rowwise direction with one global amax is NVFP4's row-16 form.
-    def raw_forms_out(self, type_name, attrs):
-        if attrs.get("row_scaled") or attrs.get("use_4over6"):
-            return {}
-        return {NVFP4_ROW16: ["rowwise_data", "rowwise_scale_inv", "amax_rowwise"]}
-
-    def to_raw_form(self, type_name, attrs, form, components):
-        return {"data": as_u8(components["rowwise_data"]), "scale": as_u8(components["rowwise_scale_inv"]),
-                "amax": components["amax_rowwise"].float().reshape(())}
-
-    def raw_forms_in(self, target):
-        if target._rowwise_data is None or target._columnwise_data is not None:
-            return ()
-        if target._row_scaled_nvfp4 or target._nvfp4_use_4over6:
-            return ()
-        return (NVFP4_ROW16,)
-
-    def from_raw_form(self, target, form, tensors):
-        self.copy_into(target, {"rowwise_data": tensors["data"], "rowwise_scale_inv": tensors["scale"],
-                                "amax_rowwise": tensors["amax"].reshape(target._amax_rowwise.shape)})
+            device=device, **self._native_kwargs(attrs, comps))
 
 
 def builtin_adapters() -> list[Adapter]:
