@@ -58,7 +58,6 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 from dist_helpers import dtensor_from_local, init_torchrun_mesh  # noqa: E402
-from transformer_engine.pytorch import utils as te_utils  # noqa: E402
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 
 from qdcp import AlignmentError, QuantizedSavePlanner  # noqa: E402
@@ -71,7 +70,6 @@ from worker_results import short as _short  # noqa: E402
 ROWS = 512
 DTYPE = torch.bfloat16
 E4M3 = DType.kFloat8E4M3
-GARBAGE = 0xAB
 # format -> (columns, column block, row block): the blocks every stored component's layout falls on
 FORMATS = {"float8": (64, 1, 1), "mxfp8": (64, 32, 32), "mxfp8_colwise": (64, 1, 32), "block1d": (256, 128, 128),
            "block2d": (256, 128, 128), "nvfp4": (32, 16, 1), "nvfp4_2d": (32, 16, 16)}
@@ -140,14 +138,6 @@ def _ru(x: int, k: int) -> int:
     return -(-x // k) * k
 
 
-def _padded(compact: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """``compact`` in the corner of a ``(rows, cols)`` buffer of garbage (TE leaves padding unset)."""
-    fill = GARBAGE if compact.dtype == torch.uint8 else float("nan")
-    out = torch.full((rows, cols), fill, dtype=compact.dtype)
-    out[: compact.shape[0], : compact.shape[1]] = compact[:rows, :cols]
-    return out
-
-
 def part(t: torch.Tensor, blk: Block, rb: int = 1, cb: int = 1) -> torch.Tensor:
     """The items of a component with one item per ``rb x cb`` logical elements that a block of
     TE's local shape needs: ``ceil(rows / rb) x ceil(cols / cb)`` of them from the block's first
@@ -155,20 +145,7 @@ def part(t: torch.Tensor, blk: Block, rb: int = 1, cb: int = 1) -> torch.Tensor:
     the end)."""
     r0, c0, rs, cs = blk
     rows, cols = -(-rs // rb), -(-cs // cb)
-    return _padded(t[r0 // rb: r0 // rb + rows, c0 // cb: c0 // cb + cols], rows, cols)
-
-
-class _hopper:
-    """``te_cpu.simulate_gpu(HOPPER)`` with TE's cached GEMM-layout probe cleared on entry and exit."""
-
-    def __enter__(self):
-        self.ctx = te_cpu.simulate_gpu(te_cpu.HOPPER)
-        self.ctx.__enter__()
-        te_utils.is_non_tn_fp8_gemm_supported.cache_clear()
-
-    def __exit__(self, *exc):
-        self.ctx.__exit__(*exc)
-        te_utils.is_non_tn_fp8_gemm_supported.cache_clear()
+    return te_cpu.padded(t[r0 // rb: r0 // rb + rows, c0 // cb: c0 // cb + cols], rows, cols)
 
 
 def _native(fmt: str, g: dict, blk: Block) -> tuple[type, dict]:
@@ -180,28 +157,28 @@ def _native(fmt: str, g: dict, blk: Block) -> tuple[type, dict]:
                                      fp8_scale_inv=g["scale_inv"].clone())
     if fmt in ("mxfp8", "mxfp8_colwise"):
         kw = dict(rowwise_data=None, rowwise_scale_inv=None, columnwise_data=part(g["cdata"], blk),
-                  columnwise_scale_inv=_padded(part(g["cscale"], blk, 32, 1), _ru(-(-rs // 32), 4), _ru(cs, 128)))
+                  columnwise_scale_inv=te_cpu.padded(part(g["cscale"], blk, 32, 1), _ru(-(-rs // 32), 4), _ru(cs, 128)))
         if fmt == "mxfp8":
             kw.update(rowwise_data=part(g["data"], blk),
-                      rowwise_scale_inv=_padded(part(g["scale"], blk, 1, 32), _ru(rs, 128), _ru(-(-cs // 32), 4)))
+                      rowwise_scale_inv=te_cpu.padded(part(g["scale"], blk, 1, 32), _ru(rs, 128), _ru(-(-cs // 32), 4)))
         return te.MXFP8Tensor, kw
     if fmt == "block1d":
         return te.Float8BlockwiseQTensor, dict(
             rowwise_data=part(g["data"], blk), columnwise_data=part(g["cdata"], blk).t().contiguous(),
-            rowwise_scale_inv=_padded(part(g["scale"], blk, 1, 128).t(), -(-cs // 128), _ru(rs, 4)),
-            columnwise_scale_inv=_padded(part(g["cscale"], blk, 128, 1), -(-rs // 128), _ru(cs, 4)))
+            rowwise_scale_inv=te_cpu.padded(part(g["scale"], blk, 1, 128).t(), -(-cs // 128), _ru(rs, 4)),
+            columnwise_scale_inv=te_cpu.padded(part(g["cscale"], blk, 128, 1), -(-rs // 128), _ru(cs, 4)))
     if fmt == "block2d":
         data, tiles = part(g["data"], blk), part(g["scale"], blk, 128, 128)
         return te.Float8BlockwiseQTensor, dict(
-            rowwise_data=data, rowwise_scale_inv=_padded(tiles, tiles.shape[0], _ru(tiles.shape[1], 4)),
+            rowwise_data=data, rowwise_scale_inv=te_cpu.padded(tiles, tiles.shape[0], _ru(tiles.shape[1], 4)),
             columnwise_data=data.t().contiguous(),
-            columnwise_scale_inv=_padded(tiles.t(), tiles.shape[1], _ru(tiles.shape[0], 4)))
+            columnwise_scale_inv=te_cpu.padded(tiles.t(), tiles.shape[1], _ru(tiles.shape[0], 4)))
     kw = dict(rowwise_data=part(g["data"], blk, 1, 2), amax_rowwise=g["amax"].clone(),
-              rowwise_scale_inv=_padded(part(g["scale"], blk, 1, 16), _ru(rs, 128), _ru(-(-cs // 16), 4)),
+              rowwise_scale_inv=te_cpu.padded(part(g["scale"], blk, 1, 16), _ru(rs, 128), _ru(-(-cs // 16), 4)),
               columnwise_data=None, columnwise_scale_inv=None, amax_columnwise=None)
     if fmt == "nvfp4_2d":  # TE keeps the columnwise copy transposed: (N, M/2) codes, (N, M/16) scales
         kw.update(columnwise_data=part(g["cdata"], blk, 2, 1).t().contiguous(), amax_columnwise=g["amax"].clone(),
-                  columnwise_scale_inv=_padded(part(g["cscale"], blk, 16, 1).t(), _ru(cs, 128), _ru(-(-rs // 16), 4)))
+                  columnwise_scale_inv=te_cpu.padded(part(g["cscale"], blk, 16, 1).t(), _ru(cs, 128), _ru(-(-rs // 16), 4)))
     return te.NVFP4Tensor, kw
 
 
@@ -211,7 +188,7 @@ def build(fmt: str, g: dict[str, torch.Tensor], blk: Block) -> torch.Tensor:
     cls, kw = _native(fmt, g, blk)
     kw = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     common = dict(shape=blk[2:], dtype=DTYPE, device=DEVICE)
-    with _hopper():
+    with te_cpu.simulate_gpu(te_cpu.HOPPER):
         if fmt == "float8":  # Hopper, rowwise + columnwise: data and its transpose
             q = te.Float8CurrentScalingQuantizer(E4M3, device=DEVICE, rowwise=True, columnwise=True)
             return cls(fp8_dtype=E4M3, quantizer=q, **common, **kw)
@@ -232,7 +209,7 @@ def build(fmt: str, g: dict[str, torch.Tensor], blk: Block) -> torch.Tensor:
 def on_cpu(t: torch.Tensor) -> torch.Tensor:
     """A TE tensor with ``t``'s buffers copied to the CPU (TE's own dequantize runs there)."""
     adapter = find_adapter(t)
-    with _hopper():  # TE's NVFP4 quantizer asks torch.cuda for its device when copied
+    with te_cpu.simulate_gpu(te_cpu.HOPPER):  # TE's NVFP4 quantizer asks torch.cuda for its device when copied
         return adapter.from_inner_buffers(t, {k: v.cpu() for k, v in adapter.inner_buffers(t).items()})
 
 

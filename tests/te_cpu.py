@@ -118,3 +118,14 @@ def _clear_arch_cache() -> None:
     utils = sys.modules.get("transformer_engine.pytorch.utils")
     if utils is not None:
         utils.is_non_tn_fp8_gemm_supported.cache_clear()
+
+
+GARBAGE = 0xAB  # what the tests put in TE's padding, which TE leaves unset
+
+
+def padded(compact: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``compact`` in the corner of a ``(rows, cols)`` buffer of garbage (TE leaves padding unset)."""
+    fill = GARBAGE if compact.dtype == torch.uint8 else float("nan")
+    out = torch.full((rows, cols), fill, dtype=compact.dtype)
+    out[: compact.shape[0], : compact.shape[1]] = compact
+    return out

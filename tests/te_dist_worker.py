@@ -48,7 +48,6 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 from dist_helpers import dtensor_from_local, init_torchrun_mesh, my_row_chunk, row_chunks  # noqa: E402
-from transformer_engine.pytorch import utils as te_utils  # noqa: E402
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 
 from qdcp import AlignmentError, QuantizedSavePlanner  # noqa: E402
@@ -63,7 +62,7 @@ ROWS, COLS = 512, 256
 SHAPE = (ROWS, COLS)
 DTYPE = torch.bfloat16
 E4M3 = DType.kFloat8E4M3
-GARBAGE = 0xAB
+
 FORMATS = ("float8", "mxfp8", "block1d", "block2d", "nvfp4")
 STRADDLING = ("block1d", "block2d")  # 128-row blocks (1x128 columnwise, 128x128): need aligned rows
 SEED = {f: 10 * i + 1 for i, f in enumerate(FORMATS)}
@@ -107,31 +106,10 @@ def _ru(x: int, k: int) -> int:
     return -(-x // k) * k
 
 
-def _padded(compact: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """``compact`` in the corner of a ``(rows, cols)`` buffer of garbage (TE leaves padding unset)."""
-    fill = GARBAGE if compact.dtype == torch.uint8 else float("nan")
-    out = torch.full((rows, cols), fill, dtype=compact.dtype)
-    out[: compact.shape[0], : compact.shape[1]] = compact
-    return out
-
-
-class _hopper:
-    """``te_cpu.simulate_gpu(HOPPER)`` with TE's cached GEMM-layout probe cleared on entry and exit."""
-
-    def __enter__(self):
-        self.ctx = te_cpu.simulate_gpu(te_cpu.HOPPER)
-        self.ctx.__enter__()
-        te_utils.is_non_tn_fp8_gemm_supported.cache_clear()
-
-    def __exit__(self, *exc):
-        self.ctx.__exit__(*exc)
-        te_utils.is_non_tn_fp8_gemm_supported.cache_clear()
-
-
 def build(fmt: str, g: dict[str, torch.Tensor], o: int, s: int) -> torch.Tensor:
     """The TE tensor of rows ``[o, o + s)`` of the global buffers ``g`` (native layout)."""
     n = COLS
-    with _hopper():
+    with te_cpu.simulate_gpu(te_cpu.HOPPER):
         if fmt == "float8":  # Hopper, rowwise + columnwise: data and its transpose
             data = g["data"][o:o + s].clone()
             q = te.Float8CurrentScalingQuantizer(E4M3, device="cpu", rowwise=True, columnwise=True)
@@ -144,7 +122,7 @@ def build(fmt: str, g: dict[str, torch.Tensor], o: int, s: int) -> torch.Tensor:
             return te.MXFP8Tensor(
                 shape=(s, n), dtype=DTYPE, fp8_dtype=E4M3, quantizer=q, with_gemm_swizzled_scales=False,
                 device="cpu", rowwise_data=g["data"][o:o + s].clone(),
-                rowwise_scale_inv=_padded(g["scale"][o:o + s], _ru(s, 128), _ru(n // 32, 4)),
+                rowwise_scale_inv=te_cpu.padded(g["scale"][o:o + s], _ru(s, 128), _ru(n // 32, 4)),
                 columnwise_data=None, columnwise_scale_inv=None)
         if fmt in ("block1d", "block2d"):
             t0, tl = o // 128, -(-s // 128)  # unaligned shards: the covering tiles (refused at planning)
@@ -152,16 +130,16 @@ def build(fmt: str, g: dict[str, torch.Tensor], o: int, s: int) -> torch.Tensor:
                                         block_scaling_dim=2 if fmt == "block2d" else 1)
             data = g["data"][o:o + s].clone()
             if fmt == "block2d":
-                tiles = _padded(g["scale"][t0:t0 + tl], tl, n // 128)  # NaN rows past the tensor's tiles
-                kw = dict(rowwise_data=data, rowwise_scale_inv=_padded(tiles, tl, _ru(n // 128, 4)),
+                tiles = te_cpu.padded(g["scale"][t0:t0 + tl], tl, n // 128)  # NaN rows past the tensor's tiles
+                kw = dict(rowwise_data=data, rowwise_scale_inv=te_cpu.padded(tiles, tl, _ru(n // 128, 4)),
                           columnwise_data=data.t().contiguous(),
-                          columnwise_scale_inv=_padded(tiles.t(), n // 128, _ru(tl, 4)))
+                          columnwise_scale_inv=te_cpu.padded(tiles.t(), n // 128, _ru(tl, 4)))
             else:
-                cs = _padded(g["cscale"][t0:t0 + tl], tl, n)
+                cs = te_cpu.padded(g["cscale"][t0:t0 + tl], tl, n)
                 kw = dict(rowwise_data=data,
-                          rowwise_scale_inv=_padded(g["scale"][o:o + s].t(), n // 128, _ru(s, 4)),
+                          rowwise_scale_inv=te_cpu.padded(g["scale"][o:o + s].t(), n // 128, _ru(s, 4)),
                           columnwise_data=g["cdata"][o:o + s].t().contiguous(),
-                          columnwise_scale_inv=_padded(cs, tl, _ru(n, 4)))
+                          columnwise_scale_inv=te_cpu.padded(cs, tl, _ru(n, 4)))
             return te.Float8BlockwiseQTensor(shape=(s, n), dtype=DTYPE, fp8_dtype=E4M3, quantizer=q,
                                              is_2D_scaled=fmt == "block2d", device="cpu", **kw)
         if fmt == "nvfp4":  # rowwise, compact scales, one per-tensor amax (the same on every rank)
@@ -169,7 +147,7 @@ def build(fmt: str, g: dict[str, torch.Tensor], o: int, s: int) -> torch.Tensor:
                 shape=(s, n), dtype=DTYPE, fp4_dtype=DType.kFloat4E2M1, quantizer=None,
                 with_gemm_swizzled_scales=False, row_scaled_nvfp4=False, device="cpu",
                 rowwise_data=g["data"][o:o + s].clone(),
-                rowwise_scale_inv=_padded(g["scale"][o:o + s], _ru(s, 128), _ru(n // 16, 4)),
+                rowwise_scale_inv=te_cpu.padded(g["scale"][o:o + s], _ru(s, 128), _ru(n // 16, 4)),
                 amax_rowwise=g["amax"].clone(), columnwise_data=None, columnwise_scale_inv=None,
                 amax_columnwise=None)
     raise ValueError(fmt)
