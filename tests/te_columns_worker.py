@@ -213,24 +213,6 @@ def on_cpu(t: torch.Tensor) -> torch.Tensor:
         return adapter.from_inner_buffers(t, {k: v.cpu() for k, v in adapter.inner_buffers(t).items()})
 
 
-def derived_diff(fmt: str, t: torch.Tensor) -> str | None:
-    """The copies qdcp rebuilds rather than stores: the Float8 transpose, the 128x128 columnwise copy."""
-    if fmt == "float8":
-        if t._transpose is None or t._transpose_invalid:
-            return "the Float8 transpose is missing or invalid"
-        return bits_diff(t._transpose, t._data.t().contiguous())
-    if fmt == "block2d":
-        tl, tn = -(-t.shape[0] // 128), -(-t.shape[1] // 128)
-        return (bits_diff(t._columnwise_data, t._rowwise_data.t().contiguous())
-                or bits_diff(t._columnwise_scale_inv[:, :tl], t._rowwise_scale_inv[:tl, :tn].t().contiguous()))
-    return None
-
-
-def inner_ptrs(t: torch.Tensor) -> dict[str, int]:
-    names, _ = t.__tensor_flatten__()
-    return {n: getattr(t, n).data_ptr() for n in names}
-
-
 def block_of(mesh, placements, size) -> Block:
     """This rank's block of a ``size`` DTensor with ``placements`` on ``mesh`` (the whole: None)."""
     if mesh is None:
@@ -341,16 +323,16 @@ def load_same_type(path: str, tag: str, fmt: str, blk: Block, mesh, placements, 
     section, key = f"same_type[{fmt}]", f"te.{fmt}"
     g = global_buffers(fmt, SEED[fmt])
     local = build(fmt, global_buffers(fmt, SEED[fmt] + TARGET_SEED), blk)
-    ptrs = inner_ptrs(local)
+    ptrs = te_cpu.inner_ptrs(local)
     state = {key: wrap(local, mesh, placements, shape(fmt))}
     err = try_load(state, path)
     if err is not None:
         check(section, False, f"{tag}: {key} block {blk}: the load failed: {_short(err)}")
         return
     got = state[key] if mesh is None else state[key]._local_tensor
-    check(section, got is local and inner_ptrs(local) == ptrs,
+    check(section, got is local and te_cpu.inner_ptrs(local) == ptrs,
           f"{tag}: {key}: the target's local tensor or buffers were replaced, not updated in place")
-    diff = canonical_diff(on_cpu(local), on_cpu(build(fmt, g, blk))) or derived_diff(fmt, on_cpu(local))
+    diff = canonical_diff(on_cpu(local), on_cpu(build(fmt, g, blk))) or te_cpu.derived_diff(fmt, on_cpu(local))
     check(section, diff is None, f"{tag}: {key} block {blk}: {diff}")
     check_whole_dequantize(tag, fmt, local, blk, refs, mesh)
 

@@ -129,3 +129,28 @@ def padded(compact: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     out = torch.full((rows, cols), fill, dtype=compact.dtype)
     out[: compact.shape[0], : compact.shape[1]] = compact
     return out
+
+
+def derived_diff(fmt: str, t: torch.Tensor) -> str | None:
+    """The copies qdcp rebuilds rather than stores: the Float8 transpose, the 128x128 columnwise copy."""
+    if fmt == "float8":
+        if t._transpose is None or t._transpose_invalid:
+            return "the Float8 transpose is missing or invalid"
+        return _bits_diff(t._transpose, t._data.t().contiguous())
+    if fmt == "block2d":
+        tl, tn = -(-t.shape[0] // 128), -(-t.shape[1] // 128)
+        return (_bits_diff(t._columnwise_data, t._rowwise_data.t().contiguous())
+                or _bits_diff(t._columnwise_scale_inv[:, :tl], t._rowwise_scale_inv[:tl, :tn].t().contiguous()))
+    return None
+
+
+def inner_ptrs(t: torch.Tensor) -> dict[str, int]:
+    """Where each of a TE tensor's buffers lives (a load in place keeps them)."""
+    names, _ = t.__tensor_flatten__()
+    return {n: getattr(t, n).data_ptr() for n in names}
+
+
+def _bits_diff(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    from quantized_cases import bits_diff
+
+    return bits_diff(a, b)

@@ -69,7 +69,6 @@ SEED = {f: 10 * i + 1 for i, f in enumerate(FORMATS)}
 TARGET_SEED = 1000  # added to SEED for the garbage buffers of same-type targets
 
 
-
 # ----------------------------------------------------------------------------- global buffers
 
 
@@ -162,24 +161,6 @@ def aligned(world: int) -> bool:
 def make_dtensor(local: torch.Tensor, mesh) -> DTensor:
     """A Shard(0) DTensor of the test's global shape over ``local``."""
     return dtensor_from_local(local, mesh, (Shard(0),), SHAPE, DTYPE)
-
-
-def derived_diff(fmt: str, t: torch.Tensor) -> str | None:
-    """The copies qdcp rebuilds rather than stores: the Float8 transpose, the 128x128 columnwise copy."""
-    if fmt == "float8":
-        if t._transpose is None or t._transpose_invalid:
-            return "the Float8 transpose is missing or invalid"
-        return bits_diff(t._transpose, t._data.t().contiguous())
-    if fmt == "block2d":
-        tl, tn = -(-t.shape[0] // 128), COLS // 128
-        return (bits_diff(t._columnwise_data, t._rowwise_data.t().contiguous())
-                or bits_diff(t._columnwise_scale_inv[:, :tl], t._rowwise_scale_inv[:tl, :tn].t().contiguous()))
-    return None
-
-
-def inner_ptrs(t: torch.Tensor) -> dict[str, int]:
-    names, _ = t.__tensor_flatten__()
-    return {n: getattr(t, n).data_ptr() for n in names}
 
 
 # ----------------------------------------------------------------------------- save
@@ -323,16 +304,16 @@ def load_one(path: str, n: int, refs: dict, mesh, tag: str | None = None) -> Non
             continue
         local = build(fmt, global_buffers(fmt, SEED[fmt] + TARGET_SEED), o, s)
         state[f"te.{fmt}"] = make_dtensor(local, mesh)
-        locals_[fmt] = (local, inner_ptrs(local))
+        locals_[fmt] = (local, te_cpu.inner_ptrs(local))
     err = try_load(state, path) if state else None
     for fmt, (local, ptrs) in locals_.items():
         section = f"same_type[{fmt}]"
         if err is not None:
             check(section, False, f"{tag}: load into same-type TE targets: {_short(err)}")
             continue
-        check(section, state[f"te.{fmt}"]._local_tensor is local and inner_ptrs(local) == ptrs,
+        check(section, state[f"te.{fmt}"]._local_tensor is local and te_cpu.inner_ptrs(local) == ptrs,
               f"{tag}: te.{fmt}: the target's local tensor or buffers were replaced, not updated in place")
-        diff = canonical_diff(local, build(fmt, refs[fmt][0], o, s)) or derived_diff(fmt, local)
+        diff = canonical_diff(local, build(fmt, refs[fmt][0], o, s)) or te_cpu.derived_diff(fmt, local)
         check(section, diff is None, f"{tag}: te.{fmt}: {diff}")
 
     # (c) TE targets whose rows straddle the format's blocks: a planning-time error naming the key
