@@ -32,7 +32,7 @@ from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, UnsupportedTensorEr
 from qdcp.adapters import find_adapter  # noqa: E402
 from qdcp.adapters.base import raw_conversion  # noqa: E402
 from qdcp.adapters.formats import swizzle_128x4, unpack_fp4, unswizzle_128x4  # noqa: E402
-from quantized_cases import bits, inner, qdcp_load, save_ckpt, seeded  # noqa: E402
+from quantized_cases import bits, inner, qdcp_load, raise_inner, save_ckpt, seeded  # noqa: E402
 
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 
@@ -714,3 +714,28 @@ def test_export_te_mxfp8_and_nvfp4_to_torchao_and_compressed_tensors_layouts(tmp
     assert torch.equal(ct["nv.weight_packed"], cs["rowwise_data"])
     assert torch.equal(bits(ct["nv.weight_scale"]), bits(cs["rowwise_scale_inv"]))
     assert torch.equal(bits(ct["mx.weight_scale"]), bits(_canonical(state["mx.weight"])["rowwise_scale_inv"]))
+
+
+def test_3d_columnwise_raw_save_is_refused_naming_the_key(tmp_path):
+    """A 3-D MXFP8 tensor with columnwise data: qdcp stores columnwise block scales of 2-D tensors
+    only. The raw save is refused at planning naming the key and the fix, nothing written; saved
+    dequantized it stores the rowwise values exactly."""
+    shape = (2, 64, 96)
+    m, n = 128, 96
+    with te_cpu.simulate_gpu(te_cpu.HOPPER):
+        scales = torch.randint(118, 136, (m, n // 32), generator=seeded(1), dtype=torch.int32).to(torch.uint8)
+        cscales = torch.randint(118, 136, (m // 32, n), generator=seeded(3), dtype=torch.int32).to(torch.uint8)
+        t = te.MXFP8Tensor(shape=shape, dtype=torch.bfloat16, fp8_dtype=E4M3,
+                           quantizer=te.MXFP8Quantizer(E4M3, rowwise=True, columnwise=True),
+                           with_gemm_swizzled_scales=False, device="cpu",
+                           rowwise_data=_fp8_bits(shape, 0, E4M3), rowwise_scale_inv=_padded(scales, 128, 4, GARBAGE),
+                           columnwise_data=_fp8_bits(shape, 2, E4M3),
+                           columnwise_scale_inv=_padded(cscales, 4, 128, GARBAGE))
+    path = tmp_path / "raw"
+    with pytest.raises(qdcp.UnsupportedTensorError, match=r"key 'w'.*2-D tensors only.*dequantized"):
+        raise_inner(lambda: dcp.save({"w": t}, checkpoint_id=path, planner=QuantizedSavePlanner()))
+    assert not (path / ".metadata").exists()
+    dcp.save({"w": t}, checkpoint_id=tmp_path / "dq", planner=QuantizedSavePlanner(dequantize=True))
+    out = {"w": torch.zeros(shape, dtype=torch.bfloat16)}
+    dcp.load(out, checkpoint_id=tmp_path / "dq", planner=QuantizedLoadPlanner())
+    assert torch.equal(out["w"], find_adapter(t).dequantize(t))

@@ -156,6 +156,10 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         """What a raw entry of this structure stores: type, JSON attrs and info, component specs,
         and the (component, item type, TensorWriteData) of each item this rank writes."""
         t = placed.local
+        try:
+            adapter.component_names(t)  # the adapter refuses what it cannot store raw
+        except UnsupportedTensorError as e:
+            raise UnsupportedTensorError(f"key {fqn!r}: {e}") from None
         attrs, layouts = describe_tensor(t, adapter, fqn)
         if set(comps) != set(layouts):
             raise UnsupportedTensorError(f"key {fqn!r}: adapter gave components {sorted(comps)} "
