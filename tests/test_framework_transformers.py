@@ -42,3 +42,9 @@ def test_without_the_switch_the_save_fails(record):
 
 def test_a_raw_save_of_a_tensor_quantized_after_sharding_is_refused_naming_the_key(record):
     torchrun_jobs.check_sections(record[1], "transformers at 2 ranks", ["raw"])
+
+
+def test_a_load_into_a_tensor_quantized_after_sharding_is_refused_naming_the_key(record):
+    """The model's own checkpoint (saved dequantized) loaded back into it: refused at planning with
+    what to do (load before quantizing, or quantize before sharding), every weight unchanged."""
+    torchrun_jobs.check_sections(record[1], "transformers at 2 ranks", ["load"])

@@ -12,7 +12,9 @@ DTensors, as ``quantize_`` makes of a sharded weight). Sections:
   model loaded back from those files holds, bit for bit, torchao's ``dequantize()`` of each weight,
   and the other weights unchanged;
 - ``stock``: without the switch the save fails (written for the test to assert);
-- ``raw``: a raw qdcp save of such a tensor is refused naming the key.
+- ``raw``: a raw qdcp save of such a tensor is refused naming the key;
+- ``load``: a load into such a model (from its own checkpoint, saved dequantized) is refused at
+  planning naming the key and what to do, every weight of the model unchanged.
 """
 
 from __future__ import annotations
@@ -91,7 +93,24 @@ def runs(root: str, _mesh) -> None:
         err = qdcp_error_in(e)
         check("raw", isinstance(err, qdcp.UnsupportedTensorError) and "'model.layers.0.mlp.gate_proj.weight'"
               in str(err) and "Quantize before sharding" in str(err), f"not a clear error naming the key: {short(e)}")
+    refused_load(root, model, want)
     dist.barrier()
+
+
+def refused_load(root: str, model, want: dict) -> None:
+    path = os.path.join(root, "dequantized")
+    dcp.save(model.state_dict(), checkpoint_id=path, planner=qdcp.QuantizedSavePlanner(dequantize=True))
+    before = {k: v.qdata._local_tensor.clone() for k, v in model.state_dict().items() if hasattr(v, "qdata")}
+    try:
+        dcp.load(model.state_dict(), checkpoint_id=path, planner=qdcp.QuantizedLoadPlanner())
+        check("load", False, "a load into a quantized tensor with DTensor inner tensors was accepted")
+    except BaseException as e:  # noqa: BLE001
+        err = qdcp_error_in(e)
+        check("load", isinstance(err, qdcp.UnsupportedTensorError) and "key 'model.layers.0.mlp." in str(err)
+              and "Load into the model before quantizing it" in str(err), f"not a clear error naming the key: {short(e)}")
+    check("load", not differences(values(model), want), f"the refused load changed the model: {differences(values(model), want)}")
+    after = {k: v.qdata._local_tensor for k, v in model.state_dict().items() if hasattr(v, "qdata")}
+    check("load", all(torch.equal(before[k], after[k]) for k in before), "a refused load changed some qdata")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorErro
 from qdcp.layouts import Chunk, nearest_aligned
 from qdcp.planning.actions import (Destination, FromPlain, InPlace, IntoPlain, ItemRead, LoadAction, RawCopy,
                                Requantize, StoredSource, Temporaries)
-from qdcp.planning.placement import Placed, expand, is_empty, place, with_local
+from qdcp.planning.placement import Placed, expand, is_empty, place, sharded_inside, with_local
 
 __all__ = ["KeyPlan", "KeyPlanner", "GroupTarget", "Decoded"]
 
@@ -85,6 +85,13 @@ class KeyPlanner:
             source = None  # stored as a plain tensor under fqn
         if source is None and adapter is None:
             return None if unwrapped is None else KeyPlan(to_dcp={fqn: unwrapped})
+        if adapter is not None and sharded_inside(placed, adapter.inner_buffers(placed.local)):
+            raise UnsupportedTensorError(
+                f"key {fqn!r}: the target is a {adapter.type_name(placed.local)} whose inner tensors are "
+                f"DTensors (quantized after the model was sharded, e.g. torchao's quantize_ on FSDP2/TP "
+                f"weights); qdcp loads into a quantized tensor, or a DTensor whose local tensor is one. "
+                f"Load into the model before quantizing it (its sharded plain weights take the "
+                f"checkpoint's values), or quantize before sharding.")
         if placed is None:
             raise LoadMismatchError(
                 f"key {fqn!r}: the checkpoint stores a quantized tensor but the target holds "

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from qdcp.errors import AlignmentError
 from qdcp.layouts import Chunk, Layout, full_chunk
 
-__all__ = ["Placed", "place", "with_local", "planning", "is_empty", "relative", "expand"]
+__all__ = ["Placed", "place", "sharded_inside", "with_local", "planning", "is_empty", "relative", "expand"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,12 @@ def place(value: Any) -> Placed | None:
     if isinstance(value, torch.Tensor):
         return Placed(value, full_chunk(value.shape), tuple(value.shape), False)
     return None
+
+
+def sharded_inside(placed: Placed, inner_buffers: dict[str, torch.Tensor]) -> bool:
+    """Whether ``placed`` is a quantized tensor (not a DTensor) whose ``inner_buffers`` are
+    DTensors: torchao's ``quantize_`` applied to an already sharded model."""
+    return not placed.is_dtensor and any(isinstance(b, DTensor) for b in inner_buffers.values())
 
 
 def with_local(value: Any, local: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor import DTensor
 
 from qdcp import checksums as sums
 from qdcp import spec as qspec
@@ -37,7 +36,7 @@ from qdcp.errors import (AlignmentError, LoadMismatchError, ReplicaMismatchError
                          UnsupportedTensorError)
 from qdcp.layouts import Chunk, nearest_aligned
 from qdcp.staging.new_empty import register_new_empty
-from qdcp.planning.placement import Placed, is_empty, place, planning, with_local
+from qdcp.planning.placement import Placed, is_empty, place, planning, sharded_inside, with_local
 from qdcp.storage import refuse_existing_checkpoint
 
 DequantizeChoice = Union[bool, Callable[[str, torch.Tensor], bool]]
@@ -406,7 +405,7 @@ def _sharded_inside(fqn: str, placed: Placed, adapter: Adapter, dequantize: bool
     """Whether ``placed`` is a quantized tensor whose inner tensors are DTensors (torchao's
     ``quantize_`` applied to an already sharded model): saved dequantized (its values, a DTensor),
     refused raw, naming the key."""
-    if placed.is_dtensor or not any(isinstance(b, DTensor) for b in adapter.inner_buffers(placed.local).values()):
+    if placed.is_dtensor or not sharded_inside(placed, adapter.inner_buffers(placed.local)):
         return False
     if not dequantize:
         raise UnsupportedTensorError(
