@@ -55,7 +55,7 @@ from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
 from accelerate.utils.ao import convert_model_to_fp8_ao  # noqa: E402
 from accelerate.utils.fsdp_utils import (load_fsdp_model, load_fsdp_optimizer, save_fsdp_model,  # noqa: E402
                                          save_fsdp_optimizer)
-from dist_helpers import all_rows, init_torchrun_mesh, uint8_all_gather  # noqa: E402
+from dist_helpers import all_rows, init_torchrun_mesh, training_state_items, uint8_all_gather  # noqa: E402
 from quantized_cases import differences, inner  # noqa: E402
 from torchao.float8 import Float8LinearConfig  # noqa: E402
 from torchao.quantization import Int8WeightOnlyConfig, quantize_, to_nf4  # noqa: E402
@@ -157,12 +157,8 @@ def snapshot(model: nn.Module, opt=None) -> dict[str, torch.Tensor]:
             whole = all_rows(buf.detach()) if sharded and name not in REPLICATED else buf.detach().clone()
             out[f"{key}.{name}" if name else key] = whole.cpu()
 
-    for k, v in model.state_dict().items():
-        add(f"model.{k}", v)
-    names = {p: n for n, p in model.named_parameters()}
-    for p, state in (opt.state.items() if opt is not None else ()):
-        for k, v in state.items():
-            add(f"optim.{names[p]}.{k}", v)
+    for key, v in training_state_items(model, opt):
+        add(key, v)
     return out
 
 

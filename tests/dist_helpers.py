@@ -107,3 +107,14 @@ def uint8_all_gather():
                 output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
             return super().__call__(output_tensor, input_tensor, group, async_op)
     return Uint8AllGather()
+
+
+def training_state_items(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None):
+    """``(key, value)`` of a model's state dict (``model.<fqn>``) and of its optimizer's per-parameter
+    states (``optim.<parameter fqn>.<state>``), as the framework workers compare them."""
+    for k, v in model.state_dict().items():
+        yield f"model.{k}", v
+    names = {p: n for n, p in model.named_parameters()}
+    for p, state in (opt.state.items() if opt is not None else ()):
+        for k, v in state.items():
+            yield f"optim.{names[p]}.{k}", v

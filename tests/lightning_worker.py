@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytorch_lightning as pl  # noqa: E402
 import torchao.optim  # noqa: E402
-from dist_helpers import all_rows, init_torchrun_mesh  # noqa: E402
+from dist_helpers import all_rows, init_torchrun_mesh, training_state_items  # noqa: E402
 from lightning_fabric import Fabric  # noqa: E402
 from lightning_fabric.strategies import ModelParallelStrategy as FabricStock  # noqa: E402
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
@@ -154,12 +154,8 @@ def snapshot(model: nn.Module, opt=None) -> dict[str, torch.Tensor]:
         else:
             out[key] = _whole("", local, sharded)
 
-    for k, v in model.state_dict().items():
-        add(f"model.{k}", v)
-    names = {p: n for n, p in model.named_parameters()}
-    for p, state in (opt.state.items() if opt is not None else ()):
-        for k, v in state.items():
-            add(f"optim.{names[p]}.{k}", v)
+    for key, v in training_state_items(model, opt):
+        add(key, v)
     return out
 
 
