@@ -17,7 +17,6 @@ a frozen ``Int8Tensor`` layer kept out of ``fully_shard``; saved at 2 ranks by `
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -27,66 +26,54 @@ import torchrun_jobs
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.multiproc
 
-WORKER = Path(__file__).with_name("accelerate_worker.py")
-JOB_TIMEOUT_S = 240
+_job = torchrun_jobs.Worker("accelerate_worker.py", timeout_s=240)  # each (command, ranks) runs once per session
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return torchrun_jobs.shared_dir(tmp_path_factory, "accelerate")
-
-
-def _job(root: Path, command: str, nproc: int) -> dict:
-    return torchrun_jobs.job(root, WORKER, command, nproc, JOB_TIMEOUT_S)
-
-
-def _saved(root: Path) -> None:
-    torchrun_jobs.check_sections(_job(root, "save", 2), "save at 2 ranks", ["save"])
+def _saved(shared_dir: Path) -> None:
+    torchrun_jobs.check_sections(_job(shared_dir, "save", 2), "save at 2 ranks", ["save"])
 
 
 @pytest.mark.parametrize("nproc", [2, 1])
-def test_resume_is_bit_exact(root, nproc):
-    _saved(root)
-    torchrun_jobs.check_sections(_job(root, "load", nproc), f"load at {nproc} ranks", ["load"])
+def test_resume_is_bit_exact(shared_dir, nproc):
+    _saved(shared_dir)
+    torchrun_jobs.check_sections(_job(shared_dir, "load", nproc), f"load at {nproc} ranks", ["load"])
 
 
 @pytest.mark.parametrize("nproc", [2, 1])
-def test_unquantized_model_gets_the_saved_values(root, nproc):
-    _saved(root)
-    torchrun_jobs.check_sections(_job(root, "load", nproc), f"load at {nproc} ranks", ["load-plain"])
+def test_unquantized_model_gets_the_saved_values(shared_dir, nproc):
+    _saved(shared_dir)
+    torchrun_jobs.check_sections(_job(shared_dir, "load", nproc), f"load at {nproc} ranks", ["load-plain"])
 
 
-def test_checkpoints_hold_qdcp_raw_entries(root):
+def test_checkpoints_hold_qdcp_raw_entries(shared_dir):
     import qdcp
 
-    _saved(root)
-    model = {k: v.get("type") for k, v in qdcp.describe(root / "qdcp" / "pytorch_model_fsdp_0").items()
+    _saved(shared_dir)
+    model = {k: v.get("type") for k, v in qdcp.describe(shared_dir / "qdcp" / "pytorch_model_fsdp_0").items()
              if v["stored_as"] == "raw"}
     assert model == {"model.base.weight": "torchao.NF4Tensor", "model.last.weight": "torchao.Int8Tensor"}, model
     # the float8 wrapper is stored as its high-precision tensor (DCP's checkpoint of the unconverted model)
-    assert qdcp.describe(root / "qdcp" / "pytorch_model_fsdp_0")["model.middle.weight"]["dtype"] == "float32"
-    optim = {k: v.get("type") for k, v in qdcp.describe(root / "qdcp" / "optimizer_0").items()
+    assert qdcp.describe(shared_dir / "qdcp" / "pytorch_model_fsdp_0")["model.middle.weight"]["dtype"] == "float32"
+    optim = {k: v.get("type") for k, v in qdcp.describe(shared_dir / "qdcp" / "optimizer_0").items()
              if v["stored_as"] == "raw"}
     assert optim == {f"optimizer.state.{layer}.weight.{s}": "torchao.OptimState8bit"
                      for layer in ("first", "middle") for s in ("exp_avg", "exp_avg_sq")}, optim
 
 
-def _stock(root: Path, nproc: int) -> dict:
-    record = _job(root, "load", nproc)
-    torchrun_jobs.check_sections(record, f"load at {nproc} ranks", [], require_all=False)
-    return json.loads((root / f"stock-{nproc}.json").read_text())
+def _stock(shared_dir: Path, nproc: int) -> dict:
+    return _job.recorded(shared_dir, "load", nproc, f"stock-{nproc}.json")
 
 
-def test_without_the_switch(root):
-    _saved(root)
-    same, other = _stock(root, 2), _stock(root, 1)
+def test_without_the_switch(shared_dir):
+    _saved(shared_dir)
+    same, other = _stock(shared_dir, 2), _stock(shared_dir, 1)
     assert same["resume"]["error"] is None and same["resume"]["differ"] == [], same  # same world size: works
     assert other["resume"]["error"].endswith("NotImplementedError: aten.slice(NF4Tensor) with end=128"), other
     for seen in (same, other):  # a quantized checkpoint does not fill an unquantized model
         assert seen["plain"]["error"].endswith("AttributeError: 'Tensor' object has no attribute 'block_size'"), seen
 
 
-def test_merge_fsdp_weights_gives_the_saved_values(root, tmp_path):
+def test_merge_fsdp_weights_gives_the_saved_values(shared_dir, tmp_path):
     """accelerate's ``merge_fsdp_weights`` (DCP's ``_EmptyStateDictLoadPlanner`` inside) on the
     checkpoint saved at 2 ranks: one safetensors file, each weight equal to the saved one's values
     (torchao's ``dequantize()`` / ``get_original_weight()``, the float8 wrapper's ``_tensor``)."""
@@ -97,10 +84,10 @@ def test_merge_fsdp_weights_gives_the_saved_values(root, tmp_path):
     import qdcp
     from quantized_cases import bits
 
-    _saved(root)
-    ref = torch.load(root / "ref.pt", weights_only=True)
+    _saved(shared_dir)
+    ref = torch.load(shared_dir / "ref.pt", weights_only=True)
     with qdcp.installed():
-        merge_fsdp_weights(str(root / "qdcp" / "pytorch_model_fsdp_0"), str(tmp_path / "merged"))
+        merge_fsdp_weights(str(shared_dir / "qdcp" / "pytorch_model_fsdp_0"), str(tmp_path / "merged"))
     merged = load_file(tmp_path / "merged" / "model.safetensors")
     assert sorted(merged) == sorted(f"{layer}.{p}" for layer in ("first", "base", "middle", "last")
                                     for p in ("weight", "bias") if (layer, p) != ("base", "bias"))
@@ -109,7 +96,7 @@ def test_merge_fsdp_weights_gives_the_saved_values(root, tmp_path):
         assert v.dtype == want.dtype and torch.equal(bits(v), bits(want)), k
 
 
-def test_merge_fsdp_weights_of_a_stock_checkpoint_fails(root, tmp_path):
+def test_merge_fsdp_weights_of_a_stock_checkpoint_fails(shared_dir, tmp_path):
     """Without the switch, DCP pickles the torchao tensors into the shards, and the merge cannot
     copy the NF4 weight's shards into a plain tensor."""
     from accelerate.utils import merge_fsdp_weights
@@ -117,7 +104,7 @@ def test_merge_fsdp_weights_of_a_stock_checkpoint_fails(root, tmp_path):
 
     from worker_results import short
 
-    _saved(root)
+    _saved(shared_dir)
     with pytest.raises(CheckpointException) as e:
-        merge_fsdp_weights(str(root / "stock" / "pytorch_model_fsdp_0"), str(tmp_path / "merged"))
+        merge_fsdp_weights(str(shared_dir / "stock" / "pytorch_model_fsdp_0"), str(tmp_path / "merged"))
     assert short(e.value).endswith("AttributeError: 'Tensor' object has no attribute 'block_size'")

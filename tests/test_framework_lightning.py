@@ -16,7 +16,6 @@ one path) and through the Trainer (``ModelCheckpoint``'s ``last.ckpt``, ``traine
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -27,44 +26,34 @@ pytest.importorskip("pytorch_lightning")
 pytest.importorskip("lightning_fabric")
 pytestmark = pytest.mark.multiproc
 
-WORKER = Path(__file__).with_name("lightning_worker.py")
-JOB_TIMEOUT_S = 240
+_job = torchrun_jobs.Worker("lightning_worker.py", timeout_s=240)  # each (command, ranks) runs once per session
 RESUMES = ["load-fabric", "load-trainer", "load-trainer-mc"]
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return torchrun_jobs.shared_dir(tmp_path_factory, "lightning")
-
-
-def _job(root: Path, command: str, nproc: int) -> dict:
-    return torchrun_jobs.job(root, WORKER, command, nproc, JOB_TIMEOUT_S)
-
-
-def _saved(root: Path) -> None:
-    torchrun_jobs.check_sections(_job(root, "save", 2), "save at 2 ranks", ["save-fabric", "save-trainer"])
+def _saved(shared_dir: Path) -> None:
+    torchrun_jobs.check_sections(_job(shared_dir, "save", 2), "save at 2 ranks", ["save-fabric", "save-trainer"])
 
 
 @pytest.mark.parametrize("nproc", [2, 1])
 @pytest.mark.parametrize("section", RESUMES)
-def test_resume_is_bit_exact(root, section, nproc):
-    _saved(root)
-    torchrun_jobs.check_sections(_job(root, "load", nproc), f"load at {nproc} ranks", [section])
+def test_resume_is_bit_exact(shared_dir, section, nproc):
+    _saved(shared_dir)
+    torchrun_jobs.check_sections(_job(shared_dir, "load", nproc), f"load at {nproc} ranks", [section])
 
 
 @pytest.mark.parametrize("nproc", [2, 1])
-def test_unquantized_model_gets_the_dequantized_values(root, nproc):
-    _saved(root)
-    torchrun_jobs.check_sections(_job(root, "load", nproc), f"load at {nproc} ranks", ["load-plain"])
+def test_unquantized_model_gets_the_dequantized_values(shared_dir, nproc):
+    _saved(shared_dir)
+    torchrun_jobs.check_sections(_job(shared_dir, "load", nproc), f"load at {nproc} ranks", ["load-plain"])
 
 
 @pytest.mark.parametrize("path, prefix", [("fabric-qdcp", ""), ("trainer-qdcp", "state_dict.net."),
                                           ("trainer-qdcp-mc/last.ckpt", "state_dict.net.")])
-def test_checkpoints_hold_qdcp_raw_entries(root, path, prefix):
+def test_checkpoints_hold_qdcp_raw_entries(shared_dir, path, prefix):
     import qdcp
 
-    _saved(root)
-    entries = {k: (v["stored_as"], v.get("type")) for k, v in qdcp.describe(root / path).items()
+    _saved(shared_dir)
+    entries = {k: (v["stored_as"], v.get("type")) for k, v in qdcp.describe(shared_dir / path).items()
                if v["stored_as"] == "raw"}
     optim = "optimizer_0.state.net." if prefix else "optimizer.state."
     model = prefix or "model."
@@ -72,21 +61,19 @@ def test_checkpoints_hold_qdcp_raw_entries(root, path, prefix):
                        f"{model}frozen.weight": ("raw", "torchao.Int8Tensor"),
                        f"{optim}trained.weight.exp_avg": ("raw", "torchao.OptimState8bit"),
                        f"{optim}trained.weight.exp_avg_sq": ("raw", "torchao.OptimState8bit")}, entries
-    assert (root / path / "meta.pt").is_file()  # Lightning's layout: DCP files and meta.pt
+    assert (shared_dir / path / "meta.pt").is_file()  # Lightning's layout: DCP files and meta.pt
 
 
-def _stock(root: Path, nproc: int) -> dict:
-    record = _job(root, "load", nproc)
-    torchrun_jobs.check_sections(record, f"load at {nproc} ranks", [], require_all=False)
-    return json.loads((root / f"stock-{nproc}.json").read_text())
+def _stock(shared_dir: Path, nproc: int) -> dict:
+    return _job.recorded(shared_dir, "load", nproc, f"stock-{nproc}.json")
 
 
-def test_without_the_recipe(root):
-    _saved(root)
-    same = _stock(root, 2)
+def test_without_the_recipe(shared_dir):
+    _saved(shared_dir)
+    same = _stock(shared_dir, 2)
     for framework in ("fabric", "trainer"):  # Lightning's own resume works at the same world size
         assert same[framework]["error"] is None and same[framework]["differ"] == [], same
-    other = _stock(root, 1)
+    other = _stock(shared_dir, 1)
     for framework in ("fabric", "trainer"):  # at another, DCP slices the checkpoint's NF4 shards
         assert "NotImplementedError: aten.slice(NF4Tensor)" in other[framework]["error"], other
     for seen in (same, other):  # a quantized checkpoint does not fill an unquantized model

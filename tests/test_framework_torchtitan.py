@@ -17,7 +17,6 @@ optimizer and LR-scheduler containers, in each of its three ``async_mode``\\s:
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -26,37 +25,27 @@ import torchrun_jobs
 pytest.importorskip("torchtitan.components.checkpointer")
 pytestmark = pytest.mark.multiproc
 
-WORKER = Path(__file__).with_name("torchtitan_worker.py")
-JOB_TIMEOUT_S = 300
+_job = torchrun_jobs.Worker("torchtitan_worker.py", timeout_s=300)  # each (command, ranks) runs once per session
 MODES = ["disabled", "async", "async_with_pinned_mem"]
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return torchrun_jobs.shared_dir(tmp_path_factory, "torchtitan")
-
-
-def _job(root: Path, command: str, nproc: int) -> dict:
-    return torchrun_jobs.job(root, WORKER, command, nproc, JOB_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("nproc", [2, 1])
 @pytest.mark.parametrize("mode", MODES)
-def test_checkpoint_resumes_bit_exact(root, mode, nproc):
-    torchrun_jobs.check_sections(_job(root, "save", 2), "save at 2 ranks", [f"save-{mode}"])
-    torchrun_jobs.check_sections(_job(root, "load", nproc), f"load at {nproc} ranks", [f"load-{mode}"])
+def test_checkpoint_resumes_bit_exact(shared_dir, mode, nproc):
+    torchrun_jobs.check_sections(_job(shared_dir, "save", 2), "save at 2 ranks", [f"save-{mode}"])
+    torchrun_jobs.check_sections(_job(shared_dir, "load", nproc), f"load at {nproc} ranks", [f"load-{mode}"])
 
 
 @pytest.mark.parametrize("section", ["export", "export_hf"])
-def test_model_only_export_holds_plain_export_dtype_weights(root, section):
-    torchrun_jobs.check_sections(_job(root, "export", 2), "export at 2 ranks", [section])
+def test_model_only_export_holds_plain_export_dtype_weights(shared_dir, section):
+    torchrun_jobs.check_sections(_job(shared_dir, "export", 2), "export at 2 ranks", [section])
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_without_the_recipe(root, mode):
-    record = _job(root, "stock", 2)
+def test_without_the_recipe(shared_dir, mode):
+    record = _job(shared_dir, "stock", 2)
     torchrun_jobs.check_sections(record, "stock at 2 ranks", [], require_all=False)
-    seen = json.loads((root / f"stock-{mode}.json").read_text())
+    seen = json.loads((shared_dir / f"stock-{mode}.json").read_text())
     # torchtitan's model cache asks the wrapper tensors for a storage they do not have
     assert "data pointer on an invalid python storage" in seen["stock_save"], seen
     experts = ["model1.experts.w1", "model1.experts.w2", "model1.proj.weight"]

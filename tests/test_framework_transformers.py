@@ -21,13 +21,12 @@ import torchrun_jobs
 pytest.importorskip("transformers.distributed")
 pytestmark = pytest.mark.multiproc
 
-WORKER = Path(__file__).with_name("transformers_worker.py")
+_job = torchrun_jobs.Worker("transformers_worker.py", timeout_s=240)
 
 
 @pytest.fixture(scope="module")
-def record(tmp_path_factory) -> tuple[Path, dict]:
-    root = torchrun_jobs.shared_dir(tmp_path_factory, "transformers")
-    return root, torchrun_jobs.job(root, WORKER, "run", 2, 240)
+def record(shared_dir) -> tuple[Path, dict]:
+    return shared_dir, _job(shared_dir, "run", 2)
 
 
 def test_distributed_save_and_load_under_the_switch_give_the_values(record):

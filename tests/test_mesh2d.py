@@ -22,32 +22,22 @@ import torchrun_jobs
 
 pytestmark = pytest.mark.multiproc
 
-WORKER = Path(__file__).with_name("mesh2d_worker.py")
-JOB_TIMEOUT_S = 300
+_job = torchrun_jobs.Worker("mesh2d_worker.py", timeout_s=300)  # each (command, ranks) runs once per session
 LAYOUTS = ["colwise", "rowwise", "hsdp"]
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return torchrun_jobs.shared_dir(tmp_path_factory, "mesh2d")
+def _saved(shared_dir: Path) -> None:
+    torchrun_jobs.check_sections(_job(shared_dir, "save", 4), "save at (2, 2)", ["save"])
 
 
-def _job(root: Path, command: str, nproc: int) -> dict:
-    return torchrun_jobs.job(root, WORKER, command, nproc, JOB_TIMEOUT_S)
-
-
-def _saved(root: Path) -> None:
-    torchrun_jobs.check_sections(_job(root, "save", 4), "save at (2, 2)", ["save"])
-
-
-def test_save_at_fsdp_x_tp_and_hsdp(root):
-    _saved(root)
+def test_save_at_fsdp_x_tp_and_hsdp(shared_dir):
+    _saved(shared_dir)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_load_at_the_same_mesh(root, layout):
-    _saved(root)
-    torchrun_jobs.check_sections(_job(root, "load-same", 4), "load at (2, 2)", [f"same-{layout}"])
+def test_load_at_the_same_mesh(shared_dir, layout):
+    _saved(shared_dir)
+    torchrun_jobs.check_sections(_job(shared_dir, "load-same", 4), "load at (2, 2)", [f"same-{layout}"])
 
 
 @pytest.mark.parametrize("command,nproc,sections", [
@@ -56,10 +46,10 @@ def test_load_at_the_same_mesh(root, layout):
     ("load-other", 4, ["other-2d"]),
     ("load-single", 1, ["single"]),
 ])
-def test_load_at_another_mesh(root, command, nproc, sections):
-    _saved(root)
-    torchrun_jobs.check_sections(_job(root, command, nproc), f"{command} at {nproc} ranks", sections)
+def test_load_at_another_mesh(shared_dir, command, nproc, sections):
+    _saved(shared_dir)
+    torchrun_jobs.check_sections(_job(shared_dir, command, nproc), f"{command} at {nproc} ranks", sections)
 
 
-def test_diverged_replicas_are_named(root):
-    torchrun_jobs.check_sections(_job(root, "replicas", 4), "replicas at (2, 2)", ["replicas"])
+def test_diverged_replicas_are_named(shared_dir):
+    torchrun_jobs.check_sections(_job(shared_dir, "replicas", 4), "replicas at (2, 2)", ["replicas"])

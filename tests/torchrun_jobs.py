@@ -82,6 +82,24 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+class Worker:
+    """A worker script beside the tests: ``worker(root, command, nproc)`` is :func:`job` of it (each
+    ``(command, nproc)`` run once per session, its files in ``root``, e.g. the module's ``shared_dir``)."""
+
+    def __init__(self, script: str, timeout_s: int = 240) -> None:
+        self.path = Path(__file__).with_name(script)
+        self.timeout_s = timeout_s
+
+    def __call__(self, root: Path, command: str, nproc: int) -> dict:
+        return job(root, self.path, command, nproc, self.timeout_s)
+
+    def recorded(self, root: Path, command: str, nproc: int, name: str) -> dict:
+        """The JSON the job wrote to ``root / name`` (what it observed), after checking that it
+        did not crash (its sections are not required to pass)."""
+        check_sections(self(root, command, nproc), f"{command} at {nproc} ranks", [], require_all=False)
+        return json.loads((root / name).read_text())
+
+
 def job(root: Path, worker: Path, command: str, nproc: int, timeout_s: int) -> dict:
     """Run (once per session) ``command`` at ``nproc`` ranks with its files in ``root``; its record."""
     root.mkdir(exist_ok=True)
