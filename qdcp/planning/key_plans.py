@@ -85,7 +85,7 @@ class KeyPlanner:
             source = None  # stored as a plain tensor under fqn
         if source is None and adapter is None:
             return None if unwrapped is None else KeyPlan(to_dcp={fqn: unwrapped})
-        if adapter is not None and sharded_inside(placed, adapter.inner_buffers(placed.local)):
+        if adapter is not None and sharded_inside(placed, adapter):
             raise UnsupportedTensorError(
                 f"key {fqn!r}: the target is a {adapter.type_name(placed.local)} whose inner tensors are "
                 f"DTensors (quantized after the model was sharded, e.g. torchao's quantize_ on FSDP2/TP "

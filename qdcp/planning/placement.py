@@ -49,10 +49,10 @@ def place(value: Any) -> Placed | None:
     return None
 
 
-def sharded_inside(placed: Placed, inner_buffers: dict[str, torch.Tensor]) -> bool:
-    """Whether ``placed`` is a quantized tensor (not a DTensor) whose ``inner_buffers`` are
-    DTensors: torchao's ``quantize_`` applied to an already sharded model."""
-    return not placed.is_dtensor and any(isinstance(b, DTensor) for b in inner_buffers.values())
+def sharded_inside(placed: Placed, adapter) -> bool:
+    """Whether ``placed`` is a quantized tensor (not a DTensor) whose inner buffers (as its
+    ``adapter`` gives them) are DTensors: torchao's ``quantize_`` applied to an already sharded model."""
+    return not placed.is_dtensor and any(isinstance(b, DTensor) for b in adapter.inner_buffers(placed.local).values())
 
 
 def with_local(value: Any, local: torch.Tensor) -> torch.Tensor:

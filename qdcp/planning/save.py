@@ -405,7 +405,7 @@ def _sharded_inside(fqn: str, placed: Placed, adapter: Adapter, dequantize: bool
     """Whether ``placed`` is a quantized tensor whose inner tensors are DTensors (torchao's
     ``quantize_`` applied to an already sharded model): saved dequantized (its values, a DTensor),
     refused raw, naming the key."""
-    if placed.is_dtensor or not sharded_inside(placed, adapter.inner_buffers(placed.local)):
+    if not sharded_inside(placed, adapter):
         return False
     if not dequantize:
         raise UnsupportedTensorError(
