@@ -252,12 +252,6 @@ def read_stored(path: str | os.PathLike, key: str, metadata: Metadata | None = N
     return CheckpointEntries(path, metadata).stored(key)
 
 
-def read_components(path: str | os.PathLike, key: str, names, metadata: Metadata | None = None) -> dict[str, torch.Tensor]:
-    """Components ``names`` of the raw entry ``key`` (whole, canonical, on CPU), checked as
-    :func:`read_stored` checks them. Memory: those components only."""
-    return CheckpointEntries(path, metadata).components(key, names)
-
-
 def decoded_attrs(entry: qspec.EntrySpec) -> dict[str, Any]:
     """The attributes of a stored entry, decoded with its adapter's classes (no tensor library needed)."""
     adapter = adapter_for_type(entry.type, entry.fqn)

@@ -4,7 +4,8 @@ TE's compiled extension ``transformer_engine_torch`` cannot be built without CUD
 classes (``Float8Tensor``, ``MXFP8Tensor``, ...) are pure Python. :func:`install` puts a stand-in
 for the extension in ``sys.modules`` holding its enum constants only -- every kernel raises
 ``NotImplementedError`` -- and imports ``transformer_engine.pytorch.tensor`` without running
-``transformer_engine.pytorch.__init__`` (which loads the extension). See shared/notes/te.md section 1.
+``transformer_engine.pytorch.__init__`` (which loads the extension). Every kernel being a stand-in,
+the tests build each TE tensor from buffers they compute themselves (TE's quantize kernels do not run).
 
 :func:`simulate_gpu` pins what TE asks ``torch.cuda`` about (the compute capability decides which
 Float8 buffers exist; the current device is TE's default device for new tensors).

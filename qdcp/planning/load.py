@@ -70,7 +70,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self._by_item: dict[str, _Dest] = {}
         self._handled: set[str] = set()
         self._pending: dict[str, int] = {}
-        self._open: dict[str, int] = {}
+        self._actions_open = 0  # actions with reads yet to come
         self._temporaries = Temporaries()
         self._groups: dict[str, _Group] = {}  # action key -> its group, where filled member by member
         self._lock = threading.Lock()
@@ -156,7 +156,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             hit = self._by_item.get(item.dest_index.fqn)
             if hit is not None:
                 self._pending[hit.action.fqn] += 1
-        self._open = {"actions": sum(1 for n in self._pending.values() if n)}  # actions yet to finish
+        self._actions_open = sum(1 for n in self._pending.values() if n)
         self._reads_left = len(new_plan.items)
         with planning():
             self._verify.plan(new_plan.items)
@@ -201,7 +201,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         if self._count_down(self._pending, action.fqn):
             action.finish()
             action.release()
-            if self._count_down(self._open, "actions"):
+            with self._lock:
+                self._actions_open -= 1
+                last = self._actions_open == 0
+            if last:
                 self._temporaries.clear()  # the last one: nothing is kept past the load
             group = self._groups.get(action.fqn)
             if group is not None and group.one_done(self._lock):

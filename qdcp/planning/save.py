@@ -54,6 +54,18 @@ class _SaveEntry:
     shared: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (component, chunk offsets) other shards also hold
 
 
+@dataclasses.dataclass(frozen=True)
+class _RawTemplate:
+    """What every raw entry of one structure (type, shard, attributes, component shapes) stores;
+    made once and shared by all such entries (all layers of a model)."""
+    type_name: str
+    attrs: dict
+    info: Any
+    specs: tuple[qspec.ComponentSpec, ...]
+    writes: tuple[tuple[str, WriteItemType, TensorWriteData], ...]  # (component, item type, data) per item
+    shared: tuple[tuple[str, tuple[int, ...]], ...]  # (component, chunk offsets) other shards also hold
+
+
 class QuantizedSavePlanner(DefaultSavePlanner):
     """A :class:`~torch.distributed.checkpoint.DefaultSavePlanner` that also saves quantized tensors.
 
@@ -91,7 +103,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         self.check_replicas = bool(check_replicas)
         self._entries: dict[str, _SaveEntry] = {}
         self._sources: dict[str, tuple[_SaveEntry, str | None]] = {}
-        self._templates: dict[tuple, tuple] = {}
+        self._templates: dict[tuple, _RawTemplate] = {}
         self._ready: dict[MetadataIndex, torch.Tensor | bytes] = {}
 
     @property
@@ -141,17 +153,17 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         template = self._templates.get(key)
         if template is None:  # entries of one structure (all layers of a model) share the work
             template = self._templates[key] = self._raw_template(fqn, placed, adapter, comps)
-        type_name, attrs, info, specs, writes, shared = template
         items = [WriteItem(index=MetadataIndex(qspec.component_fqn(fqn, name), data.chunk.offsets),
-                           type=item_type, tensor_data=data) for name, item_type, data in writes]
-        entry_spec = qspec.EntrySpec(fqn, qspec.RAW, type_name, placed.global_shape, t.dtype, attrs,
-                                     specs, None, info)
-        entry = _SaveEntry(fqn, entry_spec, placed, adapter, items, shared if placed.is_dtensor else ())
-        for item, (name, _, _) in zip(items, writes):
+                           type=item_type, tensor_data=data) for name, item_type, data in template.writes]
+        entry_spec = qspec.EntrySpec(fqn, qspec.RAW, template.type_name, placed.global_shape, t.dtype,
+                                     template.attrs, template.specs, None, template.info)
+        entry = _SaveEntry(fqn, entry_spec, placed, adapter, items,
+                           template.shared if placed.is_dtensor else ())
+        for item, (name, _, _) in zip(items, template.writes):
             self._sources[item.index.fqn] = (entry, name)
         return entry
 
-    def _raw_template(self, fqn: str, placed: Placed, adapter: Adapter, comps: dict) -> tuple:
+    def _raw_template(self, fqn: str, placed: Placed, adapter: Adapter, comps: dict) -> _RawTemplate:
         """What a raw entry of this structure stores: type, JSON attrs and info, component specs,
         and the (component, item type, TensorWriteData) of each item this rank writes."""
         t = placed.local
@@ -185,8 +197,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                 writes.append((name, item.type, item.tensor_data))
                 if layout.shared(placed.global_shape, placed.chunk):
                     shared.append((name, chunk[0]))
-        return (adapter.type_name(t), attrs, _info(adapter, t), tuple(specs), tuple(writes),
-                tuple(shared))
+        return _RawTemplate(adapter.type_name(t), attrs, _info(adapter, t), tuple(specs), tuple(writes),
+                            tuple(shared))
 
     def _plan_dequantized(self, fqn: str, placed: Placed, adapter: Adapter) -> _SaveEntry:
         t = placed.local
