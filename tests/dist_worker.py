@@ -208,7 +208,15 @@ def _load(section: str, what: str, state: dict, path: str) -> bool:
 
 
 def load_main(path: str, n: int, mesh) -> None:
+    """Load the ``n``-rank checkpoint at ``path`` into plain targets and into same-type targets."""
     tag = f"N={n}->M={WORLD}"
+    entries = _reference_entries(n)
+    _into_plain(path, n, tag, entries, mesh)
+    _into_same_type(path, tag, entries, mesh)
+
+
+def _reference_entries(n: int) -> dict:
+    """fqn -> (case name, the global dequantized tensor its entry in an ``n``-rank checkpoint holds)."""
     names = [c.name for c in CASES]
     entries = {}  # fqn -> (case name, reference global dequantized tensor)
     for name in names:
@@ -218,8 +226,11 @@ def load_main(path: str, n: int, mesh) -> None:
             entries[f"shard.{name}"] = (name, ref)
             entries[f"deq.{name}"] = (name, ref)
         entries[f"repl.{name}"] = (name, CASE[name].dequantize(CASE[name].from_hp(hp.to(DEVICE))).cpu())
+    return entries
 
-    # 1. plain Shard(0) DTensors and 2. plain full tensors on every rank
+
+def _into_plain(path: str, n: int, tag: str, entries: dict, mesh) -> None:
+    """1. plain Shard(0) DTensors and 2. plain full tensors on every rank: the reference values."""
     for section, sharded in (("plain_shard", True), ("plain_full", False)):
         state = {"step": 0, "bias": torch.zeros(7)}
         for fqn, (name, ref) in entries.items():
@@ -239,8 +250,11 @@ def load_main(path: str, n: int, mesh) -> None:
             check(section, buffers_diff(got.cpu(), want) is None,
                   f"{tag}: {fqn}: plain target != reference dequantize ({buffers_diff(got.cpu(), want)})")
 
-    # 3. same type and config, Shard(0): raw -> buffers bit-identical to the source rows' buffers
-    #    4. Replicate(): bit-identical to the source; 5. dequantized -> quantized like the target
+
+def _into_same_type(path: str, tag: str, entries: dict, mesh) -> None:
+    """3. same type and config, Shard(0): raw -> buffers bit-identical to the source rows' buffers;
+    4. Replicate(): bit-identical to the source; 5. dequantized -> quantized like the target.
+    Every target's local tensor and buffers are filled in place."""
     state, expect, locals_ = {}, {}, {}
     for fqn, (name, ref) in entries.items():
         case, hp = CASE[name], CASE[name].hp(SEED[name])
@@ -475,17 +489,26 @@ def fsdp_save(root: str, mesh) -> None:
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "ckpt"),
              planner=QuantizedSavePlanner())
     snap1 = fsdp_snapshot(model, opts)
-    # The plain call, DCP's default stager: the next step updates the model in place before the
-    # upload finishes; the checkpoint must still be the synchronous one, byte for byte.
+    _async_save_while_stepping(out, {"model": msd, "optim": osd}, model, opts)
+    snap2 = fsdp_snapshot(model, opts)
+    nf4_full = gather_rows(model.base.weight)
+    if RANK == 0:
+        torch.save({"x": x.cpu(), "y": y, "y_manual": y_manual, "types": types, "after_save": snap1, "after_next_step": snap2,
+                    "nf4": nf4_full}, os.path.join(out, "ref.pt"))
+        _check_saved_specs(os.path.join(out, "ckpt"))
+    dist.barrier()
+
+
+def _async_save_while_stepping(out: str, state: dict, model, opts) -> None:
+    """The plain call, DCP's default stager: the next step updates the model in place before the
+    upload finishes; the checkpoint must still be the synchronous one (``out/ckpt``), byte for byte."""
     gate = threading.Event()
-    fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "ckpt_async"),
-                         planner=gated_save_planner(gate))
+    fut = dcp.async_save(state, checkpoint_id=os.path.join(out, "ckpt_async"), planner=gated_save_planner(gate))
     fsdp_grads(model, 2)
     for o in opts:
         o.step()
     gate.set()
     fut.result()
-    snap2 = fsdp_snapshot(model, opts)
     dist.barrier()
     for name in sorted(os.listdir(os.path.join(out, "ckpt"))):
         if name.endswith(".distcp") and RANK == 0:
@@ -493,22 +516,22 @@ def fsdp_save(root: str, mesh) -> None:
                     open(os.path.join(out, "ckpt_async", name), "rb") as b:
                 check("fsdp_async_default_stager", a.read() == b.read(),
                       f"{name}: dcp.async_save (DCP's default stager) wrote other bytes than dcp.save")
-    nf4_full = gather_rows(model.base.weight)
-    if RANK == 0:
-        torch.save({"x": x.cpu(), "y": y, "y_manual": y_manual, "types": types, "after_save": snap1, "after_next_step": snap2,
-                    "nf4": nf4_full}, os.path.join(out, "ref.pt"))
-        md = qdcp.read_metadata(os.path.join(out, "ckpt"))
-        specs = qdcp.spec.read_specs(md)
-        check("fsdp_save", any(e.type == "torchao.NF4Tensor" for e in specs.values()),
-              f"no NF4 entry saved raw: {sorted(specs)}")
-        check("fsdp_save", sum(e.type.startswith("torchao.OptimState") for e in specs.values()) == 6,
-              f"expected 6 OptimState entries saved raw: {sorted(specs)}")
-        for fqn, e in specs.items():
-            for c in e.components:
-                if c.layout.get("kind") == "replicated":
-                    n = len(md.state_dict_metadata[f"{fqn}.__qdcp__.{c.name}"].chunks)
-                    check("fsdp_save", n == 1, f"{fqn}.{c.name} replicated but has {n} chunks")
-    dist.barrier()
+
+
+def _check_saved_specs(ckpt: str) -> None:
+    """The FSDP checkpoint holds the NF4 weight and the six optimizer states raw, each replicated
+    component in one chunk."""
+    md = qdcp.read_metadata(ckpt)
+    specs = qdcp.spec.read_specs(md)
+    check("fsdp_save", any(e.type == "torchao.NF4Tensor" for e in specs.values()),
+          f"no NF4 entry saved raw: {sorted(specs)}")
+    check("fsdp_save", sum(e.type.startswith("torchao.OptimState") for e in specs.values()) == 6,
+          f"expected 6 OptimState entries saved raw: {sorted(specs)}")
+    for fqn, e in specs.items():
+        for c in e.components:
+            if c.layout.get("kind") == "replicated":
+                n = len(md.state_dict_metadata[f"{fqn}.__qdcp__.{c.name}"].chunks)
+                check("fsdp_save", n == 1, f"{fqn}.{c.name} replicated but has {n} chunks")
 
 
 def fsdp_load(root: str, mesh) -> None:

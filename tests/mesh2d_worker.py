@@ -23,9 +23,10 @@ both are asserted bit-exact. Plain targets equal the library's ``dequantize()`` 
 ``replicas`` (4 ranks): HSDP replicas that diverged are named, key and rank, by
 ``QuantizedSavePlanner(check_replicas=True)`` before anything is written.
 
-Commands: ``save`` (4 ranks), ``model`` (4 ranks: a real ``parallelize_module`` + ``fully_shard``
-model saved and loaded at 1-D 4 and in one process), ``load-same`` / ``load-fsdp`` / ``load-other`` (4),
-``load-tp`` (2), ``load-single`` (1).
+Commands: ``save`` (4 ranks; also checks that a real ``parallelize_module`` + ``fully_shard`` model
+gets these placements), ``replicas`` (4), ``load-same`` / ``load-fsdp`` / ``load-other`` (4),
+``load-tp`` (2), ``load-single`` (1). A real model trained at FSDP2 x TP, checkpointed and resumed:
+``mesh2d_training_worker.py``.
 
 Where CUDA has a device per rank, the ranks run nccl with their tensors on their GPU (the
 multi-GPU suite); gloo on CPU otherwise. Expectations are computed on CPU either way.

@@ -275,11 +275,18 @@ def load(root: str, mesh) -> None:
 
 
 def load_one(path: str, n: int, refs: dict, mesh, tag: str | None = None) -> None:
+    """Load the ``n``-rank checkpoint at ``path`` into plain, same-type and misaligned TE targets."""
     tag = tag or f"N={n}->M={WORLD}"
     formats = FORMATS if aligned(n) else tuple(f for f in FORMATS if f not in STRADDLING)
-    o, s = my_row_chunk(ROWS)
+    _into_plain(path, n, refs, mesh, tag, formats)
+    _into_same_type(path, refs, mesh, tag, formats)
+    if not aligned(WORLD):
+        _straddling_targets_refused(path, mesh, tag, formats)
 
-    # (a) plain Shard(0) DTensors and plain full tensors: the reference dequantize, bit for bit
+
+def _into_plain(path: str, n: int, refs: dict, mesh, tag: str, formats: tuple) -> None:
+    """(a) plain Shard(0) DTensors and plain full tensors: the reference dequantize, bit for bit."""
+    o, s = my_row_chunk(ROWS)
     for section, sharded in (("plain_shard", True), ("plain_full", False)):
         state = {"step": -1}
         for fmt in formats:
@@ -297,7 +304,11 @@ def load_one(path: str, n: int, refs: dict, mesh, tag: str | None = None) -> Non
             check(f"{section}[{fmt}]", diff is None and state["step"] == n,
                   f"{tag}: te.{fmt} != reference dequantize ({diff}; step {state['step']})")
 
-    # (b) same-type TE Shard(0) targets holding other buffers: canonical components of the global rows
+
+def _into_same_type(path: str, refs: dict, mesh, tag: str, formats: tuple) -> None:
+    """(b) same-type TE Shard(0) targets holding other buffers: canonical components of the global
+    rows, filled in place."""
+    o, s = my_row_chunk(ROWS)
     state, locals_ = {}, {}
     for fmt in formats:
         if fmt in STRADDLING and not aligned(WORLD):
@@ -316,9 +327,11 @@ def load_one(path: str, n: int, refs: dict, mesh, tag: str | None = None) -> Non
         diff = canonical_diff(local, build(fmt, refs[fmt][0], o, s)) or te_cpu.derived_diff(fmt, local)
         check(section, diff is None, f"{tag}: te.{fmt}: {diff}")
 
-    # (c) TE targets whose rows straddle the format's blocks: a planning-time error naming the key
-    if aligned(WORLD):
-        return
+
+def _straddling_targets_refused(path: str, mesh, tag: str, formats: tuple) -> None:
+    """(c) TE targets whose rows straddle the format's blocks: a planning-time error naming the key,
+    the target unchanged."""
+    o, s = my_row_chunk(ROWS)
     for fmt in formats:
         if fmt not in STRADDLING:
             continue

@@ -172,9 +172,17 @@ def load(root: str, mesh) -> None:
 
 
 def load_one(path: str, what: str, kind: str, globs: dict, refs: dict, mesh) -> None:
-    ids, rows = experts(), row_range()
-    names = RECIPES
-    # (1) this rank's experts as a local group, Shard(0) of [8, M, N]
+    """Load the checkpoint at ``path`` (saved as ``kind``) into each kind of target, checking each."""
+    _into_groups(path, what, kind, globs, mesh)
+    _into_plain_stacks(path, what, kind, refs, mesh)
+    _into_member_keys(path, what, kind, globs, refs)
+    _into_member_rows(path, what, refs, mesh)
+    _unaligned_rows_refused(path, what, mesh)
+
+
+def _into_groups(path: str, what: str, kind: str, globs: dict, mesh) -> None:
+    """(1) this rank's experts as a local group, Shard(0) of [8, M, N]: the source's bits, in place."""
+    ids, names = experts(), RECIPES
     groups = {name: te_groups.BY[name].build(GARBAGE_SEED + 100 + RANK, [(ROWS, COLS)] * len(ids))
               for name in names}  # every buffer garbage
     before = {name: ptrs(g) for name, g in groups.items()}
@@ -192,7 +200,11 @@ def load_one(path: str, what: str, kind: str, globs: dict, refs: dict, mesh) -> 
         if name.startswith("delayed"):  # the group's second (columnwise) scale_inv follows
             check(sec, (d := diff(g.columnwise_scale_inv, g.scale_inv)) is None,
                   f"{what}: columnwise scale_inv: {d}")
-    # (2) plain Shard(0) DTensors of the stacked logical shape
+
+
+def _into_plain_stacks(path: str, what: str, kind: str, refs: dict, mesh) -> None:
+    """(2) plain Shard(0) DTensors of the stacked logical shape: the reference values."""
+    ids, names = experts(), RECIPES
     plains = {name: torch.zeros(len(ids), ROWS, COLS, dtype=torch.bfloat16) for name in names}
     state = {f"{name}.weight": shard0(t, mesh, STACKED) for name, t in plains.items()}
     if kind == "grouped":
@@ -208,7 +220,11 @@ def load_one(path: str, what: str, kind: str, globs: dict, refs: dict, mesh) -> 
         check(sec, (d := diff(plains[name], want)) is None, f"{what}: {d}")
         if kind == "grouped":
             check(sec, (d := diff(deq[name], want)) is None, f"{what} (dequantized entry): {d}")
-    # (3) per-member keys of this rank's experts: lone TE tensors and plain tensors
+
+
+def _into_member_keys(path: str, what: str, kind: str, globs: dict, refs: dict) -> None:
+    """(3) per-member keys of this rank's experts: lone TE tensors (the member's bits) and plain tensors."""
+    ids, names = experts(), RECIPES
     lone = {(name, i): lone_member(name, ROWS, GARBAGE_SEED + 300 + i) for name in names for i in ids}
     flat_plain = {(name, i): torch.zeros(ROWS, COLS, dtype=torch.bfloat16)
                   for name in (names + tuple(f"deq.{n}" for n in names) if kind == "grouped" else names)
@@ -226,7 +242,11 @@ def load_one(path: str, what: str, kind: str, globs: dict, refs: dict, mesh) -> 
             else:
                 d = components_diff(t, find_adapter(globs[name]).members(globs[name])[i])
             check(sec, d is None, f"{what}: expert {i}: {d}")
-    # (4) every expert's key as a Shard(0) DTensor over its rows (FSDP-style), plain and TE
+
+
+def _into_member_rows(path: str, what: str, refs: dict, mesh) -> None:
+    """(4) every expert's key as a Shard(0) DTensor over its rows (FSDP-style), plain and TE."""
+    rows, names = row_range(), RECIPES
     row_plain = {(name, i): torch.zeros(len(rows), COLS, dtype=torch.bfloat16)
                  for name in names for i in range(EXPERTS)}
     row_te = {(name, i): lone_member(name, len(rows), GARBAGE_SEED + 400 + i)
@@ -245,7 +265,10 @@ def load_one(path: str, what: str, kind: str, globs: dict, refs: dict, mesh) -> 
             check(sec, d is None, f"{what}: expert {i} rows {rows.start}:{rows.stop}: {d}")
 
 
-    # (5) a blockwise TE rows shard that cuts a 128-row block cannot take the stored bits: a clear error
+def _unaligned_rows_refused(path: str, what: str, mesh) -> None:
+    """(5) a blockwise TE rows shard that cuts a 128-row block cannot take the stored bits: a clear
+    error naming the key, the target unchanged."""
+    rows = row_range()
     for name, block in ROW_BLOCK.items():
         if len(rows) % block == 0:
             continue

@@ -10,6 +10,12 @@ type (the source's bits where the target's scale blocks fit in the source's, els
 values quantized like the target) and into plain tensors (the library's ``dequantize()`` of the
 source blocks). A column cut of flat-block optimizer state is refused naming the key; diverged
 HSDP replicas are named by ``check_replicas=True``.
+
+``tests/mesh2d_training_worker.py`` runs a real model the way torchtitan builds it (torchao float8
+training, ``parallelize_module`` over TP, then ``fully_shard`` over DP): trained at ``(2, 2)``,
+checkpointed by the plain ``dcp.async_save`` with qdcp's planner while training goes on, resumed at
+``(2, 2)`` with the uninterrupted run's losses bit for bit, and loaded bit-exact into an unconverted
+model under 1-D FSDP over 4 and in one process.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torchrun_jobs
 pytestmark = pytest.mark.multiproc
 
 _job = torchrun_jobs.Worker("mesh2d_worker.py", timeout_s=300)  # each (command, ranks) runs once per session
+_training = torchrun_jobs.Worker("mesh2d_training_worker.py", timeout_s=300)
 LAYOUTS = ["colwise", "rowwise", "hsdp"]
 
 
@@ -53,3 +60,18 @@ def test_load_at_another_mesh(shared_dir, command, nproc, sections):
 
 def test_diverged_replicas_are_named(shared_dir):
     torchrun_jobs.check_sections(_job(shared_dir, "replicas", 4), "replicas at (2, 2)", ["replicas"])
+
+
+def _trained(shared_dir: Path) -> None:
+    torchrun_jobs.check_sections(_training(shared_dir, "train", 4), "train at (2, 2)", ["train"])
+
+
+def test_real_model_trained_at_fsdp_x_tp_resumes_bit_exact(shared_dir):
+    _trained(shared_dir)
+    torchrun_jobs.check_sections(_training(shared_dir, "train", 4), "resume at (2, 2)", ["resume_2d"])
+
+
+def test_real_model_checkpoint_loads_into_plain_models_at_other_meshes(shared_dir):
+    _trained(shared_dir)
+    torchrun_jobs.check_sections(_training(shared_dir, "train", 4), "1-D FSDP over 4", ["plain_fsdp_4"])
+    torchrun_jobs.check_sections(_training(shared_dir, "single", 1), "one process", ["plain_single"])
