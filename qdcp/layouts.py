@@ -11,7 +11,11 @@ DCP and DTensor speak in -- to the chunk of one component that holds exactly tha
   dim (a per-expert scale of a stacked ``[n, M, N]`` group is ``Blocked((1, 0, 0))``), to which any
   extent of the dim maps; shards that cut such a dim hold copies that must agree.
 - :class:`Flat`: the component is 1-D over the row-major flattened logical tensor, one item per
-  ``group`` elements (torchao optimizer states, NF4).
+  ``group`` elements (torchao optimizer states, NF4). Where a library groups each shard's own
+  elements (torchao's optimizer states are made per local tensor) and a shard is no row range (a
+  tensor-parallel column cut), its groups form a :class:`Blocked` grid of the logical tensor
+  instead: :meth:`Flat.on_shard` and :func:`for_shard` give it, :func:`blocks_as_groups` and
+  :func:`groups_as_blocks` convert between the two orders of the elements.
 - :class:`Replicated`: every chunk needs the whole component (lookup tables, per-tensor scales).
 
 A chunk *aligned* to a layout maps to a whole number of component items. ``expand`` gives the
@@ -68,6 +72,11 @@ class Layout:
         """Whether the component items ``chunk`` maps to also belong to other chunks (values every
         shard holds a copy of, which shards saved on their own must agree on). Default: no."""
         return False
+
+    def on_shard(self, local_shape: Sequence[int]) -> Layout | None:
+        """The layout this one amounts to in the logical tensor where it groups the elements of a
+        shard of ``local_shape`` on their own (see :meth:`Flat.on_shard`); None: no other."""
+        return None
 
     def to_json(self) -> dict:
         raise NotImplementedError
@@ -158,6 +167,21 @@ class Flat(Layout):
         hi = min(rows, ceil_div(offsets[0] + sizes[0], step) * step)
         return (lo,) + tuple(0 for _ in logical_shape[1:]), (hi - lo,) + tuple(logical_shape[1:])
 
+    def on_shard(self, local_shape):
+        """Groups of ``group`` consecutive elements of a shard's own row-major elements, as the
+        :class:`Blocked` grid they form in the logical tensor (shards of one tensor all of
+        ``local_shape``): rows cut into whole groups, ``(1, ..., group)``; or groups of ``k`` whole
+        shard rows, ``(1, ..., k, cols)``. None where they form no grid (a group that spans a row
+        boundary part-way, a 1-D tensor)."""
+        if len(local_shape) < 2:
+            return None
+        lead, rows, cols = (1,) * (len(local_shape) - 2), int(local_shape[-2]), int(local_shape[-1])
+        if cols and cols % self.group == 0:
+            return Blocked(lead + (1, self.group))
+        if cols and self.group % cols == 0 and rows % (self.group // cols) == 0:
+            return Blocked(lead + (self.group // cols, cols))
+        return None
+
     def to_json(self):
         return {"kind": "flat", "group": self.group}
 
@@ -204,6 +228,43 @@ def _linear_range(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[
         start += offsets[k] * stride
         stride *= shape[k]
     return start, math.prod(sizes)
+
+
+def for_shard(layout: Layout, logical_shape: Sequence[int], chunk: Chunk, local_shape: Sequence[int]) -> Layout:
+    """The layout of a component whose groups are over the elements of the shard holding ``chunk``
+    (of ``local_shape``): ``layout`` where the chunk maps onto it (a row range of a :class:`Flat`
+    component), else the grid :meth:`Layout.on_shard` gives, else ``layout`` (which then refuses the
+    chunk with its own error)."""
+    try:
+        layout.map_chunk(logical_shape, chunk)
+        return layout
+    except AlignmentError:
+        return layout.on_shard(local_shape) or layout
+
+
+def _grid(shape: Sequence[int], block: Sequence[int]) -> tuple[int, int, int, int]:
+    """A tensor of ``shape`` as 2-D rows x cols (leading dims merged into rows; their blocks are 1)
+    cut into blocks of ``block[-2:]``: (block rows, rows per block, block cols, cols per block)."""
+    if any(b != 1 for b in block[:-2]) or len(shape) != len(block) or len(shape) < 2:
+        raise CheckpointFormatError(f"block {tuple(block)} is no 2-D grid of a tensor of shape {tuple(shape)}")
+    rows, cols = math.prod(shape[:-1]), int(shape[-1])
+    rb, cb = int(block[-2]), int(block[-1])
+    if rows % rb or cols % cb:
+        raise CheckpointFormatError(f"a tensor of shape {tuple(shape)} is not whole blocks of {tuple(block)}")
+    return rows // rb, rb, cols // cb, cb
+
+
+def blocks_as_groups(t: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
+    """The elements of ``t`` (whole blocks of ``block``) with each block's consecutive, blocks in
+    row-major order of the grid: 1-D, the order :meth:`Flat.on_shard` grouped them in."""
+    n, rb, m, cb = _grid(t.shape, block)
+    return t.reshape(n, rb, m, cb).permute(0, 2, 1, 3).reshape(-1)
+
+
+def groups_as_blocks(flat: torch.Tensor, block: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+    """The inverse of :func:`blocks_as_groups`: a tensor of ``shape`` from its grouped elements."""
+    n, rb, m, cb = _grid(shape, block)
+    return flat.reshape(n, m, rb, cb).permute(0, 2, 1, 3).reshape(tuple(shape))
 
 
 PLAIN_TARGET = "a plain tensor target, which loads from any sharding (the dequantized values)"

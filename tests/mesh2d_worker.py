@@ -54,6 +54,7 @@ from dist_helpers import dtensor_from_local, init_torchrun_mesh  # noqa: E402
 from quantized_cases import CASE_BY_NAME, components_diff  # noqa: E402
 from worker_results import RANK, WORLD, check, qdcp_error_in, run, short  # noqa: E402
 
+import qdcp  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, to_device  # noqa: E402
 
 SHAPE = (128, 128)
@@ -61,7 +62,6 @@ NAMES = ("int8_row", "float8_row", "mx_fp8", "nvfp4", "optim8bit_signed", "optim
 LAYOUTS = {"colwise": (_StridedShard(0, split_factor=2), Shard(0)), "rowwise": (Shard(0), Shard(1)),
            "hsdp": (Replicate(), Shard(0))}
 FLAT = {"optim8bit_signed": 256, "optim4bit": 128, "optimfp8": 256}  # torchao optimizer state: flat blocks
-REFUSED = {(name, "rowwise") for name in FLAT}  # a column cut of flat blocks is not a block
 PER_ROW = ("int8_row", "float8_row")  # one scale per row of the (local) tensor
 COL_BLOCK = {"mx_fp8": 32, "nvfp4": 16}  # scales per block of columns
 Block = tuple[int, int, int, int]  # row offset, column offset, rows, columns
@@ -112,9 +112,17 @@ def raw_fits(name: str, target: Block, sources: list[Block]) -> bool:
         k = COL_BLOCK[name]
         return all(inside(r, c, 1, k, lambda s, c=c: (c - s[1]) % k == 0)
                    for r in rows for c in range(target[1], target[1] + target[3], k))
-    per = max(1, FLAT[name] // SHAPE[1])  # whole rows per flat block
-    return target[3] == SHAPE[1] and all(inside(r, 0, per, SHAPE[1], lambda s, r=r: (r - s[0]) % per == 0)
-                                         for r in range(target[0], target[0] + target[2], per))
+    rb, cb = flat_block(name, target)  # the target's blocks: of its own elements (torchao's state is per shard)
+    return all(inside(r, c, rb, cb, lambda s, r=r, c=c: flat_block(name, s) == (rb, cb)
+                      and (r - s[0]) % rb == 0 and (c - s[1]) % cb == 0)
+               for r in range(target[0], target[0] + target[2], rb) for c in range(target[1], target[1] + target[3], cb))
+
+
+def flat_block(name: str, b: Block) -> tuple[int, int]:
+    """The rows x columns of the logical tensor that one block of a shard's optimizer state covers:
+    its ``FLAT[name]`` consecutive elements of the shard (``b``)."""
+    g = FLAT[name]
+    return (1, g) if b[3] % g == 0 else (g // b[3], b[3])
 
 
 def expected_local(name: str, target: Block, sources: list[Block]) -> torch.Tensor:
@@ -162,30 +170,46 @@ def save(root: str, mesh) -> None:
         for layout, placements in LAYOUTS.items():
             b = block_of(mesh, placements)
             t = dtensor_from_local(case.from_hp(cut(hp(name), b).to(DEVICE)), mesh, placements, SHAPE, case.dtype)
-            if (name, layout) in REFUSED:
-                _save_refused(root, f"{name}.{layout}", t)
-                continue
             state[f"{name}.{layout}"] = t
             gathered: list = [None] * WORLD
             dist.all_gather_object(gathered, b)
             blocks[f"{name}.{layout}"] = gathered
     dcp.save(state, checkpoint_id=os.path.join(root, "main"), planner=QuantizedSavePlanner(check_replicas=True))
     check_written_once(root, blocks)
+    check_column_cut_state(root, mesh)
+    _save_refused(root, mesh)
     if RANK == 0:
         with open(os.path.join(root, "blocks.json"), "w") as f:
             json.dump(blocks, f)
     dist.barrier()
 
 
-def _save_refused(root: str, key: str, t) -> None:
-    path = os.path.join(root, f"refused-{key}")
+def check_column_cut_state(root: str, mesh) -> None:
+    """Optimizer state of a column-cut weight is stored as the grid its per-shard blocks form: a
+    scale per (rows, columns) block of the logical tensor."""
+    specs = qdcp.spec.read_specs(dcp.FileSystemReader(os.path.join(root, "main")).read_metadata())
+    for name in FLAT:
+        b = block_of(mesh, LAYOUTS["rowwise"])
+        scale = specs[f"{name}.rowwise"].component("scale")
+        check("save", scale.layout == {"kind": "blocked", "block": list(flat_block(name, b))},
+              f"{name}.rowwise: scale stored as {scale.layout}, not the grid of {flat_block(name, b)} blocks")
+
+
+def _save_refused(root: str, mesh) -> None:
+    """A column cut whose per-shard blocks form no grid (96 columns a shard, blocks of 256
+    elements: a block ends part-way through a row) is refused naming the key, nothing written."""
+    key, shape, placements = "optim8bit_signed.uneven", (128, 192), LAYOUTS["rowwise"]
+    case, b = CASE_BY_NAME["optim8bit_signed"], block_of(mesh, placements, (128, 192))
+    local = case.from_hp(cut(case.hp(7, shape), b).to(DEVICE))
+    path = os.path.join(root, "refused")
     try:
-        dcp.save({key: t}, checkpoint_id=path, planner=QuantizedSavePlanner())
-        check("save", False, f"{key}: a column cut of flat-block optimizer state was saved")
+        dcp.save({key: dtensor_from_local(local, mesh, placements, shape, case.dtype)}, checkpoint_id=path,
+                 planner=QuantizedSavePlanner())
+        check("save", False, f"{key}: per-shard blocks that form no grid were saved")
     except BaseException as e:  # noqa: BLE001
         err = qdcp_error_in(e)
         check("save", err is not None and repr(key) in str(err) and "dequantized" in str(err)
-              and "shard it by rows only" in str(err),
+              and "blocks of 256 elements of its own" in str(err),
               f"{key}: not a clear qdcp error naming the key: {short(e)}")
     check("save", not os.path.exists(os.path.join(path, ".metadata")), f"{key}: a refused save wrote metadata")
 
@@ -212,8 +236,6 @@ def load_into(section: str, mesh, placements, root: str) -> None:
         for key, srcs in sources.items():
             name = key.split(".")[0]
             case = CASE_BY_NAME[name]
-            if name in FLAT and b[3] != SHAPE[1]:
-                continue  # a column cut of flat-block state: refused (see save)
             zeros = torch.zeros(b[2:], dtype=case.dtype, device=DEVICE)
             local = case.from_hp(zeros) if kind == "same" else zeros
             state[key] = dtensor_from_local(local, mesh, placements, SHAPE, case.dtype) if mesh is not None else local

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from qdcp import spec as qspec
 from qdcp.errors import AlignmentError, CheckpointFormatError
-from qdcp.layouts import Blocked, Flat, Replicated, layout_from_json
+from qdcp.layouts import (Blocked, Flat, Replicated, blocks_as_groups, for_shard, groups_as_blocks,
+                          layout_from_json)
 
 
 def test_blocked_maps_rows_and_packed_columns():
@@ -56,6 +57,37 @@ def test_flat_maps_row_shards_only():
         Flat(16384).map_chunk((512, 256), ((10, 0), (100, 256)))
     assert Flat(16384).expand((512, 256), ((10, 0), (100, 256))) == ((0, 0), (128, 256))
     assert Flat(2).map_chunk((7,), ((0,), (7,))) == ((0,), (4,))
+
+
+def test_flat_groups_of_a_column_cut_form_a_grid():
+    """A shard grouping its own elements (torchao's optimizer state, made per local tensor) forms
+    a grid of blocks in the logical tensor: whole groups along its rows, or whole rows per group."""
+    f = Flat(256)
+    assert f.on_shard((64, 128)) == Blocked((2, 128))    # a group: 2 of the shard's rows
+    assert f.on_shard((32, 512)) == Blocked((1, 256))    # a row: 2 groups
+    assert f.on_shard((4, 64, 128)) == Blocked((1, 2, 128))
+    assert f.on_shard((64, 96)) is None                  # a group ends part-way through a row
+    assert f.on_shard((3, 128)) is None                  # rows do not divide into whole groups
+    assert f.on_shard((4096,)) is None
+    assert Flat(2).on_shard((64, 128)) == Blocked((1, 2))  # 4-bit codes: a byte holds 2 of a row
+    # a row range keeps the flat layout; a column cut gets its grid; no grid: the layout (which refuses)
+    assert for_shard(f, (128, 256), ((64, 0), (64, 256)), (64, 256)) == f
+    assert for_shard(f, (128, 256), ((64, 128), (64, 128)), (64, 128)) == Blocked((2, 128))
+    assert for_shard(f, (128, 192), ((0, 96), (64, 96)), (64, 96)) == f
+    assert Blocked((2, 128)).map_chunk((128, 256), ((64, 128), (64, 128))) == ((32, 1), (32, 1))
+
+
+@pytest.mark.parametrize("shape,block", [((64, 128), (2, 128)), ((8, 512), (1, 256)), ((2, 4, 6), (1, 2, 3))])
+def test_blocks_as_groups_puts_each_block_in_a_row(shape, block):
+    t = torch.arange(torch.Size(shape).numel()).reshape(shape)
+    groups = blocks_as_groups(t, block)
+    size = block[-2] * block[-1]
+    rows, cols = t.reshape(-1, shape[-1]).shape
+    first = t.reshape(rows, cols)[:block[-2], :block[-1]].reshape(-1)  # the grid's first block
+    assert torch.equal(groups[:size], first)
+    assert torch.equal(groups_as_blocks(groups, block, shape), t)
+    with pytest.raises(CheckpointFormatError):
+        blocks_as_groups(t, (5,) * len(shape))
 
 
 def test_replicated_is_whole_for_any_chunk():

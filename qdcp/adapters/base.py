@@ -131,6 +131,13 @@ class Adapter(abc.ABC):
         """How each component shards with the logical tensor (shard-invariant)."""
         raise NotImplementedError
 
+    #: True where the library groups the elements of each shard on its own (torchao's optimizer
+    #: states are made per local tensor): a shard that is no row range of a :class:`~qdcp.layouts.Flat`
+    #: component then stores it as the :class:`~qdcp.layouts.Blocked` grid its groups form
+    #: (:func:`qdcp.layouts.for_shard`), and :meth:`dequantize_stored` must take such components.
+    #: False (default): groups are over the whole logical tensor, and such a shard is refused.
+    groups_per_shard: bool = False
+
     @abc.abstractmethod
     def dequantize(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The high-precision tensor ``t`` stands for, computed the way its library does, as

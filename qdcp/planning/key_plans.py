@@ -8,6 +8,7 @@ to DCP's own path. Every check that metadata allows is made here, before anythin
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorErro
 from qdcp.layouts import Chunk, nearest_aligned
 from qdcp.planning.actions import (Destination, FromPlain, InPlace, IntoPlain, ItemRead, LoadAction, RawCopy,
                                Requantize, StoredSource, Temporaries)
-from qdcp.planning.placement import Placed, expand, is_empty, place, sharded_inside, with_local
+from qdcp.planning.placement import Placed, expand, is_empty, place, shard_layouts, sharded_inside, with_local
 
 __all__ = ["KeyPlan", "KeyPlanner", "GroupTarget", "Decoded"]
 
@@ -115,7 +116,7 @@ class KeyPlanner:
         qspec.check_items(source, self.md, self._stored.get(src_fqn, set()), key=fqn)
         if is_empty(placed.chunk):
             return None
-        if adapter is not None and self._same_config(adapter, placed.local, source, fqn):
+        if adapter is not None and self._same_config(adapter, placed, source, fqn):
             return self._in_place(fqn, placed, adapter, source, src_fqn=src_fqn, layouts=decoded.layouts)
         if adapter is not None:
             conversion = raw_conversion(adapter, placed.local, source_adapter, source_type=source.type,
@@ -138,12 +139,14 @@ class KeyPlanner:
             known = self._structures[structure] = Decoded(attrs, layouts)
         return known
 
-    def _same_config(self, adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, fqn: str) -> bool:
+    def _same_config(self, adapter: Adapter, placed: Placed, source: qspec.EntrySpec, fqn: str) -> bool:
+        t = placed.local
         key = (_structure_key(source), type(t), repr(adapter.attributes(t)),
-               tuple((n, tuple(v.shape), v.dtype) for n, v in adapter.components(t).items()))
+               tuple((n, tuple(v.shape), v.dtype) for n, v in adapter.components(t).items()),
+               placed.chunk[1] if adapter.groups_per_shard else None)  # a column cut regroups (for_shard)
         same = self._configs.get(key)
         if same is None:
-            same = self._configs[key] = _same_config(adapter, t, source, fqn)
+            same = self._configs[key] = _same_config(adapter, placed, source, fqn)
         return same
 
     def _read(self, src_fqn: str, source: qspec.EntrySpec, name: str, chunk: Chunk, *, fqn: str,
@@ -164,6 +167,9 @@ class KeyPlanner:
                 raise AlignmentError(f"key {fqn!r}: component {c.name!r}: the target shard {placed.chunk} "
                                      f"{e}{nearest_aligned(layouts, source.shape, placed.chunk)}") from None
             dest = native.get(c.name)
+            if dest is not None and adapter.groups_per_shard and tuple(dest.shape) != chunk[1] \
+                    and dest.is_contiguous() and dest.numel() == math.prod(chunk[1]):
+                dest = dest.view(chunk[1])  # the target's flat groups, read as the grid they form (for_shard)
             direct = dest is not None and dest.is_contiguous() and tuple(dest.shape) == chunk[1]
             reads.append(self._read(src_fqn, source, c.name, chunk, fqn=fqn, buffer=dest if direct else None))
         return InPlace(fqn, placed, tuple(reads), adapter)
@@ -305,11 +311,14 @@ def _structure_key(entry: qspec.EntrySpec) -> tuple:
             tuple((c.name, c.shape, c.dtype, repr(c.layout)) for c in entry.components))
 
 
-def _same_config(adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, fqn: str) -> bool:
-    """Whether a target instance has the checkpoint entry's exact type, config and components."""
+def _same_config(adapter: Adapter, placed: Placed, source: qspec.EntrySpec, fqn: str) -> bool:
+    """Whether a target shard has the checkpoint entry's exact type, config and components (the
+    component layouts of that shard: :func:`~qdcp.layouts.for_shard` where its adapter groups per shard)."""
+    t = placed.local
     if adapter.type_name(t) != source.type:
         return False
     attrs, layouts = describe_tensor(t, adapter, fqn)
+    layouts = shard_layouts(adapter, placed, layouts)
     if not qspec.same_attrs(attrs, source.attrs) or set(layouts) != {c.name for c in source.components}:
         return False
     comps = adapter.components(t)

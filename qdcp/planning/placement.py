@@ -16,9 +16,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from qdcp.errors import AlignmentError
-from qdcp.layouts import Chunk, Layout, full_chunk
+from qdcp.layouts import Chunk, Layout, for_shard, full_chunk
 
-__all__ = ["Placed", "place", "sharded_inside", "with_local", "planning", "is_empty", "relative", "expand"]
+__all__ = ["Placed", "place", "sharded_inside", "with_local", "planning", "is_empty", "relative", "expand",
+           "shard_layouts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,3 +103,13 @@ def expand(layouts: dict[str, Layout], shape: tuple[int, ...], chunk: Chunk) -> 
     raise AlignmentError(f"no aligned chunk covers {chunk} in a tensor of shape {shape}")
 
 
+
+
+def shard_layouts(adapter, placed: Placed, layouts: dict[str, Layout]) -> dict[str, Layout]:
+    """The layouts of ``placed``'s components: its adapter's ``layouts``, where the adapter groups
+    each shard's elements on its own (``groups_per_shard``) as :func:`~qdcp.layouts.for_shard`
+    gives them for this shard (a column cut's groups form a grid)."""
+    if not adapter.groups_per_shard or is_empty(placed.chunk):
+        return layouts
+    shape = tuple(placed.local.shape)
+    return {n: for_shard(lay, placed.global_shape, placed.chunk, shape) for n, lay in layouts.items()}

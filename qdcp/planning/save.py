@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 from typing import Any, Callable, Union
 
 import torch
@@ -34,9 +35,9 @@ from qdcp import spec as qspec
 from qdcp.adapters.base import Adapter, describe_tensor, find_adapter
 from qdcp.errors import (AlignmentError, LoadMismatchError, ReplicaMismatchError, StagingError,
                          UnsupportedTensorError)
-from qdcp.layouts import Chunk, nearest_aligned
+from qdcp.layouts import Chunk, Flat, Layout, nearest_aligned
 from qdcp.staging.new_empty import register_new_empty
-from qdcp.planning.placement import Placed, is_empty, place, planning, sharded_inside, with_local
+from qdcp.planning.placement import Placed, is_empty, place, planning, shard_layouts, sharded_inside, with_local
 from qdcp.storage import refuse_existing_checkpoint
 
 DequantizeChoice = Union[bool, Callable[[str, torch.Tensor], bool]]
@@ -175,18 +176,21 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         if set(comps) != set(layouts):
             raise UnsupportedTensorError(f"key {fqn!r}: adapter gave components {sorted(comps)} "
                                          f"but layouts for {sorted(layouts)}")
+        declared, layouts = layouts, shard_layouts(adapter, placed, layouts)
         specs, writes, shared = [], [], []
         for name, value in comps.items():
             layout = layouts[name]
+            regrouped = layout is not declared[name]  # stored as a grid, written as a view of its groups
             try:
                 global_shape = layout.component_shape(placed.global_shape)
                 chunk = layout.map_chunk(placed.global_shape, placed.chunk) \
                     if not is_empty(placed.chunk) else None
             except AlignmentError as e:
                 raise AlignmentError(
-                    f"key {fqn!r}: component {name!r}: this rank's shard {placed.chunk} {e}"
+                    f"key {fqn!r}: component {name!r}: this rank's shard {placed.chunk} {e}{_per_shard(adapter, layout, t)}"
                     f"{_nearest(layouts, placed) or '. Shard on block boundaries, or ' + _DEQUANTIZED}.") from None
-            if chunk is not None and tuple(value.shape) != chunk[1]:
+            if chunk is not None and tuple(value.shape) != chunk[1] and not (
+                    regrouped and value.is_contiguous() and value.numel() == math.prod(chunk[1])):
                 raise AlignmentError(
                     f"key {fqn!r}: component {name!r} has local shape {tuple(value.shape)} but the "
                     f"shard {placed.chunk} of {placed.global_shape} needs {chunk[1]}; the shard does "
@@ -303,7 +307,9 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         t = entry.placed.local
         if component is None:
             return entry.adapter.dequantize(t, entry.spec.stored_dtype)
-        return entry.adapter.components(t)[component]
+        value = entry.adapter.components(t)[component]
+        sizes = write_item.tensor_data.chunk.sizes
+        return value if value.shape == sizes else value.view(sizes)  # flat groups as their grid (for_shard)
 
 
 _SUMS_KEY = "__qdcp_sums__"  # per-rank item hashes and shared component items; never saved as such
@@ -392,6 +398,15 @@ def _merge_specs(texts: list[str]) -> str:
                     f"key {fqn!r}: ranks disagree on how it is stored ({other.to_json()} vs "
                     f"{entry.to_json()}); every rank must hold the same type, config and mode.")
     return qspec.dumps(merged)
+
+
+def _per_shard(adapter: Adapter, layout: Layout, t: torch.Tensor) -> str:
+    """Why a shard of state grouped per shard (``groups_per_shard``) cannot be stored as a grid."""
+    if not adapter.groups_per_shard or not isinstance(layout, Flat):
+        return ""
+    return (f"; nor do its blocks of {layout.group} elements of its own (a shard of {tuple(t.shape)}) form a "
+            f"grid of the logical tensor: they do where a shard's columns are a multiple of {layout.group}, "
+            f"or divide it and its rows divide into whole blocks")
 
 
 def _info(adapter: Adapter, t: torch.Tensor) -> dict:
