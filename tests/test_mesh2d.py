@@ -12,10 +12,12 @@ source blocks). A column cut of flat-block optimizer state is refused naming the
 HSDP replicas are named by ``check_replicas=True``.
 
 ``tests/mesh2d_training_worker.py`` runs a real model the way torchtitan builds it (torchao float8
-training, ``parallelize_module`` over TP, then ``fully_shard`` over DP): trained at ``(2, 2)``,
-checkpointed by the plain ``dcp.async_save`` with qdcp's planner while training goes on, resumed at
-``(2, 2)`` with the uninterrupted run's losses bit for bit, and loaded bit-exact into an unconverted
-model under 1-D FSDP over 4 and in one process.
+training, ``parallelize_module`` over TP, then ``fully_shard`` over DP) with torchao's AdamW8bit:
+trained at ``(2, 2)``, checkpointed by the plain ``dcp.async_save`` with qdcp's planner while
+training goes on (the row-parallel weight's 8-bit states stored as the grid of their per-shard
+blocks), resumed at ``(2, 2)`` with every buffer and the uninterrupted run's losses bit for bit, and
+loaded into an unconverted model under 1-D FSDP over 4 and in one process (weights bit-exact; states
+the saved bits where the blocks match, else the saved values quantized in the target's blocks).
 """
 
 from __future__ import annotations
