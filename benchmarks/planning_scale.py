@@ -252,8 +252,9 @@ def placements_2d(name: str, tp: int) -> tuple:
 
 def rank_states_2d(mesh2d: tuple[int, int], layers: int, shards: Shards) -> dict:
     """This rank's state dict on a ``(dp, tp)`` mesh: quantized linears with FSDP2 x TP placements,
-    8-bit AdamW states of the column-parallel ones (a column cut of flat-block state is refused),
-    norms ``(Shard(0), Replicate())``; each local built once per local shape."""
+    8-bit AdamW states of every linear whose shard's blocks qdcp can store (all column-parallel ones;
+    a row-parallel one's column cut where its width is a multiple or divisor of the 256-element
+    block: stored as their grid), norms ``(Shard(0), Replicate())``; each local built once per local shape."""
     mesh = init_device_mesh("cpu", mesh2d, mesh_dim_names=("dp", "tp"))
     state = {}
     for i in range(layers):
@@ -261,8 +262,9 @@ def rank_states_2d(mesh2d: tuple[int, int], layers: int, shards: Shards) -> dict
             placements = placements_2d(name, mesh2d[1])
             fqn = f"model.layers.{i}.{name}.weight"
             sizes = tuple(dtensor(torch.empty(0), mesh, shape, torch.bfloat16, placements).__create_chunk_list__()[0].sizes)
-            keys = [(fqn, "weight")] + ([] if name in ROWWISE else
-                                        [(f"optim.{fqn}.exp_avg", "optim"), (f"optim.{fqn}.exp_avg_sq", "optim")])
+            grid = name not in ROWWISE or sizes[1] % 256 == 0 or 256 % sizes[1] == 0
+            keys = [(fqn, "weight")] + ([(f"optim.{fqn}.exp_avg", "optim"), (f"optim.{fqn}.exp_avg_sq", "optim")]
+                                        if grid else [])
             for key, kind in keys:
                 local = shards.local(kind, sizes)
                 state[key] = dtensor(local, mesh, shape, local.dtype, placements)
