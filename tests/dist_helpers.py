@@ -109,6 +109,18 @@ def uint8_all_gather():
     return Uint8AllGather()
 
 
+def square_loss_step(out: torch.Tensor, opt: torch.optim.Optimizer) -> float:
+    """The test trainings' step on a model's output ``out``: mean-square loss, backward, optimizer
+    step; the loss averaged over every rank."""
+    loss = out.float().square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
 def training_state_items(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None):
     """``(key, value)`` of a model's state dict (``model.<fqn>``) and of its optimizer's per-parameter
     states (``optim.<parameter fqn>.<state>``), as the framework workers compare them."""

@@ -50,7 +50,7 @@ from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dist_helpers import init_torchrun_mesh, uint8_all_gather  # noqa: E402
+from dist_helpers import init_torchrun_mesh, square_loss_step, uint8_all_gather  # noqa: E402
 from quantized_cases import bits_diff, gated_save_planner  # noqa: E402
 from training_cases import CASE_BY_NAME, float8_training, values  # noqa: E402
 from worker_results import RANK, WORLD, check, run  # noqa: E402
@@ -89,13 +89,7 @@ def step(model, opt, i: int, dp_rank: int) -> float:
     """One step on this data-parallel rank's part of step ``i``'s batch (the same on both TP ranks);
     the global mean loss."""
     x = torch.randn(16, D, generator=torch.Generator().manual_seed(1000 * i + dp_rank)).to(DEVICE)
-    loss = model(x).float().square().mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    return total.item() / WORLD
+    return square_loss_step(model(x), opt)
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dist_helpers import all_rows, init_torchrun_mesh, uint8_all_gather  # noqa: E402
+from dist_helpers import all_rows, init_torchrun_mesh, square_loss_step, uint8_all_gather  # noqa: E402
 from qdcp import QuantizedLoadPlanner  # noqa: E402
 from quantized_cases import bits, gated_save_planner  # noqa: E402
 from training_cases import CASE_BY_NAME, D, unavailable, values  # noqa: E402
@@ -69,13 +69,7 @@ def step(name: str, model, opt, i: int) -> float:
         out = model(x, torch.tensor([32, 64, 96, 128], dtype=torch.int32))
     else:
         out = model(torch.randn(16, D, generator=g))
-    loss = out.float().square().mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    return total.item() / WORLD
+    return square_loss_step(out, opt)
 
 
 def gather(t) -> torch.Tensor:

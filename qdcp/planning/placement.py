@@ -103,8 +103,6 @@ def expand(layouts: dict[str, Layout], shape: tuple[int, ...], chunk: Chunk) -> 
     raise AlignmentError(f"no aligned chunk covers {chunk} in a tensor of shape {shape}")
 
 
-
-
 def shard_layouts(adapter, placed: Placed, layouts: dict[str, Layout]) -> dict[str, Layout]:
     """The layouts of ``placed``'s components: its adapter's ``layouts``, where the adapter groups
     each shard's elements on its own (``groups_per_shard``) as :func:`~qdcp.layouts.for_shard`
