@@ -7,4 +7,4 @@ bash scripts/setup_venv.sh test,frameworks
 # TransformerEngine's pure-Python wheel (tests load its real classes on CPU; see tests/te_cpu.py);
 # --no-deps: its declared dependencies pull CUDA packages
 "${VENV:-.venv}/bin/python" -m pip install -q --no-deps transformer-engine==2.20.2
-exec "${VENV:-.venv}/bin/python" -m pytest -n 2 "$@"
+exec "${VENV:-.venv}/bin/python" -m pytest -n 2 --dist worksteal "$@"
