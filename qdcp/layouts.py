@@ -242,6 +242,16 @@ def for_shard(layout: Layout, logical_shape: Sequence[int], chunk: Chunk, local_
         return layout.on_shard(local_shape) or layout
 
 
+def grid_view(t: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor | None:
+    """A shard's own flat component buffer ``t`` as the ``sizes`` grid its groups form
+    (:func:`for_shard`): ``t`` where it already has that shape, a view where it is contiguous and
+    holds that many elements (row-major over the grid is the groups' order), else None."""
+    sizes = tuple(int(s) for s in sizes)
+    if tuple(t.shape) == sizes:
+        return t
+    return t.view(sizes) if t.is_contiguous() and t.numel() == math.prod(sizes) else None
+
+
 def _grid(shape: Sequence[int], block: Sequence[int]) -> tuple[int, int, int, int]:
     """A tensor of ``shape`` as 2-D rows x cols (leading dims merged into rows; their blocks are 1)
     cut into blocks of ``block[-2:]``: (block rows, rows per block, block cols, cols per block)."""

@@ -218,8 +218,8 @@ def _load_elsewhere(section: str, model, path: str, saved: dict, what: str) -> N
             if not hasattr(local, "codes"):
                 same(section, {key: whole(v)}, {key: saved[key]}, what)
                 continue
-            offsets, sizes = (v.__create_chunk_list__()[0].offsets, v.__create_chunk_list__()[0].sizes) \
-                if isinstance(v, DTensor) else ((0, 0), tuple(local.shape))
+            chunk = v.__create_chunk_list__()[0] if isinstance(v, DTensor) else None
+            offsets, sizes = (chunk.offsets, chunk.sizes) if chunk is not None else ((0, 0), tuple(local.shape))
             values = saved[key][offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]]
             if names[p] in SAME_BLOCKS:
                 d = bits_diff(local.dequantize().cpu(), values)

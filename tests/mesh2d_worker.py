@@ -188,8 +188,8 @@ def check_column_cut_state(root: str, mesh) -> None:
     """Optimizer state of a column-cut weight is stored as the grid its per-shard blocks form: a
     scale per (rows, columns) block of the logical tensor."""
     specs = qdcp.spec.read_specs(dcp.FileSystemReader(os.path.join(root, "main")).read_metadata())
+    b = block_of(mesh, LAYOUTS["rowwise"])
     for name in FLAT:
-        b = block_of(mesh, LAYOUTS["rowwise"])
         scale = specs[f"{name}.rowwise"].component("scale")
         check("save", scale.layout == {"kind": "blocked", "block": list(flat_block(name, b))},
               f"{name}.rowwise: scale stored as {scale.layout}, not the grid of {flat_block(name, b)} blocks")

@@ -8,7 +8,6 @@ to DCP's own path. Every check that metadata allows is made here, before anythin
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from qdcp import spec as qspec
 from qdcp.adapters.base import (Adapter, adapter_for_type, describe_tensor, find_adapter, find_type_adapter,
                                  raw_conversion)
 from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorError
-from qdcp.layouts import Chunk, nearest_aligned
+from qdcp.layouts import Chunk, grid_view, nearest_aligned
 from qdcp.planning.actions import (Destination, FromPlain, InPlace, IntoPlain, ItemRead, LoadAction, RawCopy,
                                Requantize, StoredSource, Temporaries)
 from qdcp.planning.placement import Placed, expand, is_empty, place, shard_layouts, sharded_inside, with_local
@@ -167,9 +166,8 @@ class KeyPlanner:
                 raise AlignmentError(f"key {fqn!r}: component {c.name!r}: the target shard {placed.chunk} "
                                      f"{e}{nearest_aligned(layouts, source.shape, placed.chunk)}") from None
             dest = native.get(c.name)
-            if dest is not None and adapter.groups_per_shard and tuple(dest.shape) != chunk[1] \
-                    and dest.is_contiguous() and dest.numel() == math.prod(chunk[1]):
-                dest = dest.view(chunk[1])  # the target's flat groups, read as the grid they form (for_shard)
+            if dest is not None and adapter.groups_per_shard:
+                dest = grid_view(dest, chunk[1])  # the target's flat groups, read as the grid they form
             direct = dest is not None and dest.is_contiguous() and tuple(dest.shape) == chunk[1]
             reads.append(self._read(src_fqn, source, c.name, chunk, fqn=fqn, buffer=dest if direct else None))
         return InPlace(fqn, placed, tuple(reads), adapter)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import math
 from typing import Any, Callable, Union
 
 import torch
@@ -35,7 +34,7 @@ from qdcp import spec as qspec
 from qdcp.adapters.base import Adapter, describe_tensor, find_adapter
 from qdcp.errors import (AlignmentError, LoadMismatchError, ReplicaMismatchError, StagingError,
                          UnsupportedTensorError)
-from qdcp.layouts import Chunk, Flat, Layout, nearest_aligned
+from qdcp.layouts import Chunk, Flat, Layout, grid_view, nearest_aligned
 from qdcp.staging.new_empty import register_new_empty
 from qdcp.planning.placement import Placed, is_empty, place, planning, shard_layouts, sharded_inside, with_local
 from qdcp.storage import refuse_existing_checkpoint
@@ -190,7 +189,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                     f"key {fqn!r}: component {name!r}: this rank's shard {placed.chunk} {e}{_per_shard(adapter, layout, t)}"
                     f"{_nearest(layouts, placed) or '. Shard on block boundaries, or ' + _DEQUANTIZED}.") from None
             if chunk is not None and tuple(value.shape) != chunk[1] and not (
-                    regrouped and value.is_contiguous() and value.numel() == math.prod(chunk[1])):
+                    regrouped and grid_view(value, chunk[1]) is not None):
                 raise AlignmentError(
                     f"key {fqn!r}: component {name!r} has local shape {tuple(value.shape)} but the "
                     f"shard {placed.chunk} of {placed.global_shape} needs {chunk[1]}; the shard does "
@@ -307,9 +306,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         t = entry.placed.local
         if component is None:
             return entry.adapter.dequantize(t, entry.spec.stored_dtype)
-        value = entry.adapter.components(t)[component]
-        sizes = write_item.tensor_data.chunk.sizes
-        return value if value.shape == sizes else value.view(sizes)  # flat groups as their grid (for_shard)
+        # a regrouped component (for_shard) is written as its grid; others have the item's shape
+        return grid_view(entry.adapter.components(t)[component], write_item.tensor_data.chunk.sizes)
 
 
 _SUMS_KEY = "__qdcp_sums__"  # per-rank item hashes and shared component items; never saved as such
