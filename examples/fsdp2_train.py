@@ -121,7 +121,11 @@ def main() -> None:
 
     model = QLoRAStyleModel().to(device)
     fully_shard(model.head, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    # At one rank FSDP2 skips the all-gather and hands torchao's NF4 fsdp_post_all_gather one tensor
+    # of its three (a ValueError at the first forward): keep the frozen NF4 weight out of FSDP there.
+    # It is saved under the same key with the same shape either way (docs/troubleshooting.md).
+    ignored = {model.base.weight} if world == 1 else None
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
     optim = torchao.optim.AdamW8bit(model.head.parameters(), lr=1e-3, block_size=256)
 
     os.makedirs(args.dir, exist_ok=True)
