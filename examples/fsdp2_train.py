@@ -61,6 +61,17 @@ class QLoRAStyleModel(torch.nn.Module):
         return self.head(h)
 
 
+def parallelize(model: QLoRAStyleModel, mesh) -> QLoRAStyleModel:
+    """FSDP2 over the model (the head its own unit). At one rank FSDP2 skips the all-gather and
+    gives torchao's NF4 ``fsdp_post_all_gather`` one of its three tensors (a ValueError at the first
+    forward; docs/troubleshooting.md): there the frozen NF4 weight stays out of FSDP, a plain
+    ``NF4Tensor``. It is saved under the same key, with the same shape and bytes, at any world size."""
+    fully_shard(model.head, mesh=mesh)
+    ignored = {model.base.weight} if mesh.size() == 1 else None
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
+    return model
+
+
 def batch(step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The same batch on every rank and at every world size (so losses compare exactly)."""
     g = torch.Generator().manual_seed(step)
@@ -119,13 +130,7 @@ def main() -> None:
 
     import torchao.optim
 
-    model = QLoRAStyleModel().to(device)
-    fully_shard(model.head, mesh=mesh)
-    # At one rank FSDP2 skips the all-gather and hands torchao's NF4 fsdp_post_all_gather one tensor
-    # of its three (a ValueError at the first forward): keep the frozen NF4 weight out of FSDP there.
-    # It is saved under the same key with the same shape either way (docs/troubleshooting.md).
-    ignored = {model.base.weight} if world == 1 else None
-    fully_shard(model, mesh=mesh, ignored_params=ignored)
+    model = parallelize(QLoRAStyleModel().to(device), mesh)
     optim = torchao.optim.AdamW8bit(model.head.parameters(), lr=1e-3, block_size=256)
 
     os.makedirs(args.dir, exist_ok=True)
