@@ -1,18 +1,20 @@
 """The qdcp demo: the main job in two minutes on a laptop's CPU.
 
-1. FSDP2 training under ``torchrun`` on 2 CPU ranks (gloo): a frozen NF4 weight and a layer trained
-   with torchao's AdamW8bit (quantized optimizer states), checkpointed every 3 steps through
-   ``qdcp.async_save(state, path)`` (DCP's ``async_save`` with qdcp's atomic, checksummed writer and
-   planner) while training goes on.
-2. A resume from the step-6 checkpoint at another world size (4 ranks) through ``qdcp.load``
-   (verified, all-or-nothing): the losses of steps 7-9
-   are the uninterrupted run's, bit for bit.
+1. FSDP2 training under ``torchrun`` on 2 CPU ranks (gloo; ``--train-ranks``): a frozen NF4 weight
+   and a layer trained with torchao's AdamW8bit (quantized optimizer states), checkpointed every 3
+   steps through ``qdcp.async_save(state, path)`` (DCP's ``async_save`` with qdcp's atomic,
+   checksummed writer and planner) while training goes on.
+2. A resume from the step-6 checkpoint at another world size (4 ranks; ``--resume-ranks``) through
+   ``qdcp.load`` (verified, all-or-nothing): the losses of steps 7-9 are the uninterrupted run's,
+   bit for bit.
 3. A summary: checkpoint bytes against the same state in bf16, and how long training was blocked
    per save against the save's whole time.
 4. The quickstart's per-key table: six torchao types saved raw and dequantized, reloaded into
    quantized and bf16 models.
 
-    python examples/demo.py [--dir /tmp/qdcp-demo]
+    python examples/demo.py [--dir /tmp/qdcp-demo] [--train-ranks 2] [--resume-ranks 4]
+
+``--train-ranks 1 --resume-ranks 1`` runs it all at one rank (on the GPU, where there is one).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-STEPS, EVERY, RESUME, RESUME_WORLD = 9, 3, 6, 4
+STEPS, EVERY, RESUME = 9, 3, 6
 
 
 def free_port() -> int:
@@ -71,14 +73,19 @@ def summary(root: str) -> None:
     print(f"  stored raw (inner buffers + JSON spec): {', '.join(quantized)}")
     for run in (first, resumed):
         for s in run["saves"]:
-            print(f"  {s['checkpoint']} ({run['world']} rank{'s' if run['world'] > 1 else ''}): training "
+            print(f"  {s['checkpoint']} ({_ranks(run['world'])}): training "
                   f"blocked {s['blocked_s'] * 1e3:.0f} ms of a {s['total_s'] * 1e3:.0f} ms save "
                   f"({s['blocked_s'] / s['total_s']:.0%})")
     same = bool(resumed["losses"]) and all(first["losses"][k] == v for k, v in resumed["losses"].items())
-    print(f"  resumed at {resumed['world']} ranks from step {resumed['start']}: losses identical to the "
-          f"uninterrupted 2-rank run: {same}")
+    print(f"  resumed at {_ranks(resumed['world'])} from step {resumed['start']}: losses identical to the "
+          f"uninterrupted {first['world']}-rank run: {same}")
     if not same:
         raise SystemExit("the resumed losses differ")
+
+
+def _ranks(n: int) -> str:
+    """``1 rank``, ``4 ranks``."""
+    return f"{n} rank{'s' if n > 1 else ''}"
 
 
 def _itemsize(dtype: str) -> int:
@@ -90,16 +97,18 @@ def _itemsize(dtype: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default: a temp dir)")
+    parser.add_argument("--train-ranks", type=int, default=2, help="ranks of the first run (default 2)")
+    parser.add_argument("--resume-ranks", type=int, default=4, help="ranks of the resumed run (default 4)")
     args = parser.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="qdcp-demo-")
     train_dir = os.path.join(root, "fsdp2")
     shutil.rmtree(train_dir, ignore_errors=True)
     start = time.perf_counter()
-    print(f"1. FSDP2 training on 2 CPU ranks (NF4 weight, AdamW8bit states), async checkpoints every "
-          f"{EVERY} steps", flush=True)
-    torchrun(2, train_dir)
-    print(f"\n2. resume from the step-{RESUME} checkpoint at {RESUME_WORLD} ranks", flush=True)
-    torchrun(RESUME_WORLD, train_dir, "--resume", "--resume-step", str(RESUME))
+    print(f"1. FSDP2 training on {_ranks(args.train_ranks)} (NF4 weight, AdamW8bit states), async "
+          f"checkpoints every {EVERY} steps", flush=True)
+    torchrun(args.train_ranks, train_dir)
+    print(f"\n2. resume from the step-{RESUME} checkpoint at {_ranks(args.resume_ranks)}", flush=True)
+    torchrun(args.resume_ranks, train_dir, "--resume", "--resume-step", str(RESUME))
     summary(train_dir)
     print("\n3. six torchao types, raw and dequantized (examples/quickstart.py)", flush=True)
     sys.argv = [sys.argv[0], "--dir", os.path.join(root, "quickstart")]
