@@ -103,6 +103,34 @@ def save(model, optim, path: str, stager, group, saves: list, rank: int, api: st
     return fut
 
 
+def record(root: str, resume: bool, run: dict) -> None:
+    """Rank 0: write this run's record (``run-first.json`` / ``run-resume.json``); a first run also
+    writes ``losses.json``, which a resumed run's losses are checked against: bit for bit where both
+    ran on the same kind of device (CPU and GPU kernels round differently: a first run at 2 ranks on
+    a one-GPU machine runs on the CPU, its resume at 1 rank on the GPU)."""
+    with open(os.path.join(root, f"run-{'resume' if resume else 'first'}.json"), "w") as f:
+        json.dump(run, f)
+    log_path = os.path.join(root, "losses.json")
+    if not resume:
+        with open(log_path, "w") as f:
+            json.dump(run["losses"], f)
+        return
+    with open(log_path) as f:
+        first = {int(k): v for k, v in json.load(f).items()}
+    with open(os.path.join(root, "run-first.json")) as f:
+        first_device = json.load(f).get("device", "cpu")
+    losses, since = run["losses"], run["start"] + 1
+    if first_device != run["device"]:
+        worst = max((abs(first[s] - v) / abs(first[s]) for s, v in losses.items()), default=0.0)
+        print(f"  losses from step {since} on not compared bit for bit: the first run ran on {first_device}, "
+              f"this one on {run['device']}; largest relative difference {worst:.1e}", flush=True)
+        return
+    same = all(first[s] == v for s, v in losses.items())
+    print(f"  losses from step {since} on identical to the first run: {same}", flush=True)
+    if not same:
+        raise SystemExit("resumed losses differ from the first run")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", required=True)
@@ -134,7 +162,6 @@ def main() -> None:
     optim = torchao.optim.AdamW8bit(model.head.parameters(), lr=1e-3, block_size=256)
 
     os.makedirs(args.dir, exist_ok=True)
-    log_path = os.path.join(args.dir, "losses.json")
     start = 0
     if args.resume:
         saved = sorted(int(d.split("_")[1]) for d in os.listdir(args.dir) if d.startswith("step_"))
@@ -172,18 +199,8 @@ def main() -> None:
         stager.close()
 
     if rank == 0:
-        with open(os.path.join(args.dir, f"run-{'resume' if args.resume else 'first'}.json"), "w") as f:
-            json.dump({"world": world, "start": start, "losses": losses, "saves": saves}, f)
-        if not args.resume:
-            with open(log_path, "w") as f:
-                json.dump(losses, f)
-        else:
-            with open(log_path) as f:
-                first = {int(k): v for k, v in json.load(f).items()}
-            same = all(first[s] == losses[s] for s in losses)
-            print(f"  losses from step {start + 1} on identical to the first run: {same}", flush=True)
-            if not same:
-                raise SystemExit("resumed losses differ from the first run")
+        record(args.dir, args.resume, {"world": world, "device": device.type, "start": start, "losses": losses,
+                                       "saves": saves})
     dist.destroy_process_group()
 
 
