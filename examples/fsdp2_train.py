@@ -8,12 +8,14 @@ atomic, checksummed writer and planner) while training goes on; ``--api dcp`` us
 ``QuantizedStager`` kept for the run (the faster path with reused buffers). ``--resume`` loads the
 newest checkpoint (``qdcp.load``: verified, all-or-nothing; or ``dcp.load`` with
 ``QuantizedLoadPlanner()``) at whatever world size this run has and continues; the losses it prints
-from the resumed step on are checked against the log of the first run.
+from the resumed step on are checked against the log of the first run (bit for bit where both ran
+on the same kind of device).
 
     torchrun --nproc-per-node 2 examples/fsdp2_train.py --dir /tmp/qdcp-fsdp2 --steps 8
     torchrun --nproc-per-node 1 examples/fsdp2_train.py --dir /tmp/qdcp-fsdp2 --steps 8 --resume
 
-gloo on CPU; nccl with one GPU per rank where CUDA is present.
+Any number of ranks, one included (there the NF4 weight stays out of FSDP: ``parallelize``). gloo
+on CPU; nccl with one GPU per rank where CUDA has as many GPUs as ranks.
 """
 
 from __future__ import annotations
