@@ -32,6 +32,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+import torchao.optim  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
@@ -133,7 +134,8 @@ def record(root: str, resume: bool, run: dict) -> None:
         raise SystemExit("resumed losses differ from the first run")
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", required=True)
     parser.add_argument("--steps", type=int, default=8)
@@ -145,8 +147,28 @@ def main() -> None:
     parser.add_argument("--stager", choices=["dcp", "qdcp"], default="dcp",
                         help="dcp: the default (DCP's stager, or with --api qdcp the writer's); "
                              "qdcp: a QuantizedStager kept for the run")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def resume(model, optim, root: str, step: int | None, api: str) -> int:
+    """Load the checkpoint of ``step`` (default: the newest) into the model and optimizer, at this
+    run's world size; return its step."""
+    saved = sorted(int(d.split("_")[1]) for d in os.listdir(root) if d.startswith("step_"))
+    start = step if step is not None else saved[-1]
+    model_sd, optim_sd = get_state_dict(model, optim)
+    state = {"model": model_sd, "optim": optim_sd}
+    path = os.path.join(root, f"step_{start}")
+    if api == "qdcp":
+        qdcp.load(state, path)
+    else:
+        dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner())
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return start
+
+
+def main() -> None:
+    """Train, checkpointing as it goes; resume first with ``--resume``."""
+    args = arguments()
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -158,24 +180,13 @@ def main() -> None:
     # or they interleave with FSDP's collectives on the default one.
     ckpt_group = dist.new_group(backend="gloo")
 
-    import torchao.optim
-
     model = parallelize(QLoRAStyleModel().to(device), mesh)
     optim = torchao.optim.AdamW8bit(model.head.parameters(), lr=1e-3, block_size=256)
 
     os.makedirs(args.dir, exist_ok=True)
     start = 0
     if args.resume:
-        saved = sorted(int(d.split("_")[1]) for d in os.listdir(args.dir) if d.startswith("step_"))
-        start = args.resume_step if args.resume_step is not None else saved[-1]
-        model_sd, optim_sd = get_state_dict(model, optim)
-        state = {"model": model_sd, "optim": optim_sd}
-        path = os.path.join(args.dir, f"step_{start}")
-        if args.api == "qdcp":
-            qdcp.load(state, path)
-        else:
-            dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner())
-        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        start = resume(model, optim, args.dir, args.resume_step, args.api)
         if rank == 0:
             print(f"  resumed from step {start} at world size {world}", flush=True)
 
