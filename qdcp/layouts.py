@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from qdcp.errors import AlignmentError, CheckpointFormatError
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
 Chunk = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -46,6 +45,11 @@ def narrow(t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     for dim, (o, s) in enumerate(zip(*chunk)):
         t = t.narrow(dim, o, s)
     return t
+
+
+def relative(inner: Chunk, outer: Chunk) -> Chunk:
+    """``inner`` with offsets relative to ``outer``'s (``inner`` lies within ``outer``)."""
+    return tuple(i - o for i, o in zip(inner[0], outer[0])), inner[1]
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -358,3 +362,79 @@ def _layout_from_json(data: dict, component_shape: Sequence[int]) -> Layout:
     if kind == "replicated":
         return Replicated(tuple(component_shape))
     raise CheckpointFormatError(f"unknown layout {data!r}")
+
+
+# ----------------------------------------------------------------------------- the bits a target can hold
+
+def held_exactly(source: torch.Tensor, source_layout: Layout, shape: Sequence[int], read_chunk: Chunk,
+                 target_layout: Layout, target_chunk: Chunk) -> torch.Tensor | None:
+    """Component ``source`` (read over logical ``read_chunk`` of a tensor of ``shape``, by
+    ``source_layout``) as the component of a target shard ``target_chunk`` whose own layout is
+    ``target_layout`` (its blocks counted from the shard's first element), where the target holds
+    the source's bits exactly; None where it cannot.
+
+    The rule (docs/api.md, *When a target gets the source's bits*): element data (blocks of single
+    elements, or of two packed along the last dim) is copied where both layouts agree and the shard
+    falls on them; a block value (a scale, a zero point) is taken for each target block from the
+    source blocks it covers, which must all hold the same value, bit for bit: a target block inside
+    one source block repeats its value; a target block over several source blocks that share one
+    value (a row's tensor-parallel shards of a per-row weight) takes it once. Replicated values are
+    copied."""
+    if isinstance(source_layout, Replicated) and isinstance(target_layout, Replicated):
+        return source if tuple(source.shape) == tuple(target_layout.shape) else None
+    if not (isinstance(source_layout, Blocked) and isinstance(target_layout, Blocked)):
+        return None
+    if _element_data(source_layout) or _element_data(target_layout):
+        if source_layout != target_layout:
+            return None
+        try:
+            want = source_layout.map_chunk(shape, target_chunk)
+        except AlignmentError:
+            return None
+        have = source_layout.map_chunk(shape, read_chunk)
+        return narrow(source, relative(want, have))
+    out = source
+    for d, (bs, bt) in enumerate(zip(source_layout.block, target_layout.block)):
+        out = _one_value_per_block(out, d, int(shape[d]), bs, bt, read_chunk[0][d], target_chunk[0][d],
+                                   target_chunk[1][d])
+        if out is None:
+            return None
+    return out
+
+
+def _element_data(layout: Blocked) -> bool:
+    """Whether a blocked component holds element data (one item per element, or two packed along
+    the last dim) rather than one value per block."""
+    return all(b == 1 for b in layout.block[:-1]) and layout.block[-1] in (1, 2)
+
+
+def _one_value_per_block(values: torch.Tensor, d: int, n: int, bs: int, bt: int, read_start: int,
+                         start: int, size: int) -> torch.Tensor | None:
+    """Along dim ``d``: ``values`` (one per source block of ``bs``, the first at logical
+    ``read_start``'s block) as one per target block of ``bt`` counted from logical ``start`` over
+    ``size`` elements; None where a target block covers source blocks of different values."""
+    if size == 0:
+        return None
+    bt = bt or size                      # 0: one value for the whole of the shard's extent
+    n_target = ceil_div(size, bt)
+    firsts = torch.arange(n_target) * bt + start  # logical first element of each target block
+    if bs == 0:                          # the source holds one value along this dim
+        return values.index_select(d, torch.zeros(n_target, dtype=torch.long))
+    base = read_start // bs
+    first_item = firsts // bs - base
+    last_item = (torch.clamp(firsts + bt, max=start + size) - 1) // bs - base
+    if int(last_item.max()) >= values.shape[d] or int(first_item.min()) < 0:
+        return None
+    # consecutive source blocks whose boundary lies strictly inside one target block must agree
+    bounds = torch.arange(1, values.shape[d]) * bs + base * bs  # logical start of source block i+1
+    inside = (bounds > start) & (bounds < start + size) & ((bounds - start) % bt != 0)
+    pairs = torch.nonzero(inside).flatten()
+    if len(pairs) and not torch.equal(_bits(values.index_select(d, pairs)), _bits(values.index_select(d, pairs + 1))):
+        return None
+    return values.index_select(d, first_item)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as integers of its width, so equality is bitwise (NaNs, signed zeros)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()]) if t.element_size() in ints else t

@@ -138,6 +138,13 @@ class Adapter(abc.ABC):
     #: False (default): groups are over the whole logical tensor, and such a shard is refused.
     groups_per_shard: bool = False
 
+    #: Attributes that only say how the elements are cut into scale blocks (torchao's
+    #: ``block_size``). A target of the same type whose other attributes, component names and
+    #: dtypes are the source's may take the source's bits with other blocks, where its blocks can
+    #: hold them (:func:`qdcp.layouts.held_exactly`; docs/api.md, *When a target gets the source's
+    #: bits*). Empty (default): only an equal configuration is loaded raw.
+    block_attributes: tuple[str, ...] = ()
+
     @abc.abstractmethod
     def dequantize(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The high-precision tensor ``t`` stands for, computed the way its library does, as

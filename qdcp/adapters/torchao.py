@@ -222,6 +222,7 @@ class _AffineAdapter(TorchAOAdapter):
     target's buffers exactly (see :meth:`from_raw_form`)."""
 
     _zero_point = True  # the class always carries a zero_point
+    block_attributes = ("block_size",)
 
     def _kind(self, attrs: Mapping[str, Any]) -> str | None:
         raise NotImplementedError
@@ -368,6 +369,8 @@ class _BlockScaledAdapter(TorchAOAdapter):
     Canonical scales are plain (unswizzled, unpadded) of shape ``(..., K / block_size)``; a tensor
     with ``is_swizzled_scales`` gets its tiled layout back on load.
     """
+
+    block_attributes = ("block_size",)
 
     def _packing(self, t) -> int:
         raise NotImplementedError

@@ -8,6 +8,8 @@ they are all in (:meth:`LoadAction.finish`), updating the target in place.
   (temporaries, where the canonical form is not the native one, are copied in by the adapter).
 - :class:`RawCopy`: raw, another type holding the same bits; the adapters' raw conversion.
 - :class:`Requantize`: raw, another format or config; dequantized, then quantized like the target.
+- :class:`Reblock`: raw, the same type with other scale blocks (or a shard across the source's):
+  the source's bits where the target's blocks hold them, else as :class:`Requantize`.
 - :class:`IntoPlain`: raw into a plain tensor; dequantized (in the target's precision if wider).
 - :class:`FromPlain`: plain into a quantized tensor, quantized like it (or into a plain member of
   a group stored under another key).
@@ -25,12 +27,11 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from qdcp.adapters.base import Adapter, RawConversion, StoredEntry, adapter_for_type, find_adapter
-from qdcp.layouts import Chunk
-from qdcp.layouts import narrow
+from qdcp.layouts import Chunk, Layout, held_exactly, narrow
 from qdcp.planning.placement import Placed, relative
 
 __all__ = ["Temporaries", "Destination", "ItemRead", "StoredSource", "LoadAction", "InPlace", "RawCopy",
-           "Requantize", "IntoPlain", "FromPlain"]
+           "Requantize", "Reblock", "IntoPlain", "FromPlain"]
 
 
 class Temporaries:
@@ -184,6 +185,35 @@ class Requantize(LoadAction):
 
     def finish(self) -> None:
         _fill(self.adapter, self.placed, _dequantized(self, self.source, self.read_chunk), self.read_chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reblock(Requantize):
+    """The same type with other scale blocks, or a shard across the source's blocks: the source's
+    bits where the target's blocks hold them exactly (:func:`qdcp.layouts.held_exactly`, the rule
+    of docs/api.md), else dequantized and quantized like the target."""
+
+    source_layouts: Mapping[str, Layout] = dataclasses.field(default_factory=dict)
+    target_layouts: Mapping[str, Layout] = dataclasses.field(default_factory=dict)
+
+    def finish(self) -> None:
+        exact = self.exact_components()
+        if exact is None:
+            super().finish()
+        else:
+            self.adapter.copy_into(self.placed.local, exact)
+
+    def exact_components(self) -> dict[str, torch.Tensor] | None:
+        """The target's components holding the source's bits, or None where its blocks cannot."""
+        read, own = self.components(), self.adapter.components(self.placed.local)
+        out = {}
+        for name, layout in self.target_layouts.items():
+            held = held_exactly(read[name], self.source_layouts[name], self.placed.global_shape,
+                                self.read_chunk, layout, self.placed.chunk)
+            if held is None or held.dtype != own[name].dtype or tuple(held.shape) != tuple(own[name].shape):
+                return None
+            out[name] = held
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,8 +18,9 @@ from qdcp.adapters.base import (Adapter, adapter_for_type, describe_tensor, find
                                  raw_conversion)
 from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Chunk, grid_view, nearest_aligned
+from qdcp.layouts import Blocked, Replicated
 from qdcp.planning.actions import (Destination, FromPlain, InPlace, IntoPlain, ItemRead, LoadAction, RawCopy,
-                               Requantize, StoredSource, Temporaries)
+                                   Reblock, Requantize, StoredSource, Temporaries)
 from qdcp.planning.placement import Placed, expand, is_empty, place, shard_layouts, sharded_inside, with_local
 
 __all__ = ["KeyPlan", "KeyPlanner", "GroupTarget", "Decoded"]
@@ -116,7 +117,14 @@ class KeyPlanner:
         if is_empty(placed.chunk):
             return None
         if adapter is not None and self._same_config(adapter, placed, source, fqn):
-            return self._in_place(fqn, placed, adapter, source, src_fqn=src_fqn, layouts=decoded.layouts)
+            try:
+                return self._in_place(fqn, placed, adapter, source, src_fqn=src_fqn, layouts=decoded.layouts)
+            except AlignmentError:  # the shard cuts the source's blocks: quantized like it, where it can be
+                if adapter.quantize_unsupported(placed.local):
+                    raise
+        if adapter is not None and self._reblockable(adapter, placed, source, decoded, fqn):
+            return self._dequantizing(fqn, placed, adapter, source, src_fqn=src_fqn, decoded=decoded,
+                                      exact=adapter.layouts(placed.local))
         if adapter is not None:
             conversion = raw_conversion(adapter, placed.local, source_adapter, source_type=source.type,
                                         source_attrs=decoded.attrs)
@@ -147,6 +155,19 @@ class KeyPlanner:
         if same is None:
             same = self._configs[key] = _same_config(adapter, placed, source, fqn)
         return same
+
+    def _reblockable(self, adapter: Adapter, placed: Placed, source: qspec.EntrySpec, decoded: Decoded,
+                     fqn: str) -> bool:
+        """Whether the target may hold the source's bits in other blocks (cached per structure)."""
+        if not adapter.block_attributes or adapter.type_name(placed.local) != source.type:
+            return False
+        t = placed.local
+        key = ("reblock", _structure_key(source), type(t), repr(adapter.attributes(t)),
+               tuple((n, tuple(v.shape), v.dtype) for n, v in adapter.components(t).items()))
+        known = self._configs.get(key)
+        if known is None:
+            known = self._configs[key] = _reblockable(adapter, t, source, decoded, fqn)
+        return known
 
     def _read(self, src_fqn: str, source: qspec.EntrySpec, name: str, chunk: Chunk, *, fqn: str,
               buffer: torch.Tensor | None = None) -> ItemRead:
@@ -182,9 +203,10 @@ class KeyPlanner:
             return None
         return RawCopy(fqn, placed, reads, conversion)
 
-    def _dequantizing(self, fqn, placed, adapter, source, *, src_fqn, decoded) -> LoadAction:
+    def _dequantizing(self, fqn, placed, adapter, source, *, src_fqn, decoded, exact=None) -> LoadAction:
         """The aligned chunk covering the target's (the whole tensor where a per-tensor scale
-        needs the global amax), dequantized; quantized like a quantized target."""
+        needs the global amax), dequantized; quantized like a quantized target, or with the
+        target's own layouts given as ``exact``, its bits taken where its blocks hold them."""
         _check_can_quantize(fqn, adapter, placed.local, f"a {source.type} entry")
         attrs, layouts = decoded.attrs, decoded.layouts
         read_chunk = _amax_chunk(adapter, placed) or expand(layouts, source.shape, placed.chunk)
@@ -198,6 +220,8 @@ class KeyPlanner:
         stored = StoredSource(source.type, attrs, source.dtype)
         if adapter is None:
             return IntoPlain(fqn, placed, tuple(reads), stored, read_chunk)
+        if exact is not None:
+            return Reblock(fqn, placed, tuple(reads), adapter, stored, read_chunk, layouts, exact)
         return Requantize(fqn, placed, tuple(reads), adapter, stored, read_chunk)
 
     def _from_plain(self, fqn, placed, adapter, src_fqn) -> FromPlain | None:
@@ -324,6 +348,23 @@ def _same_config(adapter: Adapter, placed: Placed, source: qspec.EntrySpec, fqn:
         if layouts[c.name].to_json() != c.layout or comps[c.name].dtype != c.dtype:
             return False
     return True
+
+
+def _reblockable(adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, decoded: Decoded, fqn: str) -> bool:
+    """Whether target ``t`` is the source's type with the source's attributes but for its blocks
+    (``adapter.block_attributes``), the same components and dtypes, every layout blocked or
+    replicated on both sides: then its blocks may hold the source's bits (docs/api.md)."""
+    attrs, layouts = describe_tensor(t, adapter, fqn)
+    blocks = adapter.block_attributes
+    if not qspec.same_attrs({k: v for k, v in attrs.items() if k not in blocks},
+                            {k: v for k, v in source.attrs.items() if k not in blocks}):
+        return False
+    comps = adapter.components(t)
+    if set(comps) != {c.name for c in source.components}:
+        return False
+    kinds = (Blocked, Replicated)
+    return all(comps[c.name].dtype == c.dtype and isinstance(layouts[c.name], kinds)
+               and isinstance(decoded.layouts[c.name], kinds) for c in source.components)
 
 
 def _check_can_quantize(fqn: str, adapter: Adapter | None, target: torch.Tensor, stored: str) -> None:

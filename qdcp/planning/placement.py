@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from qdcp.errors import AlignmentError
-from qdcp.layouts import Chunk, Layout, for_shard, full_chunk
+from qdcp.layouts import Chunk, Layout, for_shard, full_chunk, relative
 
 __all__ = ["Placed", "place", "sharded_inside", "with_local", "planning", "is_empty", "relative", "expand",
            "shard_layouts"]
@@ -60,8 +60,8 @@ def with_local(value: Any, local: torch.Tensor) -> torch.Tensor:
     """``local`` in ``value``'s place: bare, or as the local tensor of a DTensor like ``value``."""
     if not isinstance(value, DTensor):
         return local
-    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                              shape=value.shape, stride=value.stride())
+    # from its spec, as FSDP2 does: DTensor.from_local calls view_as, which torchao's tensors lack
+    return DTensor(local, value._spec, requires_grad=local.requires_grad)
 
 
 @contextlib.contextmanager
@@ -82,13 +82,6 @@ def planning():
 def is_empty(chunk: Chunk) -> bool:
     """Whether ``chunk`` holds no element."""
     return math.prod(chunk[1]) == 0
-
-
-def relative(inner: Chunk, outer: Chunk) -> Chunk:
-    """``inner`` with offsets relative to ``outer``'s (``inner`` lies within ``outer``)."""
-    return tuple(i - o for i, o in zip(inner[0], outer[0])), inner[1]
-
-
 
 
 def expand(layouts: dict[str, Layout], shape: tuple[int, ...], chunk: Chunk) -> Chunk:

@@ -282,14 +282,17 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         # caching keeps these plans and compares later ones with them).
         texts = [(plan.planner_data or {}).pop(qspec.PLANNER_DATA_KEY, None) for plan in all_plans]
         try:
+            # first: ranks that disagree on an entry's spec (e.g. its blocks) are named by key,
+            # before DCP's own validation finds their component chunks inconsistent
+            merged = [t or qspec.dumps({}) for t in texts]
+            merged = merged[0] if all(t == merged[0] for t in merged) else _merge_specs(merged)
             plans, metadata = super()._create_global_plan(all_plans)
         finally:
             for plan, text in zip(all_plans, texts):
                 if text is not None:
                     plan.planner_data[qspec.PLANNER_DATA_KEY] = text
-        texts = [t or qspec.dumps({}) for t in texts]
         planner_data = dict(metadata.planner_data or {})
-        planner_data[qspec.PLANNER_DATA_KEY] = texts[0] if all(t == texts[0] for t in texts) else _merge_specs(texts)
+        planner_data[qspec.PLANNER_DATA_KEY] = merged
         return plans, dataclasses.replace(metadata, planner_data=planner_data)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
