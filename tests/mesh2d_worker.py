@@ -16,9 +16,10 @@ Targets, loaded with ``QuantizedLoadPlanner``, at: the same mesh and layout (sam
 inner buffer bit-identical to the source's; plain: the source's values); 1-D FSDP over 4
 (``Shard(0)``); 1-D TP over 2 (``Shard(0)`` and ``Shard(1)``); another 2-D shape, ``(1, 4)`` with
 ``(Shard(0), Shard(1))``; one process (whole tensors). A same-type target each of whose scale
-blocks lies inside one source block, covering what one of the source's did, gets the source's bits (raw);
+blocks lies inside one source block (per-row targets: any; block-scaled and optimizer state: covering
+what one of the source's did) gets the source's bits (raw);
 any other gets ``from_hp`` of the checkpoint's values (dequantize, then quantize like the target):
-both are asserted bit-exact. Plain targets equal the library's ``dequantize()`` of the source blocks.
+both are asserted bit-exact (docs/api.md, *When a target gets the source's bits*). Plain targets equal the library's ``dequantize()`` of the source blocks.
 
 ``replicas`` (4 ranks): HSDP replicas that diverged are named, key and rank, by
 ``QuantizedSavePlanner(check_replicas=True)`` before anything is written.
@@ -106,8 +107,8 @@ def raw_fits(name: str, target: Block, sources: list[Block]) -> bool:
         return any(s[0] <= r0 and r0 + rows <= s[0] + s[2] and s[1] <= c0 and c0 + cols <= s[1] + s[3] and ok(s)
                    for s in sources)
     rows = range(target[0], target[0] + target[2])
-    if name in PER_ROW:
-        return all(inside(r, target[1], 1, target[3], lambda s: (s[1], s[3]) == (target[1], target[3])) for r in rows)
+    if name in PER_ROW:  # docs/api.md: a target row inside a source row block takes its codes and scale
+        return all(inside(r, target[1], 1, target[3]) for r in rows)
     if name in COL_BLOCK:
         k = COL_BLOCK[name]
         return all(inside(r, c, 1, k, lambda s, c=c: (c - s[1]) % k == 0)
@@ -129,9 +130,27 @@ def expected_local(name: str, target: Block, sources: list[Block]) -> torch.Tens
     """The same-type target's local tensor the load must give: the source's bits, or the
     checkpoint's values quantized like the target."""
     case = CASE_BY_NAME[name]
+    if raw_fits(name, target, sources) and name in PER_ROW:
+        return source_rows(name, target, sources)
     if raw_fits(name, target, sources):
         return case.from_hp(cut(hp(name), target))
     return case.from_hp(cut(values(name, sources), target))
+
+
+def source_rows(name: str, target: Block, sources: list[Block]) -> torch.Tensor:
+    """A per-row target each of whose rows lies inside a source block: its rows cut by torchao from
+    the source blocks holding them (their codes, each row's scale), stacked."""
+    case, pieces = CASE_BY_NAME[name], []
+    for s in sorted(set(sources)):  # HSDP's replicas: one of each block
+        lo, hi = max(s[0], target[0]), min(s[0] + s[2], target[0] + target[2])
+        if lo < hi and s[1] <= target[1] and target[1] + target[3] <= s[1] + s[3]:
+            q = case.from_hp(cut(hp(name), s))
+            pieces.append((lo, q[lo - s[0]:hi - s[0], target[1] - s[1]:target[1] - s[1] + target[3]]))
+    pieces = [p for _, p in sorted(pieces, key=lambda x: x[0])]
+    names, attrs = pieces[0].__tensor_flatten__()
+    inner = {n: torch.cat([getattr(p, n) for p in pieces]) for n in names}
+    shape = torch.Size((target[2], target[3]))
+    return type(pieces[0]).__tensor_unflatten__(inner, attrs, shape, torch.empty(shape, device="meta").stride())
 
 
 # ----------------------------------------------------------------------------- save

@@ -8,11 +8,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
 from qdcp.adapters import find_adapter
-from qdcp.planning.actions import FromPlain, InPlace, IntoPlain, RawCopy, Requantize
+import rule_oracle
+from qdcp.planning.actions import FromPlain, InPlace, IntoPlain, RawCopy, Reblock, Requantize
 from qdcp.planning.key_plans import KeyPlanner
 from quantized_cases import CASE_BY_NAME, SHAPE, bits_diff, components_diff, qdcp_load, qdcp_save
 
 INT8, INT8_GROUP = CASE_BY_NAME["int8_row"], CASE_BY_NAME["int8_group32"]
+FLOAT8 = CASE_BY_NAME["float8_row"]
 
 
 @pytest.fixture
@@ -39,7 +41,9 @@ def test_each_way_of_loading_is_its_own_action(checkpoint):
     _, md = checkpoint
     same = INT8.make(5)
     assert isinstance(_action(md, "raw", same), InPlace)
-    assert isinstance(_action(md, "raw", INT8_GROUP.make(5)), Requantize)
+    # per-group targets of a per-row entry: their blocks lie inside the source's (docs/api.md's rule)
+    assert isinstance(_action(md, "raw", INT8_GROUP.make(5)), Reblock)
+    assert isinstance(_action(md, "raw", FLOAT8.make(5)), Requantize)
     assert isinstance(_action(md, "raw", torch.zeros(SHAPE, dtype=torch.float32)), IntoPlain)
     assert isinstance(_action(md, "plain", INT8.make(5)), FromPlain)
     assert isinstance(_action(md, "deq", INT8.make(5)), FromPlain)  # a dequantized entry is plain
@@ -63,13 +67,16 @@ def test_finish_turns_what_was_read_into_the_targets_values(checkpoint):
     src, md = checkpoint
     comps = {f"raw.__qdcp__.{n}": c for n, c in find_adapter(src["raw"]).components(src["raw"]).items()}
     for target, want in ((torch.zeros(SHAPE, dtype=torch.float32), src["raw"].dequantize(torch.float32)),
-                         (INT8_GROUP.make(5), INT8_GROUP.from_hp(src["raw"].dequantize()))):
+                         (FLOAT8.make(5), FLOAT8.from_hp(src["raw"].dequantize())),
+                         (INT8_GROUP.make(5), None)):
         action = _action(md, "raw", target)
         for r in action.reads:
             r.buffer.copy_(comps[r.stored][tuple(slice(o, o + n) for o, n in zip(*r.chunk))])
         action.finish()
-        diff = bits_diff(target, want) if isinstance(want, torch.Tensor) and type(want) is torch.Tensor \
-            else components_diff(target, want)
+        if want is None:  # per-group blocks inside the per-row source's: the source's codes and scales
+            assert rule_oracle.maps_equal(rule_oracle.element_maps(target), rule_oracle.element_maps(src["raw"]))
+            continue
+        diff = bits_diff(target, want) if type(want) is torch.Tensor else components_diff(target, want)
         assert diff is None, diff
 
 

@@ -1,0 +1,82 @@
+"""DCP's save and load, every rank of a job in one process, storage in memory.
+
+For generated cases that need many jobs: each rank plans with the real planners on its own
+DTensors (a ``fake`` process group seen from that rank, as ``benchmarks/planning_scale.py`` does),
+the coordinator merges the plans, and each rank's items go to a dict the loads read from, in the
+order and with the calls ``dcp.save`` / ``dcp.load`` and ``FileSystemWriter`` /
+``FileSystemReader`` make (``/work/shared``'s dcp.md; ``filesystem.py`` ``read_data``): a save's
+items are what ``resolve_data`` gives, a load's reads are the saved chunk narrowed to
+``storage_offsets`` / ``lengths``, copied into ``resolve_tensor`` and committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+Store = dict[tuple[str, tuple[int, ...]], Any]
+
+
+@contextlib.contextmanager
+def as_rank(rank: int, world: int) -> Iterator[None]:
+    """This process is ``rank`` of a ``world``-rank job (a fake process group) inside the block."""
+    hook = sys.excepthook  # init_process_group wraps it to prefix the rank, once per group
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+
+
+def mesh(shape: tuple[int, ...]) -> DeviceMesh:
+    """A CPU device mesh of ``shape`` seen from the current (fake) rank."""
+    return init_device_mesh("cpu", shape)
+
+
+def save(states: Callable[[int], dict], world: int, planner: Callable[[], Any]) -> tuple[Metadata, Store]:
+    """Save the state dict ``states(rank)`` of every rank; returns the metadata and the items."""
+    planners, plans, kept = [], [], []
+    for rank in range(world):
+        with as_rank(rank, world):
+            p = planner()
+            state = states(rank)
+            p.set_up_planner(state, None, rank == 0)
+            plans.append(p.create_local_plan())
+            planners.append(p)
+            kept.append(state)
+    central, metadata = planners[0].create_global_plan(plans)
+    store: Store = {}
+    for rank, (p, plan) in enumerate(zip(planners, central)):
+        final = p.finish_plan(plan)
+        for item in final.items:
+            data = p.resolve_data(item)
+            key = (item.index.fqn, tuple(item.index.offset or ()))
+            store[key] = data.getvalue() if isinstance(data, io.BytesIO) else data.detach().clone()
+    return getattr(planners[0], "metadata", metadata), store
+
+
+def load(state: dict, rank: int, world: int, metadata: Metadata, store: Store, planner: Any) -> None:
+    """Load ``state`` (rank ``rank``'s targets) from a :func:`save`, in place."""
+    planner.set_up_planner(state, metadata, rank == 0)
+    local = planner.create_local_plan()
+    plan = planner.finish_plan(planner.create_global_plan([local])[0])
+    for req in plan.items:
+        data = store[(req.storage_index.fqn, tuple(req.storage_index.offset or ()))]
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(data))
+            continue
+        for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+            data = data.narrow(dim, o, n)
+        target = planner.resolve_tensor(req).detach()
+        target.copy_(data)
+        planner.commit_tensor(req, target)
