@@ -33,7 +33,9 @@ from qdcp.adapters import compressed_tensors as _compressed_tensors
 from qdcp.errors import (
     AlignmentError,
     CheckpointFormatError,
+    CheckpointWriteError,
     ChecksumError,
+    ConcurrentSaveError,
     LoadMismatchError,
     QdcpError,
     ReplicaMismatchError,
@@ -72,7 +74,7 @@ __all__ = [
     "storage_writer", "to_device", "register_new_empty", "unregister_new_empty", "enable_new_empty",
     "Adapter", "StoredEntry", "register_adapter", "find_adapter", "registered_type_names",
     "QdcpError", "CheckpointFormatError", "ChecksumError", "UnsupportedTensorError", "AlignmentError",
-    "LoadMismatchError", "StagingError", "ReplicaMismatchError", "export", "ExportResult", "ExportError", "QuantizedHFReader",
+    "LoadMismatchError", "StagingError", "ReplicaMismatchError", "ConcurrentSaveError", "CheckpointWriteError", "export", "ExportResult", "ExportError", "QuantizedHFReader",
     "install", "uninstall", "installed", "is_installed",
     "consolidate", "dcp_to_torch_save", "ConsolidatingLoadPlanner",
 ]

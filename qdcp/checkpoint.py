@@ -38,8 +38,11 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, overwrite: bool
     """
     with _own_error():
         writer = storage_writer(path, overwrite=overwrite, **(storage_options or {}))
-        return dcp.save(state_dict, storage_writer=writer, planner=QuantizedSavePlanner(dequantize=dequantize),
-                        process_group=process_group)
+        try:
+            return dcp.save(state_dict, storage_writer=writer, planner=QuantizedSavePlanner(dequantize=dequantize),
+                            process_group=process_group)
+        finally:
+            writer.abandon()  # after a failure on any rank: this save's files removed, its claim released
 
 
 def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=None, overwrite: bool = False,
@@ -52,10 +55,16 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     Wait for the previous save's future before the next save.
     """
     kwargs = {"async_stager": stager} if stager is not None else {}
-    return dcp.async_save(state_dict, storage_writer=storage_writer(path, overwrite=overwrite,
-                                                                    **(storage_options or {})),
-                          planner=QuantizedSavePlanner(dequantize=dequantize), process_group=process_group,
-                          **kwargs)
+    writer = storage_writer(path, overwrite=overwrite, **(storage_options or {}))
+    try:
+        result = dcp.async_save(state_dict, storage_writer=writer, planner=QuantizedSavePlanner(dequantize=dequantize),
+                                process_group=process_group, **kwargs)
+    except BaseException:
+        writer.abandon()
+        raise
+    upload = getattr(result, "upload_completion", result)  # DCP's AsyncSaveResponse, or the Future itself
+    upload.add_done_callback(lambda _: writer.abandon())  # a failed upload's files removed, claim released
+    return result
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = True,
@@ -80,7 +89,9 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = 
 def _own_error() -> Iterator[None]:
     """Re-raise this rank's own error (else the lowest failing rank's) out of DCP's
     ``CheckpointException``, which wraps every rank's error in one ``BaseException``: the user's
-    ``except qdcp.ChecksumError`` (or ``FileExistsError``...) then catches it."""
+    ``except qdcp.ChecksumError`` (or ``FileExistsError``...) then catches it. Its own cause stays
+    its ``__cause__`` (an ``OSError`` behind a write error: ``qdcp.CheckpointWriteError``), DCP's
+    exception becoming its ``__context__``; an error without a cause is chained from DCP's."""
     try:
         yield
     except CheckpointException as e:
@@ -91,4 +102,5 @@ def _own_error() -> Iterator[None]:
             raise
         if not isinstance(err, Exception) and isinstance(err.__cause__, Exception):
             err = err.__cause__  # a carrier past torch 2.11's `except Exception` (qdcp/storage/reader.py)
-        raise err from e
+        own = err.__cause__ if err.__cause__ is not None else None if err.__suppress_context__ else err.__context__
+        raise err from (own if own is not None else e)

@@ -31,3 +31,12 @@ class StagingError(QdcpError, RuntimeError):
 
 class ReplicaMismatchError(QdcpError, ValueError):
     """Ranks holding replicas of one chunk hold different bytes (``check_replicas=True``)."""
+
+
+class ConcurrentSaveError(QdcpError, RuntimeError):
+    """Another save holds the checkpoint path (its claim file names it); this save wrote nothing."""
+
+
+class CheckpointWriteError(QdcpError, OSError):
+    """Writing a checkpoint's files failed (disk full, I/O error...); nothing was committed. ``errno``
+    is the root cause's, which is also this error's ``__cause__``."""

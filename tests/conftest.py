@@ -34,3 +34,61 @@ def hopper():
 
     with te_cpu.simulate_gpu(te_cpu.HOPPER):
         yield
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3-compatible server (moto) on loopback for the session; its URL. The AWS variables
+    point boto at it; :func:`s3_bucket` carries the same settings for processes started earlier."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from torchrun_jobs import free_port
+
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("moto server did not start")
+            time.sleep(0.2)
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint) -> tuple[dict, str]:
+    """fsspec storage options for :func:`s3_endpoint` (credentials included, for processes started
+    before it), and a fresh bucket there."""
+    import uuid
+
+    import s3fs
+
+    opts = {"key": "testing", "secret": "testing",
+            "client_kwargs": {"endpoint_url": s3_endpoint}}
+    bucket = f"qdcp-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(**opts).mkdir(bucket)
+    return opts, bucket

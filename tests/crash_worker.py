@@ -3,7 +3,7 @@
     python tests/crash_worker.py PATH VERSION KILL_AT [--overwrite] [--async]
 
 KILL_AT: ``none``; ``resolve:N`` (the N-th item handed to the writer); ``before_commit`` (all data
-written, no .metadata yet); ``replace`` (new .metadata written to .metadata.tmp, not yet renamed);
+written, no .metadata yet); ``replace`` (new .metadata written to .metadata.<token>.tmp, not yet published);
 ``cleanup`` (committed, old files not yet removed).
 """
 
@@ -61,14 +61,19 @@ class KillingWriter(CheckpointWriter):
     def _commit(self, metadata, results):
         if self.kill_at == "before_commit":
             die()
-        if self.kill_at == "replace":
-            real_replace = os.replace
+        if self.kill_at == "replace":  # the publish: os.replace (overwrite) or os.link (a new path)
+            real_replace, real_link = os.replace, os.link
 
             def replace(src, dst):
                 if str(dst).endswith(".metadata"):
                     die()
                 return real_replace(src, dst)
-            os.replace = replace
+
+            def link(src, dst):
+                if str(dst).endswith(".metadata"):
+                    die()
+                return real_link(src, dst)
+            os.replace, os.link = replace, link
         super()._commit(metadata, results)
 
     def _remove_unreferenced(self, referenced):

@@ -1,16 +1,12 @@
 """qdcp.storage: CheckpointWriter (checksum trailers only where the planner records none),
 CheckpointReader (checkpoints written before planner checksums, items verified when read in part),
 and checkpoints through fsspec URLs: memory:// and s3:// against a real S3-compatible server (moto)
-that the tests start on loopback."""
+that the tests start on loopback (the ``s3_endpoint`` fixture, tests/conftest.py)."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -31,7 +27,6 @@ from qdcp import (
 )
 from quantized_cases import CASE_BY_NAME, assert_bitwise_equal, assert_same_buffers, raise_inner
 from stored_bytes import flip_stored_bytes, tensor_bytes
-from torchrun_jobs import free_port
 
 CASES = [CASE_BY_NAME[n] for n in ("int8_group32", "mx_fp4_swizzled", "nf4", "optim8bit_signed")]
 DATA = Path(__file__).with_name("data") / "qdcp-0.1-checkpoints"
@@ -164,40 +159,6 @@ def test_memory_url_round_trip():
              )
     for c in CASES:
         assert_bitwise_equal(plain[c.name], c.dequantize(saved[c.name]))
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            break
-        except OSError:
-            if time.time() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("moto server did not start")
-            time.sleep(0.2)
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_s3_round_trip(s3_endpoint):

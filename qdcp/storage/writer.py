@@ -1,15 +1,17 @@
 """qdcp's storage writer: DCP's file-system writer that refuses to write over a checkpoint unless
-told to, commits atomically (fresh data-file names, ``.metadata`` renamed into place last), allows
-one save per path at a time, and guards the plain path's planner (``refuse_existing_checkpoint``)."""
+told to, claims the path for one save across processes and hosts (:mod:`qdcp.storage.claims`),
+commits atomically (file names no other save shares, ``.metadata`` published last after checking
+the claim again: :mod:`qdcp.storage.commit`), removes what a failed save wrote, raises write errors
+with their root cause (:mod:`qdcp.storage.causes`), and guards the plain path's planner
+(``refuse_existing_checkpoint``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import pickle
+import sys
 import threading
-import uuid
 import weakref
 from typing import Any, Callable
 
@@ -19,6 +21,9 @@ from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from qdcp.errors import QdcpError
+from qdcp.storage import claims, commit
+from qdcp.storage.causes import raise_with_cause
+from qdcp.storage.claim_stores import FsspecStore, LocalStore
 from qdcp.storage.hooks import records_checksums
 from qdcp.storage.metadata import METADATA_FILE
 from qdcp.storage.trailer import ChecksumExtension
@@ -76,6 +81,8 @@ class AtomicWriting:
         self.qdcp_overwrite = overwrite
         self._qdcp_extensions = tuple(self.transforms.extensions)
         self._holds_path = False
+        self._claim: claims.PathClaim | None = None
+        self._published = False
         self._stager = stager
         self._owns_stager = stager is None
 
@@ -103,12 +110,14 @@ class AtomicWriting:
         state = self.__dict__.copy()
         state["_stager"] = None
         state["_owns_stager"] = True
+        state["_claim"] = None  # taken where the save runs (the PROCESS checkpointer's daemon)
         return state
 
     def _key(self) -> str:
         return os.path.abspath(os.fspath(self.path)) if not is_url(self.path) else os.fspath(self.path)
 
     def prepare_local_plan(self, plan):
+        self._made_dir = not is_url(self.path) and not os.path.isdir(self.path)
         self.fs.mkdir(self.path)
         if self.fs.exists(self._get_metadata_path()) and not self.qdcp_overwrite:
             raise QdcpError(
@@ -124,15 +133,34 @@ class AtomicWriting:
             self._holds_path = True
         return plan
 
-    def _release(self) -> None:
+    def _release_path(self) -> None:
         if self._holds_path:
             with _in_flight_lock:
                 _in_flight.discard(self._key())
             self._holds_path = False
 
+    def _release(self) -> None:
+        self._release_path()
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            claim.release()
+
     def prepare_global_plan(self, plans):
-        token = uuid.uuid4().hex[:8]
-        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{token}_{i}_")) for i, p in enumerate(plans)]
+        """On the coordinator only, once per save: claim the path (:mod:`qdcp.storage.claims`), then
+        check again that no checkpoint appeared there; every file name carries the claim's token."""
+        what = f"a qdcp save of {len(plans)} rank{'s' if len(plans) != 1 else ''} ({_command()})"
+        self._claim = claims.take(self._claim_store(), what)
+        try:
+            if not self.qdcp_overwrite and self._files.exists(METADATA_FILE):
+                raise QdcpError(
+                    f"a checkpoint already exists at {os.fspath(self.path)!r} (it was committed while this "
+                    f"save was being planned); pass overwrite=True to replace it, or save to a new path")
+        except BaseException:
+            self._release()
+            raise
+        token = self._claim.token
+        return [dataclasses.replace(p, storage_data=_StoragePrefix(commit.data_prefix(token, i)))
+                for i, p in enumerate(plans)]
 
     def write_data(self, plan, planner):
         # a planner that records every item's checksum in the metadata makes the writer's own
@@ -141,9 +169,12 @@ class AtomicWriting:
         try:
             fut = super().write_data(plan, planner)
             fut.wait()  # a torch.futures.Future, already complete for file-system writers
-        except BaseException:
-            self._release()
-            raise
+        except BaseException as e:
+            self._files.remove_prefixed(plan.storage_data.prefix)  # this rank's own, partly written
+            if self._claim is not None:
+                self._claim.end()  # it cannot commit now; abandon() removes every rank's files
+            self._release_path()
+            raise_with_cause(e, f"writing the checkpoint at {os.fspath(self.path)!r}")
         if not getattr(self, "_is_coordinator", False):
             self._release()
         return fut
@@ -153,12 +184,43 @@ class AtomicWriting:
         self._is_coordinator = is_coordinator
 
     def finish(self, metadata: Metadata, results) -> None:
+        self._published = False
         try:
             self._commit(metadata, results)
+        except BaseException as e:
+            if not self._published:
+                self.abandon()
+            raise_with_cause(e, f"committing the checkpoint at {os.fspath(self.path)!r}")
         finally:
             self._release()
 
+    def abandon(self) -> None:
+        """End a save that did not commit: remove the files it wrote (every rank's: call it once
+        every rank has returned, as ``qdcp.save`` does) and release its claim. A no-op after a
+        save that committed, and on ranks other than the coordinator (their in-process hold only)."""
+        claim = self._claim
+        if claim is not None:
+            self._files.remove_prefixed(commit.save_prefix(claim.token))
+            self._files.remove(commit.metadata_tmp(claim.token))
+        self._release()
+        if claim is not None and getattr(self, "_made_dir", False):
+            try:
+                os.rmdir(self.path)  # the directory this save made, if nothing else is in it
+            except OSError:
+                pass
+
+    def _claim_store(self):
+        if is_url(self.path):
+            return FsspecStore(self.fs.fs, os.fspath(self.path), os.fspath(self.path))
+        return LocalStore(self.path)
+
+    @property
+    def _files(self) -> "_SaveFiles":
+        return _SaveFiles(self)
+
     def _commit(self, metadata: Metadata, results) -> None:
+        """Write ``.metadata`` and publish it (the claim checked first); then remove what the
+        replaced checkpoint and dead saves left (``_published`` set in between)."""
         from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
         metadata.version = CURRENT_DCP_VERSION
@@ -167,32 +229,89 @@ class AtomicWriting:
             storage_md.update({wr.index: wr.storage_data for wr in wr_list})
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
-        tmp_path = self.fs.concat_path(self.path, f"{METADATA_FILE}.tmp")
-        with self.fs.create_stream(tmp_path, "wb") as f:
+        token, files = self._claim.token, self._files
+        replaced = commit.referenced(commit.read_metadata_bytes(files.read(METADATA_FILE))) \
+            if self.qdcp_overwrite else set()
+        if is_url(self.path):
+            commit.publish_remote(self.fs.fs, os.fspath(self.path), metadata, self.qdcp_overwrite, self._claim.check)
+        else:
+            self._write_local_tmp(metadata, token)
+            commit.publish_local(os.fspath(self.path), token, self.qdcp_overwrite, self._claim.check)
+        self._published = True
+        try:
+            if self.sync_files and not is_url(self.path):
+                _fsync_dir(os.fspath(self.path))
+            for name in commit.debris(files.names(), commit.referenced(metadata), replaced, token):
+                self._remove_unreferenced(name)
+        except OSError:
+            pass  # committed; what is left is removed by the next save here
+
+    def _remove_unreferenced(self, name: str) -> None:
+        """Remove a file the committed checkpoint does not reference (the replaced checkpoint's, a
+        dead save's)."""
+        self._files.remove(name)
+
+    def _write_local_tmp(self, metadata: Metadata, token: str) -> None:
+        with open(os.path.join(os.fspath(self.path), commit.metadata_tmp(token)), "wb") as f:
             pickle.dump(metadata, f)
             if self.sync_files:
-                try:
-                    os.fsync(f.fileno())
-                except (AttributeError, io.UnsupportedOperation):
-                    os.sync()
-        final = self._get_metadata_path()
-        if is_url(self.path):
-            self.fs.rename(tmp_path, final)  # object stores: copy + delete; not atomic
-        else:
-            os.replace(tmp_path, final)  # atomic on POSIX: readers see the old or the new one
-            if self.sync_files:
-                _fsync_dir(os.fspath(self.path))
-        referenced = {info.relative_path for info in storage_md.values()}
-        self._remove_unreferenced(referenced)
+                os.fsync(f.fileno())
 
-    def _remove_unreferenced(self, referenced: set[str]) -> None:
-        """Delete data files of earlier checkpoints at this path (after the commit)."""
-        if is_url(self.path):
-            return
-        root = os.fspath(self.path)
-        for name in os.listdir(root):
-            if name.endswith(".distcp") and name.startswith("__") and name not in referenced:
-                os.remove(os.path.join(root, name))
+
+def _command() -> str:
+    """This process's command line, shortened, to name a save in a claim."""
+    line = " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]) if sys.argv and sys.argv[0] else "python"
+    return line if len(line) <= 80 else line[:77] + "..."
+
+
+class _SaveFiles:
+    """The files of a writer's checkpoint directory, local or fsspec, by name."""
+
+    def __init__(self, writer: AtomicWriting) -> None:
+        self.root, self.remote = os.fspath(writer.path), is_url(writer.path)
+        self.fs = writer.fs.fs if self.remote else None
+
+    def _path(self, name: str) -> str:
+        return f"{self.root.rstrip('/')}/{name}" if self.remote else os.path.join(self.root, name)
+
+    def names(self) -> list[str]:
+        if self.remote:
+            self.fs.invalidate_cache(self.root)
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+        return os.listdir(self.root)
+
+    def exists(self, name: str) -> bool:
+        if self.remote:
+            self.fs.invalidate_cache(self._path(name))
+            return self.fs.exists(self._path(name))
+        return os.path.exists(self._path(name))
+
+    def read(self, name: str) -> bytes | None:
+        try:
+            if self.remote:
+                return self.fs.cat_file(self._path(name))
+            with open(self._path(name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def remove(self, name: str) -> None:
+        try:
+            if self.remote:
+                self.fs.rm_file(self._path(name))
+            else:
+                os.remove(self._path(name))
+        except FileNotFoundError:
+            pass
+
+    def remove_prefixed(self, prefix: str) -> None:
+        """Remove this save's data files that start with ``prefix`` (never raises: best effort)."""
+        try:
+            for name in self.names():
+                if name.startswith(prefix) and commit.token_of(name) is not None:
+                    self.remove(name)
+        except OSError:
+            pass
 
 
 def _fsync_dir(path: str) -> None:

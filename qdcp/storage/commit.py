@@ -1,0 +1,139 @@
+"""A save's files in its checkpoint directory: their names, the commit, and what is removed after.
+
+Every file a save writes carries its token: data files ``__<token>_<rank>_<n>.distcp``, the new
+metadata ``.metadata.<token>.tmp`` before it is published. Publishing is the one step that makes
+the save visible:
+
+- local: ``os.replace`` over the old ``.metadata`` (``overwrite``), else ``os.link`` of the new
+  one to ``.metadata``, which fails if one appeared meanwhile (a save that took no claim: stock
+  DCP, an older qdcp); readers see the old checkpoint or the new one, whole;
+- fsspec: ``.metadata`` is written in one go (on object stores one PUT, which readers see whole
+  or not at all), with the store's exclusive create (``"xb"``) unless ``overwrite``.
+
+After publishing, a save removes the data files the replaced ``.metadata`` referenced and the
+debris of qdcp saves at this path that no longer run (their token is neither the committed one's
+nor a claim's: the publisher holds the claim); never a file another writer's name scheme made
+(stock DCP's ``__<rank>_<n>.distcp``) unless the replaced checkpoint referenced it.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import pickle
+import re
+from typing import Callable, Iterable
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from qdcp.errors import ConcurrentSaveError
+from qdcp.storage.claim_stores import honours_exclusive
+from qdcp.storage.metadata import METADATA_FILE, safe_load_metadata
+
+__all__ = ["save_prefix", "data_prefix", "metadata_tmp", "token_of", "referenced", "publish_local", "publish_remote",
+           "debris", "is_save_file"]
+
+_DATA = re.compile(r"__([0-9a-f]{8,})_\d+_\d+\.distcp")
+_TMP = re.compile(r"\.metadata(?:\.([0-9a-f]{8,}))?\.tmp")
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
+
+
+def save_prefix(token: str) -> str:
+    """The name prefix of every data file of the save ``token``."""
+    return f"__{token}_"
+
+
+def data_prefix(token: str, rank: int) -> str:
+    """The name prefix of rank ``rank``'s data files in the save ``token``."""
+    return f"__{token}_{rank}_"
+
+
+def metadata_tmp(token: str) -> str:
+    """The name the save ``token`` writes its ``.metadata`` under before publishing it."""
+    return f"{METADATA_FILE}.{token}.tmp"
+
+
+def token_of(name: str) -> str | None:
+    """The save token a file name of qdcp's carries ('' for an old qdcp's ``.metadata.tmp``), or None."""
+    m = _DATA.fullmatch(name) or _TMP.fullmatch(name)
+    return (m.group(1) or "") if m is not None else None
+
+
+def is_save_file(name: str) -> bool:
+    """Whether ``name`` is one a qdcp save writes in its directory (data, metadata, claim)."""
+    return token_of(name) is not None or name == METADATA_FILE
+
+
+def referenced(metadata: Metadata | None) -> set[str]:
+    """The data files ``metadata`` points into."""
+    if metadata is None or not isinstance(getattr(metadata, "storage_data", None), dict):
+        return set()
+    return {getattr(info, "relative_path", None) for info in metadata.storage_data.values()} - {None}
+
+
+def read_metadata_bytes(data: bytes | None) -> Metadata | None:
+    """A ``.metadata`` as bytes read safely (None if absent or unreadable: then nothing it lists is
+    removed)."""
+    if data is None:
+        return None
+    try:
+        return safe_load_metadata(io.BytesIO(data))
+    except Exception:  # noqa: BLE001 (a damaged .metadata lists nothing to remove)
+        return None
+
+
+def _appeared(root: str) -> ConcurrentSaveError:
+    return ConcurrentSaveError(
+        f"a checkpoint was committed at {root!r} while this save ran, by a save that takes no qdcp claim "
+        f"(stock DCP's writer, an older qdcp); it was kept and this save committed nothing. Pass "
+        f"overwrite=True to replace it, or save to another path")
+
+
+def publish_local(root: str, token: str, overwrite: bool, check: Callable[[], None]) -> None:
+    """Publish the written ``.metadata.<token>.tmp`` as ``.metadata`` (``check()`` first: the claim)."""
+    tmp, final = os.path.join(root, metadata_tmp(token)), os.path.join(root, METADATA_FILE)
+    check()
+    if overwrite:
+        os.replace(tmp, final)  # atomic on POSIX: readers see the old or the new one
+        return
+    try:
+        os.link(tmp, final)  # never replaces: fails if a .metadata appeared meanwhile
+    except FileExistsError:
+        raise _appeared(root) from None
+    except OSError as e:
+        if e.errno not in _NO_LINKS:
+            raise
+        if os.path.exists(final):  # a file system without hard links: checked, then renamed
+            raise _appeared(root) from None
+        os.replace(tmp, final)
+        return
+    os.remove(tmp)
+
+
+def publish_remote(fs, root: str, metadata: Metadata, overwrite: bool, check: Callable[[], None]) -> None:
+    """Write ``.metadata`` under an fsspec URL in one write, exclusive unless ``overwrite``."""
+    final = f"{root.rstrip('/')}/{METADATA_FILE}"
+    data = pickle.dumps(metadata)
+    check()
+    fs.invalidate_cache(final)
+    if not overwrite and not honours_exclusive(fs) and fs.exists(final):
+        raise _appeared(root)
+    try:
+        with fs.open(final, "wb" if overwrite else "xb") as f:
+            f.write(data)
+    except FileExistsError:
+        raise _appeared(root) from None
+
+
+def debris(names: Iterable[str], keep: set[str], replaced: set[str], token: str) -> list[str]:
+    """What a save that published ``token`` (data files ``keep``) removes: the files the replaced
+    ``.metadata`` referenced, and qdcp save files of other tokens (their saves no longer run)."""
+    out = []
+    for name in names:
+        if name in keep:
+            continue
+        owner = token_of(name)
+        if name in replaced or (owner is not None and owner != token):
+            out.append(name)
+    return sorted(out)

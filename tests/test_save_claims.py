@@ -1,0 +1,175 @@
+"""Two processes saving to one path: one wins, the other is told who holds the path, the result
+loads bit-exact as one of the states; a killed save's claim is cleared; a failed save leaves what
+was there as it was; a write error keeps its root cause.
+
+Each save is ``qdcp.save`` in a real process (tests/save_worker.py, kept for the module); ``hold``
+pauses a save once it has begun writing, so the overlap is certain (the unheld race runs too).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+
+import pytest
+import torch
+
+import qdcp
+from qdcp import ConcurrentSaveError
+from save_processes import Worker, assert_loads_as, claim_of, data_files, referenced, wait_for
+from save_worker import full_state
+
+N = 1000
+
+
+@pytest.fixture(scope="module")
+def workers():
+    ws = [Worker() for _ in range(3)]  # started together: their imports overlap
+    try:
+        yield [w.ready() for w in ws]
+    finally:
+        for w in ws:
+            w.close()
+
+
+def _refused_by(result: dict, path, holder: Worker) -> None:
+    assert not result["ok"] and result["type"] == "ConcurrentSaveError", result
+    msg = result["message"]
+    assert f"another save holds {os.fspath(path)!r}" in msg and f"pid {holder.pid} on host" in msg, msg
+    assert "this save wrote nothing" in msg and ".qdcp-save.claim" in msg, msg
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new-path", "overwrite"])
+def test_a_second_process_is_refused_while_the_first_saves(tmp_path, workers, overwrite):
+    a, b, _ = workers
+    path, hold = tmp_path / "ckpt", tmp_path / "go"
+    if overwrite:
+        qdcp.save(full_state(0, N), path)
+    a.send(path=path, seed=1, n=N, overwrite=overwrite, hold=hold)
+    wait_for(f"{hold}.0.waiting")
+    token = claim_of(path)["token"]
+    assert claim_of(path)["owner"]["pid"] == a.pid
+    _refused_by(b.save(path=path, seed=2, n=N, overwrite=overwrite), path, a)
+    if overwrite:
+        assert_loads_as(path, 0, N)  # the old checkpoint, whole, while the new one is written
+    assert all(n.startswith(f"__{token}_") for n in data_files(path) if n not in (referenced(path) if overwrite else []))
+    hold.touch()
+    assert a.result() == {"ok": True}
+    assert_loads_as(path, 1, N)
+    assert sorted(os.listdir(path)) == [".metadata"] + referenced(path)
+    assert all(n.startswith(f"__{token}_") for n in referenced(path))
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.2], ids=["together", "0.2s-later"])
+def test_unsynchronised_saves_leave_one_whole_checkpoint(tmp_path, workers, delay):
+    """The race as reported: a large save and a small one started ``delay`` later (no hooks)."""
+    a, b, _ = workers
+    path, big = tmp_path / "ckpt", 5_000_000
+    a.send(path=path, seed=1, n=big)
+    time.sleep(delay)
+    b.send(path=path, seed=2, n=N)
+    results = {1: a.result(), 2: b.result()}
+    winners = [seed for seed, r in results.items() if r["ok"]]
+    assert len(winners) == 1, results
+    loser = results[3 - winners[0]]
+    assert loser["type"] == "ConcurrentSaveError" or (loser["type"] == "QdcpError" and "already exists" in loser["message"]), loser
+    assert_loads_as(path, winners[0], big if winners[0] == 1 else N)
+    assert sorted(os.listdir(path)) == [".metadata"] + referenced(path)
+
+
+def test_the_claim_of_a_killed_save_is_cleared(tmp_path, workers):
+    _, b, c = workers
+    path, hold = tmp_path / "ckpt", tmp_path / "go"
+    c.send(path=path, seed=1, n=N, hold=hold)
+    wait_for(f"{hold}.0.waiting")
+    assert claim_of(path)["owner"]["pid"] == c.pid
+    c.kill()  # SIGKILL while it holds the path, its data half written
+    assert claim_of(path)["owner"]["pid"] == c.pid  # left behind
+    assert b.save(path=path, seed=2, n=N) == {"ok": True}  # not blocked: its process has ended
+    assert_loads_as(path, 2, N)
+    assert sorted(os.listdir(path)) == [".metadata"] + referenced(path)  # the killed save's files removed
+
+
+def _foreign_claim(path, *, age: float, content: bytes | None = None) -> None:
+    path.mkdir()
+    doc = {"qdcp_claim": 1, "token": "0123456789ab", "since": time.time() - age,
+           "what": "a qdcp save of 8 ranks (train.py)",
+           "owner": {"host": "node-17", "boot": "b", "pidns": "p", "pid": 4242, "start": "1"}}
+    claim = path / ".qdcp-save.claim"
+    claim.write_bytes(json.dumps(doc).encode() if content is None else content)
+    os.utime(claim, (time.time() - age, time.time() - age))
+
+
+@pytest.mark.parametrize("content", [None, b""], ids=["other-host", "unreadable"])
+def test_a_live_claim_from_elsewhere_is_respected_and_a_stale_one_cleared(tmp_path, content):
+    """A claim from another host is judged by its heartbeat (the file's mtime); an empty one (its
+    taker died between creating and writing it) by its age."""
+    fresh, stale = tmp_path / "fresh", tmp_path / "stale"
+    _foreign_claim(fresh, age=0, content=content)
+    with pytest.raises(ConcurrentSaveError, match="another save holds") as info:
+        qdcp.save(full_state(1, N), fresh)
+    if content is None:
+        assert "pid 4242 on host 'node-17'" in str(info.value) and "heartbeat is 60 s old" in str(info.value)
+    assert os.listdir(fresh) == [".qdcp-save.claim"]  # nothing written, the claim kept
+    _foreign_claim(stale, age=300, content=content)
+    qdcp.save(full_state(1, N), stale)
+    assert_loads_as(stale, 1, N)
+    assert sorted(os.listdir(stale)) == [".metadata"] + referenced(stale)
+
+
+def test_a_failed_save_leaves_what_was_there(tmp_path, workers):
+    a, b, _ = workers
+    fresh = tmp_path / "fresh"
+    result = a.save(path=fresh, seed=1, n=N, fail_rank=0)
+    assert result["type"] == "RuntimeError" and "injected failure" in result["message"]
+    assert not fresh.exists()  # its files, its claim and the directory it made are gone
+    assert b.save(path=fresh, seed=2, n=N) == {"ok": True}  # the path is free
+    before = {n: (fresh / n).read_bytes() for n in os.listdir(fresh)}
+    result = a.save(path=fresh, seed=3, n=N, overwrite=True, fail_rank=0)
+    assert not result["ok"]
+    assert {n: (fresh / n).read_bytes() for n in os.listdir(fresh)} == before
+    assert_loads_as(fresh, 2, N)
+
+
+def test_a_write_error_keeps_its_root_cause(tmp_path, workers):
+    """The OS refuses the write (RLIMIT_FSIZE: EFBIG, as a full disk gives ENOSPC); torch.save then
+    reports only ``unexpected pos``. The error qdcp.save raises names the OS error and has it as
+    its ``__cause__``; nothing is left behind."""
+    a, _, _ = workers
+    path = tmp_path / "ckpt"
+    result = a.save(path=path, seed=1, n=200_000, fsize=100_000)
+    assert result["type"] == "CheckpointWriteError" and result["errno"] == errno.EFBIG, result
+    assert result["chain"][:2] == ["CheckpointWriteError:27", "OSError:27"], result["chain"]
+    msg = result["message"]
+    assert f"writing the checkpoint at {os.fspath(path)!r} failed: OSError: [Errno 27] File too large" in msg
+    assert "unexpected pos" in msg and "Nothing was committed" in msg
+    assert not path.exists()
+    assert a.save(path=path, seed=1, n=N) == {"ok": True}  # the limit lifted: the path is free
+    assert_loads_as(path, 1, N)
+
+
+def test_a_claim_is_taken_once_and_in_the_checkpoint_directory_only_while_saving(tmp_path):
+    """A save in this process: no claim left after it; the files it wrote carry one token."""
+    path = tmp_path / "ckpt"
+    qdcp.save({"w": torch.arange(4.0)}, path)
+    names = sorted(os.listdir(path))
+    assert names[0] == ".metadata" and len(names) == 2 and names[1].startswith("__") and names[1].endswith("_0_0.distcp")
+
+
+def test_a_second_process_is_refused_on_s3(tmp_path, workers, s3_bucket):
+    """The same on an object store (moto): the claim is S3's conditional create."""
+    opts, bucket = s3_bucket
+    a, b, _ = workers
+    url, hold = f"s3://{bucket}/ckpt", tmp_path / "go"
+    a.send(path=url, seed=1, n=N, hold=hold, storage_options=opts)
+    wait_for(f"{hold}.0.waiting")
+    _refused_by(b.save(path=url, seed=2, n=N, storage_options=opts), url, a)
+    hold.touch()
+    assert a.result() == {"ok": True}
+    assert_loads_as(url, 1, N, **opts)
+    import s3fs
+
+    names = sorted(p.rsplit("/", 1)[-1] for p in s3fs.S3FileSystem(**opts).ls(url, detail=False))
+    assert names == [".metadata"] + referenced(url, **opts)
