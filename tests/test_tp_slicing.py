@@ -1,0 +1,19 @@
+"""Issue 36's three defects, at 2 real ranks: a per-row torchao weight cut by columns as torchao's
+tensor-parallel recipes cut it, saved and loaded through ``dcp.save`` / ``dcp.load`` with qdcp's
+planners and through ``qdcp.load`` (see tests/tp_slicing_worker.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import torchrun_jobs
+
+WORKER = Path(__file__).with_name("tp_slicing_worker.py")
+
+
+@pytest.mark.multiproc
+def test_per_row_weights_cut_by_columns_keep_their_bits_everywhere(tmp_path):
+    rc, out, _ = torchrun_jobs.torchrun(WORKER, "run", 2, tmp_path, 240)
+    assert rc == 0 and out.count(": OK") == 2, out[-3000:]
