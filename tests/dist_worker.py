@@ -567,7 +567,7 @@ def fsdp_load(root: str, mesh) -> None:
               f"{tag}: NF4 local buffers differ from the saved rows' ({buffers_diff(nf4, src)})")
         y = manual_forward(model, ref["x"].to(DEVICE))
         check("fsdp_load", buffers_diff(y, ref["y_manual"]) is None, f"{tag}: forward (gathered params) differs")
-        if WORLD > 1:  # at 1 rank, torchao's NF4Tensor.fsdp_post_all_gather fails (gets 1 output, not 3)
+        if WORLD > 1:  # at 1 rank, FSDP2 skips the all-gather and torchao's NF4 fsdp_post_all_gather gets 1 of its 3 inputs (docs/troubleshooting.md)
             with torch.no_grad():
                 y = model(ref["x"].to(DEVICE)).detach().cpu()
             check("fsdp_load", buffers_diff(y, ref["y"]) is None, f"{tag}: FSDP2 forward output differs")
