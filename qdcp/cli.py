@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import sys
-import tempfile
 import warnings
 from typing import Any, Iterator, Sequence
 
@@ -31,7 +30,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from tqdm import tqdm
 
-from qdcp.storage import outputs
+from qdcp.storage import outputs, scratch
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 
@@ -206,7 +205,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _to_torch(args: argparse.Namespace) -> int:
     """``--to torch``: the whole checkpoint in one ``torch.save`` file (:func:`qdcp.dcp_to_torch_save`),
-    written under a fresh temporary name and renamed into place; never over an existing file."""
+    written under a fresh scratch name (:mod:`qdcp.storage.scratch`) and renamed into place; never
+    over an existing file."""
     from qdcp.frameworks.consolidate import consolidate
 
     if args.dtype or args.overwrite:
@@ -214,13 +214,12 @@ def _to_torch(args: argparse.Namespace) -> int:
             "(it never replaces a file: a torch.save file does not say who wrote it)"
         print(f"qdcp: --to torch takes no {'--dtype' if args.dtype else '--overwrite'} {why}", file=sys.stderr)
         return EXIT_USAGE
+    scratch.clean(args.out, "torch")  # what a killed conversion to the same file left
     if os.path.lexists(args.out):
         raise outputs.OutputError(f"{args.out!r} exists; --to torch writes a new file only (a torch.save file "
                                   f"does not say who wrote it). Move it away or choose another path")
     state = consolidate(args.path, dequantize=args.dequantize)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".qdcp-", suffix=".pt.tmp", dir=os.path.dirname(os.path.abspath(args.out)))
-    os.close(fd)
+    tmp = scratch.new_file("torch", args.out, ".pt.tmp")
     try:
         torch.save(state, tmp)
         os.replace(tmp, args.out)
@@ -236,8 +235,10 @@ def _leaves(state: Any) -> int:
     return sum(_leaves(v) for v in state.values()) if isinstance(state, dict) else 1
 
 
-#: what a DCP checkpoint directory holds (``.metadata.tmp``: qdcp's writer, stopped before its commit)
-_DCP_FILES = outputs.name_matcher(r"\.metadata", r"\.metadata\.tmp", r"[^/]*\.distcp")
+#: what a DCP checkpoint directory holds (``.metadata.<token>.tmp``: qdcp's writer, stopped before its
+#: commit; ``.qdcp-save.claim``: a save's claim on the directory)
+_DCP_FILES = outputs.name_matcher(r"\.metadata", r"\.metadata(\.[0-9a-f]+)?\.tmp", r"[^/]*\.distcp",
+                                  r"\.qdcp-save\.claim", r"\.qdcp-save\.[0-9a-f]+\.beat")
 
 
 def _to_safetensors(args: argparse.Namespace, dtype: torch.dtype | None) -> int:

@@ -7,8 +7,9 @@ as its plain values under its key (floating ones in ``dtype`` where given). Obje
 (safetensors holds tensors only). The header's ``producer: qdcp`` marks the file as qdcp's: only
 such a file is ever replaced (``overwrite=True``).
 
-Entries stream one at a time into a fresh temporary file beside ``out``, renamed to ``out`` once
-complete: memory holds one entry, and ``out`` is never left half written.
+Entries stream one at a time into a fresh scratch file beside ``out``, renamed to ``out`` once
+complete: memory holds one entry, and ``out`` is never left half written (a killed run's scratch is
+removed by the next conversion to the same ``out``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import contextlib
 import dataclasses
 import os
 import sys
-import tempfile
 from typing import Iterator, NamedTuple, Sequence
 
 import torch
@@ -28,7 +28,10 @@ from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 from qdcp.hf.safetensors_files import SAFETENSORS_DTYPES, ShardWriter, TensorOut
 from qdcp.reader import CheckpointEntries
-from qdcp.storage import outputs
+from qdcp.storage import outputs, scratch
+
+
+_SCRATCH = "convert"  #: the scratch file's kind (:mod:`qdcp.storage.scratch`)
 
 
 class TensorRow(NamedTuple):
@@ -93,11 +96,12 @@ def to_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *, deq
 
     ``out`` may not be, hold or lie inside the checkpoint; an existing ``out`` is replaced only with
     ``overwrite`` and only if qdcp wrote it (:class:`qdcp.storage.outputs.OutputError` otherwise,
-    before anything is read). A dtype safetensors has no name for raises :class:`UnwritableDtype`
+    before anything is read). The scratch a killed conversion to ``out`` left is removed first. A dtype safetensors has no name for raises :class:`UnwritableDtype`
     before anything is written. ``progress``: a bar on stderr (None: on a terminal only).
     """
     checkpoint, out = os.fspath(checkpoint), os.fspath(out)
     outputs.check_separate([checkpoint], out)
+    scratch.clean(out, _SCRATCH)  # what a killed conversion to ``out`` left
     outputs.check_replaceable(out, overwrite, directory=False, ours=written_by_qdcp,
                               what="a safetensors file qdcp wrote")
     entries = CheckpointEntries(checkpoint)
@@ -180,12 +184,9 @@ def _values(entries: CheckpointEntries, key: str, rows: Sequence[TensorRow]) -> 
 
 @contextlib.contextmanager
 def _replacing_file(out: str) -> Iterator[str]:
-    """A fresh temporary file beside ``out`` (never a name the user may hold) to write; renamed to
-    ``out`` when the block succeeds, removed when it fails."""
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".qdcp-convert-", suffix=".safetensors.tmp", dir=parent)
-    os.close(fd)
+    """A fresh scratch file beside ``out`` (:mod:`qdcp.storage.scratch`: never a name the user may
+    hold) to write; renamed to ``out`` when the block succeeds, removed when it fails."""
+    tmp = scratch.new_file(_SCRATCH, out, ".safetensors.tmp")
     try:
         yield tmp
         os.replace(tmp, out)

@@ -4,8 +4,10 @@ in a layout inference engines load (:mod:`qdcp.hf.torchao_layout`, :mod:`qdcp.hf
 Every entry is planned from the checkpoint's metadata first, so an entry the layout cannot
 represent stops the export before anything is written. Then entries stream one at a time
 (assembled from their chunks, converted, appended to their file): memory holds one entry. Files
-are written into a temporary directory beside ``out_dir`` and renamed into place at the end, so
-``out_dir`` is never left half written.
+are written into a scratch directory beside ``out_dir`` and renamed into place at the end, so
+``out_dir`` is never left half written; what a killed export left there is removed (and an old
+export it was replacing put back) by the next export to the same ``out_dir``
+(:mod:`qdcp.storage.scratch`).
 """
 
 from __future__ import annotations
@@ -17,14 +19,13 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from typing import Any, Callable, Mapping
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
-from qdcp.storage import outputs
+from qdcp.storage import outputs, scratch
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 from qdcp.hf import safetensors_files as stf
@@ -74,9 +75,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
         config_json["quantization_config"] = quantization_config
     shards = stf.plan_shards([p.nbytes for p in plans], stf.parse_size(max_shard_size))
     files = stf.shard_file_names(len(shards))
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".qdcp-export-", dir=parent)
+    tmp = scratch.new_dir(_SCRATCH, out_dir)
     try:
         weight_map = _write_files(layout, [[plans[i] for i in s] for s in shards], files,
                                   _Reading(entries, sources), tmp, progress)
@@ -93,6 +92,8 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
                         tuple(p.key for p in plans if p.dequantized), tuple(skipped))
 
 
+_SCRATCH = "export"  #: the scratch directory's kind (:mod:`qdcp.storage.scratch`)
+
 #: what export writes in its directory (all that ``overwrite`` may replace)
 _OURS = outputs.name_matcher(re.escape(stf.SINGLE_FILE), r"model-\d{5,}-of-\d{5,}\.safetensors",
                              re.escape(stf.INDEX_FILE), re.escape(stf.CONFIG_FILE))
@@ -100,9 +101,12 @@ _OURS = outputs.name_matcher(re.escape(stf.SINGLE_FILE), r"model-\d{5,}-of-\d{5,
 
 def _check_output(checkpoint: str, out_dir: str, overwrite: bool) -> None:
     """Refuse, before reading anything, an ``out_dir`` that overlaps the checkpoint, is a file, or
-    exists (not empty) without ``overwrite`` or with files export does not write."""
+    exists (not empty) without ``overwrite`` or with files export does not write. What a killed
+    export to ``out_dir`` left is removed first, and an export it had moved aside put back."""
     try:
         outputs.check_separate([checkpoint], out_dir)
+        scratch.recover(out_dir)
+        scratch.clean(out_dir, _SCRATCH)
         outputs.check_replaceable(out_dir, overwrite, directory=True, ours=_OURS,
                                   what="an export (model*.safetensors, its index, config.json)")
     except outputs.OutputError as e:
@@ -202,10 +206,12 @@ def _write_files(layout: HFLayout, shards: list[list[EntryPlan]], files: list[st
 
 
 def _replace_dir(tmp: str, out_dir: str) -> None:
-    """Move the finished ``tmp`` to ``out_dir``; an existing ``out_dir`` is removed only after."""
+    """Move the finished ``tmp`` to ``out_dir``; an existing ``out_dir`` is moved aside first (into a
+    scratch directory the next export to ``out_dir`` puts back if this one is killed before its
+    second rename) and removed only after."""
     old = None
     if os.path.exists(out_dir):
-        old = tempfile.mkdtemp(prefix=".qdcp-replaced-", dir=os.path.dirname(os.path.abspath(out_dir)))
+        old = scratch.new_dir(scratch.REPLACED, out_dir)
         os.rename(out_dir, os.path.join(old, "dir"))
     os.rename(tmp, out_dir)
     if old is not None:
