@@ -193,6 +193,8 @@ class SafeReading:
         """The part of a loaded stored chunk that ``req`` reads, after checking the chunk is the one
         the metadata records and the read lies within it."""
         expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        if expected is not None and isinstance(tensor, torch.Tensor):
+            tensor = _stored_values(tensor, expected[1], where)
         if not isinstance(tensor, torch.Tensor) or expected is None \
                 or (tuple(tensor.shape), tensor.dtype) != expected:
             got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
@@ -276,6 +278,26 @@ class SafeReading:
         except Exception as e:
             raise CheckpointFormatError(
                 f"{where}: the entry cannot be rebuilt from its stored data ({type(e).__name__}: {e})") from e
+
+
+def _stored_values(tensor: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:
+    """A stored chunk as the plain values a plain chunk would hold. Stock DCP (no qdcp planner)
+    pickles a quantized tensor whole: its values are computed by its adapter (as torchao's
+    ``dequantize()``), in the dtype the metadata records; a subclass qdcp has no adapter for is
+    left as it is (DCP's behaviour)."""
+    from qdcp.adapters import find_adapter
+
+    adapter = find_adapter(tensor)
+    if adapter is None:
+        return tensor
+    try:
+        return adapter.dequantize(tensor, dtype).to(dtype)
+    except Exception as e:
+        raise CheckpointFormatError(
+            f"{where}: the stored chunk is a whole {type(tensor).__name__} (pickled by DCP's own save, "
+            f"without qdcp's planner) whose values cannot be computed ({type(e).__name__}: {e}): it is "
+            f"damaged, or from another version of its library. Load it where it was saved and re-save "
+            f"it with qdcp.save") from e
 
 
 def _stored_range(info, size: int, rel: str, where: str) -> tuple[int, int]:
