@@ -28,6 +28,7 @@ class Worker:
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
         self.pid = None
+        self.pending = 0  #: commands sent whose answer is not read yet
 
     def ready(self, timeout: float = 180) -> "Worker":
         """Wait until it has imported torch (and joined its job)."""
@@ -53,10 +54,18 @@ class Worker:
         cmd = {k: os.fspath(v) if isinstance(v, Path) else v for k, v in cmd.items()}
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
+        self.pending += 1
 
     def result(self, timeout: float = 180) -> dict:
-        """The answer to the command sent last."""
-        return self._line(timeout)
+        """The answer to the oldest command not answered yet."""
+        answer = self._line(timeout)
+        self.pending -= 1
+        return answer
+
+    def drain(self, timeout: float = 180) -> None:
+        """Read the answers a failed test left unread (so the next test reads its own)."""
+        while self.pending and self.proc.poll() is None:
+            self.result(timeout)
 
     def save(self, **cmd) -> dict:
         """Run one save and return its answer."""
@@ -75,6 +84,15 @@ class Worker:
         self.proc.wait()
         self.proc.stdin.close()
         self.proc.stdout.close()
+
+
+def release(workers, *holds: Path) -> None:
+    """After a test: let every held save go on and read what it answered (a test that failed
+    midway leaves them waiting)."""
+    for hold in holds:
+        hold.touch()
+    for w in workers:
+        w.drain()
 
 
 def wait_for(path: str | os.PathLike, timeout: float = 120) -> None:

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from save_processes import Worker, assert_loads_as, claim_of, data_files, referenced, wait_for
+from save_processes import Worker, assert_loads_as, claim_of, data_files, referenced, release, wait_for
 
 N = 1000
 
@@ -28,6 +28,13 @@ def jobs(tmp_path_factory):
         for pair in pairs.values():
             for w in pair:
                 w.close()
+
+
+@pytest.fixture(autouse=True)
+def _released(jobs, tmp_path):
+    """Every test's held saves are let go and answered, whatever the test did."""
+    yield
+    release([w for job in jobs.values() for w in job], tmp_path / "go")
 
 
 def _run(job: list[Worker], **cmd) -> list[dict]:
@@ -48,11 +55,11 @@ def test_the_second_job_is_refused_on_every_rank(tmp_path, jobs):
     a, b = jobs["a"], jobs["b"]
     path, hold = tmp_path / "ckpt", tmp_path / "go"
     _hold(a, path, hold, seed=1)
+    for r in _run(b, path=path, seed=2, n=N):
+        assert r.get("type") == "ConcurrentSaveError", r
+        assert f"another save holds {os.fspath(path)!r}" in r["message"] and f"pid {a[0].pid} on host" in r["message"]
     claim = claim_of(path)
     assert claim["owner"]["pid"] == a[0].pid and "of 2 ranks" in claim["what"]  # once, by the coordinator
-    for r in _run(b, path=path, seed=2, n=N):
-        assert r["type"] == "ConcurrentSaveError", r
-        assert f"another save holds {os.fspath(path)!r}" in r["message"] and f"pid {a[0].pid} on host" in r["message"]
     assert all(n.startswith(f"__{claim['token']}_") for n in data_files(path))  # job b wrote nothing
     hold.touch()
     assert [w.result() for w in a] == [{"ok": True}, {"ok": True}]
