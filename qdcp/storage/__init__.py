@@ -11,10 +11,19 @@ One job per module:
 - :mod:`~qdcp.storage.reader`: :class:`CheckpointReader` verifies every item it reads (the
   trailer, or the planner's checksum) and checks every number the metadata gives, naming the
   state-dict key on a mismatch.
+- :mod:`~qdcp.storage.owners`: which process owns a file (host, boot, PID namespace, PID, start
+  time) and whether it still runs.
+- :mod:`~qdcp.storage.claim_stores` / :mod:`~qdcp.storage.claims`: one save per path at a time
+  across processes and hosts: a claim file made by exclusive create, stale claims cleared.
+- :mod:`~qdcp.storage.commit`: a save's file names (its token), publishing ``.metadata``, what is
+  removed after.
+- :mod:`~qdcp.storage.causes`: write errors raised with their root OS error.
+- :mod:`~qdcp.storage.scratch`: scratch beside the outputs of ``qdcp convert`` / ``export``, and
+  what killed runs left of it.
 - :mod:`~qdcp.storage.writer`: :class:`CheckpointWriter` refuses to write over an existing
   checkpoint unless ``overwrite=True``; with it, new data files get fresh names and the new
   ``.metadata`` atomically replaces the old one (``rename``), so a save killed at any point leaves
-  the previous checkpoint loadable. One save per path at a time per process. Used by
+  the previous checkpoint loadable. One save per path at a time (its claim). Used by
   ``dcp.async_save`` as its stager (DCP's hook: a writer that is an ``AsyncStager``), it stages
   nothing itself: it hands the call to the stager it was given, else to one made by
   :func:`set_default_stager`'s factory (``import qdcp`` sets :class:`qdcp.QuantizedStager`). :func:`refuse_existing_checkpoint` guards the plain path.
