@@ -11,7 +11,8 @@ few processes (torch imported once) and drives saves in them at chosen moments:
   of :func:`state` (``n`` elements per rank). ``hold``: once data is being written (the claim
   taken), create ``<hold>.<rank>.waiting`` and wait for the file ``hold`` to exist. ``fail_rank``:
   that rank's write raises. ``fsize``: limit the size of files this process writes (RLIMIT_FSIZE:
-  the OS then fails the write with EFBIG, as a full disk fails it with ENOSPC).
+  the OS then fails the write with EFBIG). ``enospc_after``: an injected fault, data files whose
+  ``write`` fails with ENOSPC after that many bytes and whose ``close`` does not fail again.
 - ``{"op": "pid"}``.
 
 Answers: ``{"ok": true}`` or ``{"ok": false, "type", "message", "errno", "chain"}`` (``chain``: the
@@ -20,6 +21,9 @@ type names along ``__cause__`` / ``__context__``).
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
 import os
 import resource
@@ -32,6 +36,7 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.checkpoint.filesystem import FileSystem  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import qdcp  # noqa: E402
@@ -78,6 +83,51 @@ class _Planner(qdcp.QuantizedSavePlanner):
         return super().resolve_data(write_item)
 
 
+class _FullDisk(io.RawIOBase):
+    """A data file on a disk that fills after ``room`` bytes: ``write`` then fails with ENOSPC, and
+    ``close`` does not fail again (as some storages behave)."""
+
+    def __init__(self, f, room: int) -> None:
+        super().__init__()
+        self.f, self.room = f, room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        n = memoryview(b).nbytes
+        if n > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= n
+        return self.f.write(b)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def fileno(self) -> int:
+        return self.f.fileno()
+
+
+@contextlib.contextmanager
+def _disk_full_after(room: int | None):
+    """DCP's file system writes data files onto a disk with ``room`` bytes left (None: as it is)."""
+    if room is None:
+        yield
+        return
+    real = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with real(self, path, mode) as stream:
+            yield _FullDisk(stream, room) if "w" in mode and str(path).endswith(".distcp") else stream
+
+    FileSystem.create_stream = create_stream
+    try:
+        yield
+    finally:
+        FileSystem.create_stream = real
+
+
 def _save(cmd: dict, rank: int, world: int) -> None:
     if cmd.get("fsize"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -87,8 +137,9 @@ def _save(cmd: dict, rank: int, world: int) -> None:
         planner = _Planner(cmd.get("hold"), cmd.get("fail_rank") == rank, rank)
         front_door.QuantizedSavePlanner = lambda **kw: planner
     try:
-        qdcp.save(state(cmd["seed"], cmd["n"], rank, world), cmd["path"], overwrite=cmd.get("overwrite", False),
-                  storage_options=cmd.get("storage_options"))
+        with _disk_full_after(cmd.get("enospc_after")):
+            qdcp.save(state(cmd["seed"], cmd["n"], rank, world), cmd["path"], overwrite=cmd.get("overwrite", False),
+                      storage_options=cmd.get("storage_options"))
     finally:
         front_door.QuantizedSavePlanner = real
         if cmd.get("fsize"):

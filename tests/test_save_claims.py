@@ -147,17 +147,19 @@ def test_a_failed_save_leaves_what_was_there(tmp_path, workers):
     assert_loads_as(fresh, 2, N)
 
 
-def test_a_write_error_keeps_its_root_cause(tmp_path, workers):
-    """The OS refuses the write (RLIMIT_FSIZE: EFBIG, as a full disk gives ENOSPC); torch.save then
-    reports only ``unexpected pos``. The error qdcp.save raises names the OS error and has it as
-    its ``__cause__``; nothing is left behind."""
+@pytest.mark.parametrize("fault, code", [("fsize", errno.EFBIG), ("enospc_after", errno.ENOSPC)])
+def test_a_write_error_keeps_its_root_cause(tmp_path, workers, fault, code):
+    """The write fails: the OS refuses it (RLIMIT_FSIZE: EFBIG), or a full disk's ``write`` fails
+    with ENOSPC and its ``close`` does not fail again; torch.save then reports only ``unexpected
+    pos``. The error qdcp.save raises names the OS error and has it as its ``__cause__``; nothing is
+    left behind."""
     a, _, _ = workers
     path = tmp_path / "ckpt"
-    result = a.save(path=path, seed=1, n=200_000, fsize=100_000)
-    assert result["type"] == "CheckpointWriteError" and result["errno"] == errno.EFBIG, result
-    assert result["chain"][:2] == ["CheckpointWriteError:27", "OSError:27"], result["chain"]
+    result = a.save(path=path, seed=1, n=200_000, **{fault: 100_000})
+    assert result["type"] == "CheckpointWriteError" and result["errno"] == code, result
+    assert result["chain"][:2] == [f"CheckpointWriteError:{code}", f"OSError:{code}"], result["chain"]
     msg = result["message"]
-    assert f"writing the checkpoint at {os.fspath(path)!r} failed: OSError: [Errno 27] File too large" in msg
+    assert f"writing the checkpoint at {os.fspath(path)!r} failed: OSError: [Errno {code}] {os.strerror(code)}" in msg
     assert "unexpected pos" in msg and "Nothing was committed" in msg
     assert not path.exists()
     assert a.save(path=path, seed=1, n=N) == {"ok": True}  # the limit lifted: the path is free

@@ -180,6 +180,11 @@ class AtomicWriting:
         return fut
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives") is False and _world_size() > 1:
+            raise QdcpError(
+                f"saving to {os.fspath(self.path)!r} with use_collectives=False: every rank would commit a "
+                f".metadata of its own data and claim the path for itself; qdcp's writer commits one "
+                f"checkpoint per save. Pass use_collectives=True (the default)")
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self._is_coordinator = is_coordinator
 
@@ -256,6 +261,12 @@ class AtomicWriting:
             pickle.dump(metadata, f)
             if self.sync_files:
                 os.fsync(f.fileno())
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _command() -> str:
