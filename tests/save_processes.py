@@ -25,8 +25,8 @@ class Worker:
 
     def __init__(self, dist: tuple[str, int, int] | None = None) -> None:
         args = [sys.executable, str(WORKER)] + (["--dist", *map(str, dist)] if dist else [])
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
         self.pid = None
         self.pending = 0  #: commands sent whose answer is not read yet
 

@@ -143,7 +143,8 @@ def _save(cmd: dict, rank: int, world: int) -> None:
     finally:
         front_door.QuantizedSavePlanner = real
         if cmd.get("fsize"):
-            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, hard))
 
 
 def _answer(e: BaseException | None) -> dict:

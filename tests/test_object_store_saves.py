@@ -70,7 +70,8 @@ def test_metadata_is_published_with_a_conditional_write(store):
 
     def held_save():
         try:
-            dcp.save(_values(1), storage_writer=qdcp.storage_writer(url, **opts), planner=_Held(writing, go), no_dist=True)
+            dcp.save(_values(1), storage_writer=qdcp.storage_writer(url, **opts), planner=_Held(writing, go),
+                     no_dist=True)
         except CheckpointException as e:
             errors.extend(err[0] if isinstance(err, tuple) else err for err in e.failures.values())
 

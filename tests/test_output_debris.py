@@ -29,7 +29,8 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"
 
 
 def _values(seed: int) -> dict:
-    return {"w": torch.randn(4_000_000, generator=torch.Generator().manual_seed(seed)), "b": torch.full((8,), float(seed))}
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(4_000_000, generator=g), "b": torch.full((8,), float(seed))}
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,8 @@ def test_a_second_process_is_refused_while_the_first_saves(tmp_path, workers, ov
     assert claim_of(path)["owner"]["pid"] == a.pid
     if overwrite:
         assert_loads_as(path, 0, N)  # the old checkpoint, whole, while the new one is written
-    assert all(n.startswith(f"__{token}_") for n in data_files(path) if n not in (referenced(path) if overwrite else []))
+    old_files = referenced(path) if overwrite else []
+    assert all(n.startswith(f"__{token}_") for n in data_files(path) if n not in old_files)  # b wrote nothing
     hold.touch()
     assert a.result() == {"ok": True}
     assert_loads_as(path, 1, N)
@@ -88,7 +89,8 @@ def test_unsynchronised_saves_leave_one_whole_checkpoint(tmp_path, workers, size
     winners = [seed for seed, r in results.items() if r["ok"]]
     assert len(winners) == 1, results
     loser = results[3 - winners[0]]
-    assert loser["type"] == "ConcurrentSaveError" or (loser["type"] == "QdcpError" and "already exists" in loser["message"]), loser
+    assert loser["type"] == "ConcurrentSaveError" or \
+        (loser["type"] == "QdcpError" and "already exists" in loser["message"]), loser
     assert_loads_as(path, winners[0], sizes[winners[0] - 1])
     assert sorted(os.listdir(path)) == [".metadata"] + referenced(path)
 

@@ -96,8 +96,9 @@ def to_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *, deq
 
     ``out`` may not be, hold or lie inside the checkpoint; an existing ``out`` is replaced only with
     ``overwrite`` and only if qdcp wrote it (:class:`qdcp.storage.outputs.OutputError` otherwise,
-    before anything is read). The scratch a killed conversion to ``out`` left is removed first. A dtype safetensors has no name for raises :class:`UnwritableDtype`
-    before anything is written. ``progress``: a bar on stderr (None: on a terminal only).
+    before anything is read). The scratch a killed conversion to ``out`` left is removed first. A
+    dtype safetensors has no name for raises :class:`UnwritableDtype` before anything is written.
+    ``progress``: a bar on stderr (None: on a terminal only).
     """
     checkpoint, out = os.fspath(checkpoint), os.fspath(out)
     outputs.check_separate([checkpoint], out)

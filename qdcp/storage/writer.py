@@ -149,7 +149,11 @@ class AtomicWriting:
         """On the coordinator only, once per save: claim the path (:mod:`qdcp.storage.claims`), then
         check again that no checkpoint appeared there; every file name carries the claim's token."""
         what = f"a qdcp save of {len(plans)} rank{'s' if len(plans) != 1 else ''} ({_command()})"
-        self._claim = claims.take(self._claim_store(), what)
+        try:
+            self._claim = claims.take(self._claim_store(), what)
+        except BaseException:
+            self._release_path()
+            raise
         try:
             if not self.qdcp_overwrite and self._files.exists(METADATA_FILE):
                 raise QdcpError(
@@ -334,7 +338,10 @@ def _fsync_dir(path: str) -> None:
 
 
 class CheckpointWriter(AtomicWriting, FileSystemWriter):
-    """A ``FileSystemWriter`` with checksums, atomic commit and explicit overwrite.
+    """A ``FileSystemWriter`` with checksums, atomic commit and explicit overwrite, that claims its
+    path for one save at a time across processes and hosts (:mod:`qdcp.storage.claims`: a second
+    save raises :class:`~qdcp.ConcurrentSaveError` naming the first) and removes what a failed
+    save wrote (:meth:`abandon`, which ``qdcp.save`` calls once every rank has returned).
 
     Args:
         path: checkpoint directory.
