@@ -49,6 +49,14 @@ def _refused_by(result: dict, path, holder: Worker) -> None:
     assert "this save wrote nothing" in msg and ".qdcp-save.claim" in msg, msg
 
 
+def _heartbeat_seen(claim, timeout: float = 10) -> None:
+    """The claim's mtime moves on while its save runs (the worker beats every 0.2 s)."""
+    first, deadline = claim.stat().st_mtime_ns, time.time() + timeout
+    while claim.stat().st_mtime_ns == first:
+        assert time.time() < deadline, "no heartbeat"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("overwrite", [False, True], ids=["new-path", "overwrite"])
 def test_a_second_process_is_refused_while_the_first_saves(tmp_path, workers, overwrite):
     a, b, _ = workers
@@ -60,6 +68,7 @@ def test_a_second_process_is_refused_while_the_first_saves(tmp_path, workers, ov
     _refused_by(b.save(path=path, seed=2, n=N, overwrite=overwrite), path, a)
     token = claim_of(path)["token"]
     assert claim_of(path)["owner"]["pid"] == a.pid
+    _heartbeat_seen(path / ".qdcp-save.claim")  # what other hosts judge it by
     if overwrite:
         assert_loads_as(path, 0, N)  # the old checkpoint, whole, while the new one is written
     old_files = referenced(path) if overwrite else []

@@ -10,7 +10,8 @@ when the save ends (success or failure).
 A claim is stale, and the next save clears it, when its process has ended: on the machine that
 took it, at once (the PID no longer runs, or runs another program); from another machine, once its
 heartbeat is older than :data:`STALE_AFTER_S` (the holder touches the file every
-:data:`HEARTBEAT_S` seconds; ``QDCP_CLAIM_STALE_AFTER`` sets the limit). An unreadable claim (its
+:data:`HEARTBEAT_S` seconds, ``QDCP_CLAIM_HEARTBEAT``; ``QDCP_CLAIM_STALE_AFTER`` sets the limit,
+which must be several heartbeats long). An unreadable claim (its
 taker died between creating and writing it) is stale after :data:`UNREADABLE_GRACE_S`. Locally a
 stale claim is cleared by renaming it aside, checking that what moved is the claim judged stale,
 and putting it back otherwise, so two saves clearing one claim cannot both win; on object stores
@@ -35,7 +36,7 @@ from qdcp.storage.owners import Owner
 
 __all__ = ["CLAIM_FILE", "HEARTBEAT_S", "STALE_AFTER_S", "PathClaim", "ClaimRecord", "take", "read_record"]
 
-HEARTBEAT_S = 5.0
+HEARTBEAT_S = float(os.environ.get("QDCP_CLAIM_HEARTBEAT", "5"))
 STALE_AFTER_S = float(os.environ.get("QDCP_CLAIM_STALE_AFTER", "60"))
 UNREADABLE_GRACE_S = 10.0
 
