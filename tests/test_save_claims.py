@@ -14,7 +14,6 @@ import os
 import time
 
 import pytest
-import torch
 
 import qdcp
 from qdcp import ConcurrentSaveError
