@@ -8,7 +8,8 @@ Prints, per quantized format and layout:
 - ``dcp.load`` through ``QuantizedHFReader`` into quantized targets / ``dcp.load`` of the raw qdcp
   checkpoint into the same targets (goal <= 1.2). Both hot (files in the page cache).
 
-    python benchmarks/export.py [--gib 1.0] [--kinds int8,mxfp8,nvfp4] [--shape 4096x4096] [--dir /tmp/qdcp-bench-export]
+    python benchmarks/export.py [--gib 1.0] [--kinds int8,mxfp8,nvfp4] [--shape 4096x4096] \
+        [--dir /tmp/qdcp-bench-export]
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def bench(kind: str, layout: str, gib: float, root: str, shape: tuple[int, int] 
     del plain
     targets = state  # loaded in place, the same bytes both ways
     times = compare({  # both write new files (the previous output removed, untimed)
-        "export": (lambda: export(ckpt, out, format=layout, progress=False), lambda: shutil.rmtree(out, ignore_errors=True)),
+        "export": (lambda: export(ckpt, out, format=layout, progress=False),
+                   lambda: shutil.rmtree(out, ignore_errors=True)),
         "safetensors": (lambda: save_file(load_file(st_in), st_out),
                         lambda: os.path.exists(st_out) and os.remove(st_out)),
     }, repeat=3)

@@ -58,8 +58,10 @@ def main() -> None:
         "dcp_load": (lambda: plan_load(DefaultLoadPlanner(), twin_target, v_md), None),
     }, args.repeat, sync=False, collect=True)
     print(f"entries={args.entries} items={len(twin)}")
-    print(f"save planning: qdcp {t['qdcp_save']:.3f}s  dcp {t['dcp_save']:.3f}s  ratio {t['qdcp_save'] / t['dcp_save']:.2f}")
-    print(f"load planning: qdcp {t['qdcp_load']:.3f}s  dcp {t['dcp_load']:.3f}s  ratio {t['qdcp_load'] / t['dcp_load']:.2f}")
+    ratio = t['qdcp_save'] / t['dcp_save']
+    print(f"save planning: qdcp {t['qdcp_save']:.3f}s  dcp {t['dcp_save']:.3f}s  ratio {ratio:.2f}")
+    ratio = t['qdcp_load'] / t['dcp_load']
+    print(f"load planning: qdcp {t['qdcp_load']:.3f}s  dcp {t['dcp_load']:.3f}s  ratio {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ torchao ``Int8Tensor`` (or ``--weights nvfp4``) weights, torchao ``OptimState8bi
 exp_avg_sq (none on a rank that holds no rows of the weight: torchao's state cannot be empty), bf16
 norms, and one MoE layer of ``--experts`` TE MXFP8 experts in a ``GroupedTensor``, split over
 ``min(N, experts)`` expert-parallel ranks and replicated over the others (TE's real classes on CPU,
-through the tests' stand-in for its compiled module; left out where TE is not installed). Each rank's plan is made by the real planner on that rank's own DTensors (a
-fake process group seen from that rank; local tensors of one shard shape share one stand-in, built
+through the tests' stand-in for its compiled module; left out where TE is not installed).
+Each rank's plan is made by the real planner on that rank's own DTensors (a fake process group
+seen from that rank; local tensors of one shard shape share one stand-in, built
 through torchao). Then, on the coordinator, it times ``create_global_plan`` + ``finish_plan``, and
 on load the ``.metadata`` unpickle plus one rank's ``set_up_planner`` + ``create_local_plan``. The
 baseline is DCP's default planners on the same plain components (each one a ``Shard(0)`` DTensor of
@@ -261,7 +262,8 @@ def rank_states_2d(mesh2d: tuple[int, int], layers: int, shards: Shards) -> dict
         for name, shape in LINEARS.items():
             placements = placements_2d(name, mesh2d[1])
             fqn = f"model.layers.{i}.{name}.weight"
-            sizes = tuple(dtensor(torch.empty(0), mesh, shape, torch.bfloat16, placements).__create_chunk_list__()[0].sizes)
+            probe = dtensor(torch.empty(0), mesh, shape, torch.bfloat16, placements)
+            sizes = tuple(probe.__create_chunk_list__()[0].sizes)
             grid = name not in ROWWISE or sizes[1] % 256 == 0 or 256 % sizes[1] == 0
             keys = [(fqn, "weight")] + ([(f"optim.{fqn}.exp_avg", "optim"), (f"optim.{fqn}.exp_avg_sq", "optim")]
                                         if grid else [])

@@ -27,8 +27,16 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 
-from common import (compare, component_bytes, dir_bytes, drop_page_cache, fresh_dir, plain_twin,
-                    quantized_state, table_row)
+from common import (
+    compare,
+    component_bytes,
+    dir_bytes,
+    drop_page_cache,
+    fresh_dir,
+    plain_twin,
+    quantized_state,
+    table_row,
+)
 from qdcp import CheckpointReader, CheckpointWriter, QuantizedLoadPlanner, QuantizedSavePlanner
 
 

@@ -36,7 +36,13 @@ def quantize(model: torch.nn.Sequential) -> torch.nn.Sequential:
     from torchao.prototype.mx_formats.mx_tensor import MXTensor
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
     from torchao.quantization import (
-        Float8WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup, quantize_, to_nf4)
+        Float8WeightOnlyConfig,
+        Int8WeightOnlyConfig,
+        IntxWeightOnlyConfig,
+        PerGroup,
+        quantize_,
+        to_nf4,
+    )
 
     quantize_(model[0], Int8WeightOnlyConfig(version=2))
     quantize_(model[1], Float8WeightOnlyConfig())

@@ -25,11 +25,12 @@ The package, data flowing one way (each folder's ``__init__`` says what its modu
 """
 
 from qdcp.adapters import Adapter, StoredEntry, find_adapter, register_adapter, registered_type_names
+from qdcp.adapters import compressed_tensors as _compressed_tensors
+from qdcp.adapters import te_grouped as _te_grouped
 from qdcp.adapters import torchao as _torchao
 from qdcp.adapters import torchao_training as _torchao_training
 from qdcp.adapters import transformer_engine as _transformer_engine
-from qdcp.adapters import te_grouped as _te_grouped
-from qdcp.adapters import compressed_tensors as _compressed_tensors
+from qdcp.checkpoint import async_save, load, save
 from qdcp.errors import (
     AlignmentError,
     CheckpointFormatError,
@@ -42,8 +43,12 @@ from qdcp.errors import (
     StagingError,
     UnsupportedTensorError,
 )
-from qdcp.staging import QuantizedStager, enable_new_empty, register_new_empty, to_device, unregister_new_empty
+from qdcp.frameworks.consolidate import ConsolidatingLoadPlanner, consolidate, dcp_to_torch_save
+from qdcp.frameworks.switch import install, installed, is_installed, uninstall
+from qdcp.hf import ExportError, ExportResult, QuantizedHFReader, export
+from qdcp.planning import QuantizedLoadPlanner, QuantizedSavePlanner
 from qdcp.reader import CheckpointEntries, describe, read_entry, read_metadata, read_stored
+from qdcp.staging import QuantizedStager, enable_new_empty, register_new_empty, to_device, unregister_new_empty
 from qdcp.storage import (
     CheckpointReader,
     CheckpointWriter,
@@ -51,11 +56,6 @@ from qdcp.storage import (
     storage_reader,
     storage_writer,
 )
-from qdcp.planning import QuantizedLoadPlanner, QuantizedSavePlanner
-from qdcp.checkpoint import async_save, load, save
-from qdcp.hf import ExportError, ExportResult, QuantizedHFReader, export
-from qdcp.frameworks.switch import install, installed, is_installed, uninstall
-from qdcp.frameworks.consolidate import ConsolidatingLoadPlanner, consolidate, dcp_to_torch_save
 
 for _adapter in _torchao.builtin_adapters() + _torchao_training.builtin_adapters():
     register_adapter(_adapter)
@@ -69,12 +69,12 @@ register_new_empty()  # for torchao classes already imported; QuantizedSavePlann
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "async_save", "load", "QuantizedSavePlanner", "QuantizedLoadPlanner", "QuantizedStager", "describe", "read_metadata", "read_entry", "read_stored", "CheckpointEntries",
-    "CheckpointReader", "CheckpointWriter", "storage_reader",
-    "storage_writer", "to_device", "register_new_empty", "unregister_new_empty", "enable_new_empty",
-    "Adapter", "StoredEntry", "register_adapter", "find_adapter", "registered_type_names",
+    "save", "async_save", "load", "QuantizedSavePlanner", "QuantizedLoadPlanner", "QuantizedStager", "describe",
+    "read_metadata", "read_entry", "read_stored", "CheckpointEntries", "CheckpointReader", "CheckpointWriter",
+    "storage_reader", "storage_writer", "to_device", "register_new_empty", "unregister_new_empty",
+    "enable_new_empty", "Adapter", "StoredEntry", "register_adapter", "find_adapter", "registered_type_names",
     "QdcpError", "CheckpointFormatError", "ChecksumError", "UnsupportedTensorError", "AlignmentError",
-    "LoadMismatchError", "StagingError", "ReplicaMismatchError", "ConcurrentSaveError", "CheckpointWriteError", "export", "ExportResult", "ExportError", "QuantizedHFReader",
-    "install", "uninstall", "installed", "is_installed",
-    "consolidate", "dcp_to_torch_save", "ConsolidatingLoadPlanner",
+    "LoadMismatchError", "StagingError", "ReplicaMismatchError", "ConcurrentSaveError", "CheckpointWriteError",
+    "export", "ExportResult", "ExportError", "QuantizedHFReader", "install", "uninstall", "installed",
+    "is_installed", "consolidate", "dcp_to_torch_save", "ConsolidatingLoadPlanner",
 ]

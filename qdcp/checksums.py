@@ -187,7 +187,6 @@ class Record:
                 out[tuple(chunk.offsets)] = (tuple(chunk.sizes), h)
         return out
 
-
     def whole(self, read_item) -> tuple[tuple[int, ...] | None, int] | None:
         """:meth:`expected` for a read item that takes its stored chunk (or object) whole; None for
         one that reads part of it, or when the checkpoint records no checksum for it. The one

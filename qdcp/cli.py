@@ -30,13 +30,14 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from tqdm import tqdm
 
-from qdcp.storage import outputs, scratch
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
+from qdcp.storage import outputs, scratch
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 _DTYPE_ARGS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
 
 def _quiet() -> None:
     warnings.filterwarnings("ignore")

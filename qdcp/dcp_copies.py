@@ -11,8 +11,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import _version
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 

@@ -28,9 +28,9 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-from qdcp.errors import AlignmentError, CheckpointFormatError
-
 import torch
+
+from qdcp.errors import AlignmentError, CheckpointFormatError
 
 Chunk = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 

@@ -10,8 +10,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from qdcp import spec as qspec
@@ -21,6 +20,7 @@ from qdcp.errors import CheckpointFormatError
 from qdcp.layouts import narrow
 from qdcp.storage import storage_reader
 from qdcp.storage.metadata import load_object
+
 
 def read_metadata(path: str | os.PathLike, **storage_options: Any) -> Metadata:
     """The DCP ``Metadata`` of the checkpoint at ``path`` (a path or fsspec URL), read safely."""
@@ -301,8 +301,6 @@ def _check_claimed_bytes(item: Any, fqn: str, stored: int) -> None:
         raise CheckpointFormatError(
             f"{fqn!r} claims {claimed} bytes but its stored items hold {stored}; the checkpoint's "
             f"metadata is corrupt or hostile")
-
-
 
 
 def check_chunks(metadata: Metadata) -> list[str]:

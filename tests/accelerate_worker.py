@@ -53,16 +53,15 @@ import torchao.optim  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
 from accelerate.utils.ao import convert_model_to_fp8_ao  # noqa: E402
-from accelerate.utils.fsdp_utils import (load_fsdp_model, load_fsdp_optimizer, save_fsdp_model,  # noqa: E402
-                                         save_fsdp_optimizer)
-from dist_helpers import all_rows, init_torchrun_mesh, training_state_items, uint8_all_gather  # noqa: E402
-from quantized_cases import differences, inner  # noqa: E402
+from accelerate.utils.fsdp_utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
 from torchao.float8 import Float8LinearConfig  # noqa: E402
 from torchao.quantization import Int8WeightOnlyConfig, quantize_, to_nf4  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
-from worker_results import RANK, WORLD, check, record_outcome, run, short  # noqa: E402
 
 import qdcp  # noqa: E402
+from dist_helpers import all_rows, init_torchrun_mesh, training_state_items, uint8_all_gather  # noqa: E402
+from quantized_cases import differences, inner  # noqa: E402
+from worker_results import RANK, WORLD, check, record_outcome, run, short  # noqa: E402
 
 CUDA = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD
 DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if CUDA else torch.device("cpu")
@@ -96,7 +95,8 @@ class Net(nn.Module):
         if quantized:
             self.base.weight = nn.Parameter(to_nf4(self.base.weight.detach()), requires_grad=False)
             emulate = not CUDA or torch.cuda.get_device_capability() < (8, 9)
-            convert_model_to_fp8_ao(self, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=emulate),
+            config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=emulate)
+            convert_model_to_fp8_ao(self, config=config,
                                     module_filter_func=lambda module, fqn: fqn == "middle")
             quantize_(self.last, Int8WeightOnlyConfig(version=2))
 

@@ -42,7 +42,8 @@ class RowBlocks(torch.Tensor):
                 for i, (row, block) in enumerate(self.blocks.items())]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=self._offsets(row), sizes=block.size()) for row, block in self.blocks.items()]
+        return [ChunkStorageMetadata(offsets=self._offsets(row), sizes=block.size())
+                for row, block in self.blocks.items()]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         return self.blocks[index.offset[0]]

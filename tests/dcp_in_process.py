@@ -16,7 +16,6 @@ import io
 import sys
 from typing import Any, Callable, Iterator
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType

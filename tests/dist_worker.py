@@ -37,6 +37,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
+
 from dist_helpers import all_rows, dtensor_from_local, init_torchrun_mesh, my_rows, row_chunks  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -493,8 +494,8 @@ def fsdp_save(root: str, mesh) -> None:
     snap2 = fsdp_snapshot(model, opts)
     nf4_full = gather_rows(model.base.weight)
     if RANK == 0:
-        torch.save({"x": x.cpu(), "y": y, "y_manual": y_manual, "types": types, "after_save": snap1, "after_next_step": snap2,
-                    "nf4": nf4_full}, os.path.join(out, "ref.pt"))
+        torch.save({"x": x.cpu(), "y": y, "y_manual": y_manual, "types": types, "after_save": snap1,
+                    "after_next_step": snap2, "nf4": nf4_full}, os.path.join(out, "ref.pt"))
         _check_saved_specs(os.path.join(out, "ckpt"))
     dist.barrier()
 
@@ -567,7 +568,9 @@ def fsdp_load(root: str, mesh) -> None:
               f"{tag}: NF4 local buffers differ from the saved rows' ({buffers_diff(nf4, src)})")
         y = manual_forward(model, ref["x"].to(DEVICE))
         check("fsdp_load", buffers_diff(y, ref["y_manual"]) is None, f"{tag}: forward (gathered params) differs")
-        if WORLD > 1:  # at 1 rank, FSDP2 skips the all-gather and torchao's NF4 fsdp_post_all_gather gets 1 of its 3 inputs (docs/troubleshooting.md)
+        # at 1 rank, FSDP2 skips the all-gather and torchao's NF4 fsdp_post_all_gather gets 1 of its 3 inputs
+        # (docs/troubleshooting.md)
+        if WORLD > 1:
             with torch.no_grad():
                 y = model(ref["x"].to(DEVICE)).detach().cpu()
             check("fsdp_load", buffers_diff(y, ref["y"]) is None, f"{tag}: FSDP2 forward output differs")

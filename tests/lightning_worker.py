@@ -37,24 +37,24 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytorch_lightning as pl  # noqa: E402
 import torchao.optim  # noqa: E402
-from dist_helpers import all_rows, init_torchrun_mesh, training_state_items  # noqa: E402
 from lightning_fabric import Fabric  # noqa: E402
 from lightning_fabric.strategies import ModelParallelStrategy as FabricStock  # noqa: E402
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 from pytorch_lightning.strategies import ModelParallelStrategy as TrainerStock  # noqa: E402
-from quantized_cases import differences, inner  # noqa: E402
 from torchao.quantization import Int8WeightOnlyConfig, quantize_, to_nf4  # noqa: E402
-from worker_results import RANK, WORLD, check, record_outcome, run, short  # noqa: E402
 
+from dist_helpers import all_rows, init_torchrun_mesh, training_state_items  # noqa: E402
 from qdcp.frameworks.lightning import QuantizedFabricStrategy, QuantizedTrainerStrategy  # noqa: E402
+from quantized_cases import differences, inner  # noqa: E402
+from worker_results import RANK, WORLD, check, record_outcome, run, short  # noqa: E402
 
 CUDA = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD
 DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if CUDA else torch.device("cpu")

@@ -51,11 +51,10 @@ from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from dist_helpers import init_torchrun_mesh, square_loss_step, uint8_all_gather  # noqa: E402
+from qdcp import QuantizedLoadPlanner  # noqa: E402
 from quantized_cases import bits_diff, gated_save_planner  # noqa: E402
 from training_cases import CASE_BY_NAME, float8_training, values  # noqa: E402
 from worker_results import RANK, WORLD, check, run  # noqa: E402
-
-from qdcp import QuantizedLoadPlanner  # noqa: E402
 
 CASE = CASE_BY_NAME["float8"]
 D, H = 128, 256  # each rank's part of a weight: 64 x 128, large enough for torchao's 8-bit state
@@ -229,7 +228,8 @@ def _load_elsewhere(section: str, model, path: str, saved: dict, what: str) -> N
             want.copy_(values)
             for n in ("codes", "scale"):
                 d = bits_diff(getattr(local, n).cpu(), getattr(want, n))
-                check(section, d is None, f"{what}: {key}.{n}: not the saved values quantized in this shard's blocks: {d}")
+                check(section, d is None,
+                      f"{what}: {key}.{n}: not the saved values quantized in this shard's blocks: {d}")
 
 
 COMMANDS = {"train": train, "single": single}

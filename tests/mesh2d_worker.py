@@ -19,7 +19,8 @@ inner buffer bit-identical to the source's; plain: the source's values); 1-D FSD
 blocks lies inside one source block (per-row targets: any; block-scaled and optimizer state: covering
 what one of the source's did) gets the source's bits (raw);
 any other gets ``from_hp`` of the checkpoint's values (dequantize, then quantize like the target):
-both are asserted bit-exact (docs/api.md, *When a target gets the source's bits*). Plain targets equal the library's ``dequantize()`` of the source blocks.
+both are asserted bit-exact (docs/api.md, *When a target gets the source's bits*). Plain targets equal the
+library's ``dequantize()`` of the source blocks.
 
 ``replicas`` (4 ranks): HSDP replicas that diverged are named, key and rank, by
 ``QuantizedSavePlanner(check_replicas=True)`` before anything is written.
@@ -51,12 +52,11 @@ from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import qdcp  # noqa: E402
 from dist_helpers import dtensor_from_local, init_torchrun_mesh  # noqa: E402
+from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, to_device  # noqa: E402
 from quantized_cases import CASE_BY_NAME, components_diff  # noqa: E402
 from worker_results import RANK, WORLD, check, qdcp_error_in, run, short  # noqa: E402
-
-import qdcp  # noqa: E402
-from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, to_device  # noqa: E402
 
 SHAPE = (128, 128)
 NAMES = ("int8_row", "float8_row", "mx_fp8", "nvfp4", "optim8bit_signed", "optim4bit", "optimfp8")
@@ -116,7 +116,8 @@ def raw_fits(name: str, target: Block, sources: list[Block]) -> bool:
     rb, cb = flat_block(name, target)  # the target's blocks: of its own elements (torchao's state is per shard)
     return all(inside(r, c, rb, cb, lambda s, r=r, c=c: flat_block(name, s) == (rb, cb)
                       and (r - s[0]) % rb == 0 and (c - s[1]) % cb == 0)
-               for r in range(target[0], target[0] + target[2], rb) for c in range(target[1], target[1] + target[3], cb))
+               for r in range(target[0], target[0] + target[2], rb)
+               for c in range(target[1], target[1] + target[3], cb))
 
 
 def flat_block(name: str, b: Block) -> tuple[int, int]:
@@ -170,7 +171,8 @@ def real_placements(mesh) -> dict[str, tuple]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    tp_fsdp = nn.Sequential(nn.Linear(SHAPE[1], SHAPE[0], bias=False), nn.ReLU(), nn.Linear(SHAPE[0], SHAPE[1], bias=False))
+    tp_fsdp = nn.Sequential(nn.Linear(SHAPE[1], SHAPE[0], bias=False), nn.ReLU(),
+                            nn.Linear(SHAPE[0], SHAPE[1], bias=False))
     tp_fsdp.to(DEVICE)
     parallelize_module(tp_fsdp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(tp_fsdp, mesh=mesh["dp"])

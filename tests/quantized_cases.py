@@ -15,6 +15,9 @@ import torch
 
 warnings.filterwarnings("ignore")
 
+from torchao.optim.subclass_4bit import OptimState4bit  # noqa: E402
+from torchao.optim.subclass_8bit import OptimState8bit  # noqa: E402
+from torchao.optim.subclass_fp8 import OptimStateFp8  # noqa: E402
 from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale  # noqa: E402
 from torchao.quantization import (  # noqa: E402
@@ -26,9 +29,6 @@ from torchao.quantization import (  # noqa: E402
 )
 from torchao.quantization.granularity import PerGroup, PerRow, PerTensor  # noqa: E402
 from torchao.quantization.quantize_.workflows.int8.int8_tensor import QuantizeTensorToInt8Kwargs  # noqa: E402
-from torchao.optim.subclass_4bit import OptimState4bit  # noqa: E402
-from torchao.optim.subclass_8bit import OptimState8bit  # noqa: E402
-from torchao.optim.subclass_fp8 import OptimStateFp8  # noqa: E402
 
 SHAPE = (256, 128)
 

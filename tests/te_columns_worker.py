@@ -57,9 +57,9 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
-from dist_helpers import dtensor_from_local, init_torchrun_mesh  # noqa: E402
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 
+from dist_helpers import dtensor_from_local, init_torchrun_mesh  # noqa: E402
 from qdcp import AlignmentError, QuantizedSavePlanner  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
 from quantized_cases import bits, bits_diff, seeded  # noqa: E402
@@ -178,7 +178,8 @@ def _native(fmt: str, g: dict, blk: Block) -> tuple[type, dict]:
               columnwise_data=None, columnwise_scale_inv=None, amax_columnwise=None)
     if fmt == "nvfp4_2d":  # TE keeps the columnwise copy transposed: (N, M/2) codes, (N, M/16) scales
         kw.update(columnwise_data=part(g["cdata"], blk, 2, 1).t().contiguous(), amax_columnwise=g["amax"].clone(),
-                  columnwise_scale_inv=te_cpu.padded(part(g["cscale"], blk, 16, 1).t(), _ru(cs, 128), _ru(-(-rs // 16), 4)))
+                  columnwise_scale_inv=te_cpu.padded(part(g["cscale"], blk, 16, 1).t(), _ru(cs, 128),
+                                                     _ru(-(-rs // 16), 4)))
     return te.NVFP4Tensor, kw
 
 

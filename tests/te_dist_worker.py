@@ -47,13 +47,16 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
-from dist_helpers import dtensor_from_local, init_torchrun_mesh, my_row_chunk, row_chunks  # noqa: E402
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 
+from dist_helpers import dtensor_from_local, init_torchrun_mesh, my_row_chunk, row_chunks  # noqa: E402
 from qdcp import AlignmentError, QuantizedSavePlanner  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
-from quantized_cases import bits, seeded  # noqa: E402
-from quantized_cases import bits_diff  # noqa: E402
+from quantized_cases import (  # noqa: E402
+    bits,
+    bits_diff,  # noqa: E402
+    seeded,
+)
 from quantized_cases import components_diff as canonical_diff  # noqa: E402
 from worker_results import RANK, WORLD, check, qdcp_error_in, run, try_load  # noqa: E402
 from worker_results import short as _short  # noqa: E402

@@ -32,15 +32,14 @@ import warnings
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import te_cpu  # noqa: E402
-import te_groups  # noqa: E402  (installs the TE stand-in)
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
-from dist_helpers import dtensor_from_local, init_torchrun_mesh, my_row_chunk  # noqa: E402
 
+import te_cpu  # noqa: E402
+import te_groups  # noqa: E402  (installs the TE stand-in)
+from dist_helpers import dtensor_from_local, init_torchrun_mesh, my_row_chunk  # noqa: E402
 from qdcp import QuantizedSavePlanner, QuantizedStager  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
 from quantized_cases import bits_diff as diff  # noqa: E402

@@ -16,18 +16,17 @@ import te_cpu
 
 te = te_cpu.install()
 
-from qdcp.adapters import find_adapter  # noqa: E402
-from qdcp.adapters import te_grouped  # noqa: E402
-from quantized_cases import bits, seeded  # noqa: E402
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage  # noqa: E402
+
+from qdcp.adapters import find_adapter, te_grouped  # noqa: E402
+from quantized_cases import bits, seeded  # noqa: E402
 
 E4M3, E5M2 = DType.kFloat8E4M3, DType.kFloat8E5M2
 UNIFORM = [(128, 256)] * 4
 VARY_FIRST = [(128, 256), (64, 256), (256, 256)]
 VARY_LAST = [(128, 128), (128, 256), (128, 64)]
 VARY_BOTH = [(64, 128), (128, 256), (32, 64)]
-
 
 
 def _rand_u8(n, lo, hi, seed):
@@ -74,7 +73,8 @@ def fill(g, seed):
         if b is None:
             continue
         if b.dtype == torch.uint8:  # e8m0 (MXFP8) or e4m3 (NVFP4) scales
-            b.copy_(_rand_u8(b.numel(), 0x08, 0x7F, seed + 10 + i) if fp4 else _rand_u8(b.numel(), 118, 136, seed + 10 + i))
+            lo, hi = (0x08, 0x7F) if fp4 else (118, 136)
+            b.copy_(_rand_u8(b.numel(), lo, hi, seed + 10 + i))
         else:
             b.copy_(torch.rand(b.shape, generator=seeded(seed + 10 + i)) * 0.01 + 1e-3)
     return g

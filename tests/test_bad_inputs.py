@@ -27,8 +27,8 @@ from typing import Callable
 
 import pytest
 import torch
-import xxhash
 import torch.distributed.checkpoint as dcp
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
@@ -38,7 +38,8 @@ import qdcp
 import qdcp.cli
 from qdcp import spec as qspec
 from qdcp.errors import CheckpointFormatError, LoadMismatchError, QdcpError
-from qdcp.spec import check_component_bytes, layouts_of as _layouts_from_spec
+from qdcp.spec import check_component_bytes
+from qdcp.spec import layouts_of as _layouts_from_spec
 from quantized_cases import CASE_BY_NAME, SHAPE, assert_same_buffers, bits
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -759,7 +760,7 @@ def huge_results(pristine, tmp_path_factory):
             args += [str(make_case(pristine, root, c, variant)), case_id]
     proc = subprocess.run([sys.executable, "-c", _HUGE_SCRIPT, TESTS, *args], capture_output=True, text=True,
                           timeout=300)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     assert lines, f"subprocess died (rc {proc.returncode}): {proc.stderr[-3000:]}"
     return json.loads(lines[-1][len("RESULT"):])
 

@@ -15,8 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import qdcp
-from qdcp import CheckpointFormatError, ChecksumError, QuantizedLoadPlanner, QuantizedSavePlanner
-from qdcp import checksums
+from qdcp import CheckpointFormatError, ChecksumError, QuantizedLoadPlanner, QuantizedSavePlanner, checksums
 from quantized_cases import CASE_BY_NAME, assert_same_buffers, gated_save_planner, inner, raise_inner
 from state_dicts import mutate, snapshot
 from stored_bytes import flip_stored_bytes, tensor_bytes
@@ -67,7 +66,7 @@ def test_checksums_off_records_none_and_loads(tmp_path):
 def test_async_save_hashes_the_staged_copy(tmp_path):
     """The live tensors change after ``async_save`` returns and before the upload plans (gated):
     the checkpoint holds, and its checksums describe, the values at the call."""
-    
+
     for stager in (None, qdcp.QuantizedStager()):
         live = _state(1)
         before = snapshot(live)

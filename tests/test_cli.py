@@ -41,7 +41,7 @@ def test_inspect_table_and_json(checkpoint):
     out = run("inspect", path).stdout
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["key", "stored", "type"]
-    assert any(l.startswith("nf4 ") and "torchao.NF4Tensor" in l for l in lines)
+    assert any(ln.startswith("nf4 ") and "torchao.NF4Tensor" in ln for ln in lines)
     assert lines[-1].startswith("total")
     info = json.loads(run("inspect", path, "--json").stdout)
     assert info == json.loads(json.dumps(qdcp.describe(path)))

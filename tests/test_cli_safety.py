@@ -217,7 +217,8 @@ def test_convert_to_torch_writes_whole_entries(ckpt, tmp_path):
     assert torch.equal(values["m.weight"], weight.dequantize()) and torch.equal(values["m.bias"], torch.arange(4.0))
     assert _qdcp("convert", ckpt, tmp_path / "typed.pt", "--to", "torch", "--quiet").returncode == 0
     typed = torch.load(tmp_path / "typed.pt", weights_only=False)["m.weight"]
-    assert type(typed) is type(weight) and torch.equal(typed.qdata, weight.qdata) and torch.equal(typed.scale, weight.scale)
+    assert type(typed) is type(weight)
+    assert torch.equal(typed.qdata, weight.qdata) and torch.equal(typed.scale, weight.scale)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["typed.pt", "values.pt"]  # no temporary left
 
 

@@ -23,11 +23,11 @@ if not te_cpu.te_installed():
     pytest.skip("transformer_engine is not installed", allow_module_level=True)
 te_cpu.install()
 
+import te_groups  # noqa: E402
+import test_transformer_engine as single  # noqa: E402
 from qdcp import QuantizedSavePlanner  # noqa: E402
 from qdcp.adapters import find_adapter  # noqa: E402
 from quantized_cases import bits  # noqa: E402
-import te_groups  # noqa: E402
-import test_transformer_engine as single  # noqa: E402
 
 GROUPS = {"g_mxfp8": ("mxfp8_both", "uniform"), "g_nvfp4": ("nvfp4_both", "vary_first"),
           "g_block2": ("block2_both", "uniform"), "g_delayed": ("delayed_both_e5m2", "vary_last")}

@@ -21,9 +21,8 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlanner, TensorWriteData, WriteItem, WriteItemType
 
-from qdcp import LoadMismatchError, QuantizedLoadPlanner, QuantizedSavePlanner
 import qdcp
-from qdcp import checksums
+from qdcp import LoadMismatchError, QuantizedLoadPlanner, QuantizedSavePlanner, checksums
 from quantized_cases import CASE_BY_NAME, assert_same_buffers, raise_inner
 from state_dicts import data_files
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+
 from torchrun_jobs import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +20,7 @@ def test_quickstart(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:2] == ["key", "type"]
-    rows = {l.split()[0]: l.split() for l in lines[1:] if l.split() and l.split()[0].endswith("weight")}
+    rows = {ln.split()[0]: ln.split() for ln in lines[1:] if ln.split() and ln.split()[0].endswith("weight")}
     assert len(rows) == 6
     for key, row in rows.items():
         assert row[-1] == "0" and row[-2] == "0", f"{key}: reloaded values differ from the library's dequantize"
@@ -59,8 +60,8 @@ def test_demo(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert [l.split()[1] for l in out.splitlines() if l.startswith("  step ")][:3] == ["1/9", "2/9", "3/9"]
-    assert sum("written in the background" in l for l in out.splitlines()) == 4  # 3 saves, 1 after resuming
+    assert [ln.split()[1] for ln in out.splitlines() if ln.startswith("  step ")][:3] == ["1/9", "2/9", "3/9"]
+    assert sum("written in the background" in ln for ln in out.splitlines()) == 4  # 3 saves, 1 after resuming
     assert "losses identical to the uninterrupted 2-rank run: True" in out
     assert "stored raw (inner buffers + JSON spec): torchao.NF4Tensor, torchao.OptimState8bit" in out
     assert "raw checkpoint reloaded into a quantized model bit-identically: True" in out

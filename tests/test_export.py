@@ -19,16 +19,17 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import qdcp
+from hf_helpers import TORCHAO_CASES, ct_decompress, read_dir, tiny_llama_config
 from qdcp.adapters.base import find_adapter
 from qdcp.errors import QdcpError
 from qdcp.hf.ct_layout import pack_int32, packed_rows, unpack_int32
 from qdcp.hf.safetensors_files import RowBlocks, ShardWriter, TensorOut
-from hf_helpers import TORCHAO_CASES, ct_decompress, read_dir, tiny_llama_config
 from quantized_cases import CASE_BY_NAME, bits_diff, components_diff, qdcp_save
 
 warnings.filterwarnings("ignore")
 
 from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict  # noqa: E402
+
 
 def _torchao_load(out) -> dict:
     """The state dict torchao's own loader rebuilds from each file of ``out``."""
@@ -267,8 +268,7 @@ def test_compressed_tensors_nvfp4_of_bf16_weights_rounds_differently(tmp_path):
 
 
 def test_int_packing_matches_compressed_tensors():
-    from compressed_tensors.compressors.pack_quantized.helpers import (pack_to_int32,
-                                                                                             unpack_from_int32)
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
     for bits in (4, 8):
         lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
@@ -564,7 +564,8 @@ def test_compressed_tensors_export_in_transformers(tmp_path, name):
     qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="compressed-tensors", config=config.to_dict())
     assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["format"] == fmt
     dense = ct_decompress(tmp_path / "out")
-    got = _transformers_load(tmp_path / "out", quantization_config=CompressedTensorsConfig(dequantize=True)).state_dict()
+    config = CompressedTensorsConfig(dequantize=True)
+    got = _transformers_load(tmp_path / "out", quantization_config=config).state_dict()
     assert all(bits_diff(got[k], v.to(torch.bfloat16)) is None for k, v in dense.items())
     if loads_compressed:
         got = _transformers_load(tmp_path / "out").state_dict()
@@ -589,7 +590,8 @@ def test_transformers_loads_no_asymmetric_pack_quantized_compressed(tmp_path, sc
     write_model(scheme, tmp_path / "out")
     _assert_transformers_refuses_packed_zero_points(tmp_path / "out")
     dense = ct_decompress(tmp_path / "out")
-    got = _transformers_load(tmp_path / "out", quantization_config=CompressedTensorsConfig(dequantize=True)).state_dict()
+    config = CompressedTensorsConfig(dequantize=True)
+    got = _transformers_load(tmp_path / "out", quantization_config=config).state_dict()
     assert all(bits_diff(got[k], v.to(torch.bfloat16)) is None for k, v in dense.items())
 
 

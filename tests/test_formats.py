@@ -5,8 +5,7 @@ import pytest
 import torch
 from torchao.prototype.mx_formats.utils import from_blocked, to_blocked
 
-from qdcp.adapters.formats import (ceil_div, e2m1_to_float, round_up, swizzle_128x4, unpack_fp4,
-                                   unswizzle_128x4)
+from qdcp.adapters.formats import ceil_div, e2m1_to_float, round_up, swizzle_128x4, unpack_fp4, unswizzle_128x4
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (7, 3), (128, 4), (130, 5), (200, 7), (256, 64), (513, 33)])

@@ -15,10 +15,10 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 import qdcp
+from hf_helpers import TORCHAO_CASES, ct_decompress
 from qdcp.adapters import find_adapter
 from qdcp.errors import CheckpointFormatError
 from quantized_cases import CASE_BY_NAME, bits_diff, components_diff, qdcp_save
-from hf_helpers import TORCHAO_CASES, ct_decompress
 
 warnings.filterwarnings("ignore")
 
@@ -181,8 +181,8 @@ def test_affine_entries_round_trip_through_compressed_tensors_raw(tmp_path, name
 
 
 def test_affine_scale_the_target_cannot_hold_is_requantized(tmp_path):
-    """A qdcp checkpoint's Int8Tensor (fp32 scales) into an IntxUnpackedToInt8Tensor (bf16 scales) that rounding would change: the
-    values are quantized like the target instead, as a load without a raw path would."""
+    """A qdcp checkpoint's Int8Tensor (fp32 scales) into an IntxUnpackedToInt8Tensor (bf16 scales)
+    that rounding would change: the values are quantized like the target instead, as a load without a raw path would."""
     from torchao.quantization import IntxUnpackedToInt8Tensor
 
     w = CASE_BY_NAME["int8_row"].make(0)
@@ -296,7 +296,8 @@ def test_compressed_tensors_directory_that_contradicts_its_config_is_refused(res
                                 f"stores a dense torch.bfloat16 weight"),
         "codes_as_decompressed": (resaved_dirs / "mxfp8" / "compressed",
                                   lambda qc: qc.update(quantization_status="decompressed"),
-                                  f"key '{layer}': .*'decompressed' but the directory stores torch.float8_e4m3fn codes"),
+                                  f"key '{layer}': .*'decompressed' but the directory stores "
+                                  "torch.float8_e4m3fn codes"),
         "packed_as_decompressed": (resaved_dirs / "int4_group32" / "compressed",
                                    lambda qc: qc.update(quantization_status="decompressed"),
                                    f"key '{layer}': .*stores packed codes"),

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
 import rule_oracle
+from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
 from quantized_cases import CASES, assert_bitwise_equal, assert_same_buffers, inner, qdcp_load, save_ckpt
 
 IDS = [c.name for c in CASES]

@@ -7,8 +7,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
-from qdcp.adapters import find_adapter
 import rule_oracle
+from qdcp.adapters import find_adapter
 from qdcp.planning.actions import FromPlain, InPlace, IntoPlain, RawCopy, Reblock, Requantize
 from qdcp.planning.key_plans import KeyPlanner
 from quantized_cases import CASE_BY_NAME, SHAPE, bits_diff, components_diff, qdcp_load, qdcp_save

@@ -64,5 +64,5 @@ def test_cuda_round_trip_keeps_bits(case):
     qdcp.to_device(m, "cpu", pin_memory=True)
     assert m.w is w and _devices(m.w) == {"cpu"}
     for n, x in inner(m.w).items():
-        assert torch.equal(x.view(torch.uint8) if x.dtype.itemsize == 1 else x, 
+        assert torch.equal(x.view(torch.uint8) if x.dtype.itemsize == 1 else x,
                            ref[n].view(torch.uint8) if ref[n].dtype.itemsize == 1 else ref[n])

@@ -19,10 +19,10 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torchrun_jobs import free_port
 
 import qdcp
 from qdcp import QuantizedLoadPlanner
+from torchrun_jobs import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qdcp import QuantizedSavePlanner, spec as qspec
+from qdcp import QuantizedSavePlanner
+from qdcp import spec as qspec
 from qdcp.adapters import find_adapter
 from quantized_cases import CASE_BY_NAME, CASES, SHAPE
 

@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 
 from qdcp import spec as qspec
 from qdcp.errors import AlignmentError, CheckpointFormatError
-from qdcp.layouts import (Blocked, Flat, Replicated, blocks_as_groups, for_shard, groups_as_blocks,
-                          layout_from_json)
+from qdcp.layouts import Blocked, Flat, Replicated, blocks_as_groups, for_shard, groups_as_blocks, layout_from_json
 
 
 def test_blocked_maps_rows_and_packed_columns():

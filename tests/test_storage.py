@@ -20,8 +20,8 @@ import qdcp
 from qdcp import (
     CheckpointFormatError,
     CheckpointReader,
-    ChecksumError,
     CheckpointWriter,
+    ChecksumError,
     QuantizedLoadPlanner,
     QuantizedSavePlanner,
 )

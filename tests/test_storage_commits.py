@@ -1,4 +1,5 @@
-"""qdcp.storage, its commit protocol: atomic commits, crashes (SIGKILL in a subprocess at several points), checksums found flipped, overwrite rules."""
+"""qdcp.storage, its commit protocol: atomic commits, crashes (SIGKILL in a subprocess at several points), checksums
+found flipped, overwrite rules."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import qdcp
-from qdcp import CheckpointFormatError, QdcpError, QuantizedLoadPlanner, QuantizedSavePlanner
-from qdcp.storage import ChecksumError, CheckpointReader, CheckpointWriter
 from crash_worker import state
+from qdcp import CheckpointFormatError, QdcpError, QuantizedLoadPlanner, QuantizedSavePlanner
+from qdcp.storage import CheckpointReader, CheckpointWriter, ChecksumError
 from quantized_cases import assert_same_buffers, raise_inner
 
 WORKER = os.path.join(os.path.dirname(__file__), "crash_worker.py")

@@ -13,8 +13,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
-from torch.distributed.checkpoint import (DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader,
-                                          FileSystemWriter, state_dict_loader, state_dict_saver)
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    FileSystemReader,
+    FileSystemWriter,
+    state_dict_loader,
+    state_dict_saver,
+)
 
 import qdcp
 from quantized_cases import CASE_BY_NAME, assert_bitwise_equal, assert_same_buffers
@@ -87,7 +93,8 @@ def test_sync_save_without_planner_then_load_without_planner(tmp_path, switch):
 @pytest.mark.parametrize("writer", ["checkpoint_id", "FileSystemWriter"])
 def test_async_save_without_stager(tmp_path, switch, writer):
     source, target = _state(0), _state(1)
-    kwargs = {"checkpoint_id": tmp_path} if writer == "checkpoint_id" else {"storage_writer": FileSystemWriter(tmp_path)}
+    kwargs = ({"checkpoint_id": tmp_path} if writer == "checkpoint_id"
+              else {"storage_writer": FileSystemWriter(tmp_path)})
     dcp.async_save(source, **kwargs).result()
     dcp.load(target, storage_reader=FileSystemReader(tmp_path))
     _assert_loaded(target, source)

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import pytest
 
-import torchrun_jobs
-
 import te_cpu
+import torchrun_jobs
 
 if not te_cpu.te_installed():
     pytest.skip("transformer_engine is not installed", allow_module_level=True)

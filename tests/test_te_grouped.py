@@ -19,17 +19,14 @@ if not te_cpu.te_installed():
     pytest.skip("transformer_engine is not installed", allow_module_level=True)
 warnings.filterwarnings("ignore", message=".*Transformer Engine PyTorch extension.*")
 
-import qdcp  # noqa: E402
-from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, UnsupportedTensorError  # noqa: E402
-from qdcp.adapters import find_adapter  # noqa: E402
-from qdcp.adapters import te_grouped  # noqa: E402
-from quantized_cases import bits, qdcp_load, qdcp_save  # noqa: E402
-from te_groups import (BY, CASES, SHAPES, VARY_FIRST, Case, assert_same_flat,  # noqa: E402
-                       flat, reference)
-
 from transformer_engine.pytorch.tensor.grouped_tensor import GroupedTensor  # noqa: E402
 from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage  # noqa: E402
 
+import qdcp  # noqa: E402
+from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, UnsupportedTensorError  # noqa: E402
+from qdcp.adapters import find_adapter, te_grouped  # noqa: E402
+from quantized_cases import bits, qdcp_load, qdcp_save  # noqa: E402
+from te_groups import BY, CASES, SHAPES, VARY_FIRST, Case, assert_same_flat, flat, reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("hopper")
 
@@ -184,6 +181,7 @@ def fake_rank1_of_2():
 
 def _shard0(local, mesh, global_shape):
     from torch.distributed.tensor import Shard
+
     from dist_helpers import dtensor_from_local
 
     # DTensor.from_local calls view_as, which GroupedTensor forbids

@@ -23,6 +23,7 @@ from quantized_cases import bits_diff, gated_save_planner, raise_inner
 from state_dicts import data_files, mutate, snapshot
 from training_cases import CASE_BY_NAME, CASES, unavailable, values
 
+
 def _param(case):
     reason = unavailable(case)
     return pytest.param(case, id=case.name, marks=[pytest.mark.skip(reason=reason)] if reason else [])

@@ -26,6 +26,7 @@ te = te_cpu.install()
 from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402
 from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor as AONVFP4Tensor  # noqa: E402
 from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale  # noqa: E402
+from transformer_engine.pytorch.constants import DType  # noqa: E402
 
 import qdcp  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, UnsupportedTensorError  # noqa: E402
@@ -33,8 +34,6 @@ from qdcp.adapters import find_adapter  # noqa: E402
 from qdcp.adapters.base import raw_conversion  # noqa: E402
 from qdcp.adapters.formats import swizzle_128x4, unpack_fp4, unswizzle_128x4  # noqa: E402
 from quantized_cases import bits, inner, qdcp_load, raise_inner, save_ckpt, seeded  # noqa: E402
-
-from transformer_engine.pytorch.constants import DType  # noqa: E402
 
 M, N = 128, 256  # multiples of 128: padding only where the format rounds up small dims
 E4M3, E5M2 = DType.kFloat8E4M3, DType.kFloat8E5M2
@@ -674,8 +673,10 @@ def test_inspect_shows_recipe_scale_layout_and_usage(tmp_path):
     assert info["mx"]["info"] == {"recipe": "mxfp8", "scales": "gemm_swizzled", "usage": "rowwise+columnwise"}
     assert info["f8"]["info"]["recipe"] == "delayed scaling"
     assert info["nv"]["info"]["scales"] == "compact" and info["nv"]["info"]["usage"] == "rowwise"
+    import contextlib
+    import io
+
     from qdcp.cli import main
-    import contextlib, io
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["inspect", str(path)]) == 0

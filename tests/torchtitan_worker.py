@@ -1,4 +1,4 @@
-"""The script every ``torchrun`` rank runs for ``tests/test_framework_torchtitan.py``.
+r"""The script every ``torchrun`` rank runs for ``tests/test_framework_torchtitan.py``.
 
     python -m torch.distributed.run --nproc-per-node N tests/torchtitan_worker.py COMMAND DIR
 
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 import warnings
+from dataclasses import dataclass
 
 warnings.filterwarnings("ignore")
 
@@ -44,17 +44,17 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dist_helpers import all_rows, init_torchrun_mesh  # noqa: E402
 from torchtitan.components.checkpointer import MODEL, CheckpointManager  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer  # noqa: E402
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: E402
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter  # noqa: E402
+
+from dist_helpers import all_rows, init_torchrun_mesh  # noqa: E402
+from qdcp.frameworks.torchtitan import QuantizedCheckpointManager, QuantizedModelWrapper  # noqa: E402
 from quantized_cases import bits, differences  # noqa: E402
 from training_cases import values  # noqa: E402
 from training_dist_worker import build  # noqa: E402
 from worker_results import RANK, WORLD, check, record_outcome, run, short  # noqa: E402
-
-from qdcp.frameworks.torchtitan import QuantizedCheckpointManager, QuantizedModelWrapper  # noqa: E402
 
 MODES = ("disabled", "async", "async_with_pinned_mem")
 
@@ -70,6 +70,9 @@ class TrainState:
 
     def load_state_dict(self, sd):
         self.step = int(sd["step"])
+
+
+WRAPPERS = {"WeightWithDynamicFloat8CastTensor", "Float8TrainingWeightWrapperTensor"}
 
 
 def parts(seed: int, mesh):
@@ -133,7 +136,7 @@ def save(mode: str, root: str, mesh) -> None:
     train_step(model_parts, opt, lrs)  # training goes on while an async checkpoint uploads
     cm.maybe_wait_for_saving()
     cm.close()
-    check(f"save-{mode}", wrappers(model_parts) == {"WeightWithDynamicFloat8CastTensor", "Float8TrainingWeightWrapperTensor"},
+    check(f"save-{mode}", wrappers(model_parts) == WRAPPERS,
           f"parameters are {wrappers(model_parts)}")
     check(f"save-{mode}", os.path.exists(os.path.join(root, mode, "checkpoint", "step-1", ".metadata")),
           f"{mode}: no step-1 checkpoint was written")
@@ -159,7 +162,7 @@ def load(mode: str, root: str, mesh) -> None:
         check(f"load-{mode}", ok, f"{mode}: {k} differs after loading at {WORLD} ranks")
     after = {k: p for i, part in enumerate(model_parts) for k, p in part.named_parameters(prefix=str(i))}
     check(f"load-{mode}", all(after[k] is p for k, p in before.items()), f"{mode}: load replaced a parameter")
-    check(f"load-{mode}", wrappers(model_parts) == {"WeightWithDynamicFloat8CastTensor", "Float8TrainingWeightWrapperTensor"},
+    check(f"load-{mode}", wrappers(model_parts) == WRAPPERS,
           f"{mode}: parameters are {wrappers(model_parts)} after load")
 
 

@@ -29,11 +29,10 @@ from torch.distributed.tensor import Shard  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dist_helpers import dtensor_from_local  # noqa: E402
-from quantized_cases import CASE_BY_NAME, components_diff  # noqa: E402
-
 import qdcp  # noqa: E402
+from dist_helpers import dtensor_from_local  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
+from quantized_cases import CASE_BY_NAME, components_diff  # noqa: E402
 
 SHAPE = (256, 128)
 

@@ -34,10 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.distributed import DistributedConfig  # noqa: E402
-from worker_results import RANK, check, qdcp_error_in, record_outcome, run, short  # noqa: E402
 
 import qdcp  # noqa: E402
 from quantized_cases import differences  # noqa: E402
+from worker_results import RANK, check, qdcp_error_in, record_outcome, run, short  # noqa: E402
 
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -107,8 +107,10 @@ def refused_load(root: str, model, want: dict) -> None:
     except BaseException as e:  # noqa: BLE001
         err = qdcp_error_in(e)
         check("load", isinstance(err, qdcp.UnsupportedTensorError) and "key 'model.layers.0.mlp." in str(err)
-              and "Load into the model before quantizing it" in str(err), f"not a clear error naming the key: {short(e)}")
-    check("load", not differences(values(model), want), f"the refused load changed the model: {differences(values(model), want)}")
+              and "Load into the model before quantizing it" in str(err),
+              f"not a clear error naming the key: {short(e)}")
+    changed = differences(values(model), want)
+    check("load", not changed, f"the refused load changed the model: {changed}")
     after = {k: v.qdata._local_tensor for k, v in model.state_dict().items() if hasattr(v, "qdata")}
     check("load", all(torch.equal(before[k], after[k]) for k in before), "a refused load changed some qdata")
 

@@ -13,7 +13,6 @@ Planners and the stager talk to tensors only through this contract. Users add fa
 from __future__ import annotations
 
 import abc
-
 import dataclasses
 import threading
 from typing import Any, Callable, Mapping

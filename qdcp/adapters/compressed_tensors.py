@@ -15,8 +15,15 @@ from __future__ import annotations
 import torch
 
 from qdcp.adapters.base import Adapter, StoredEntry, StoredOnlyAdapter
-from qdcp.adapters.formats import (MXFP8_FORMS, NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, affine_form, e2m1_to_float,
-                                   repeat_blocks, unpack_fp4)
+from qdcp.adapters.formats import (
+    MXFP8_FORMS,
+    NVFP4_GLOBAL_DIVISOR,
+    NVFP4_ROW16,
+    affine_form,
+    e2m1_to_float,
+    repeat_blocks,
+    unpack_fp4,
+)
 from qdcp.errors import UnsupportedTensorError
 
 PREFIX = "compressed_tensors."

@@ -14,9 +14,11 @@ import torch
 
 from qdcp.layouts import ceil_div
 
-__all__ = ["MXFP8_FORMS", "NVFP4_ROW16", "NVFP4_GLOBAL_DIVISOR", "nvfp4_decode_scale", "mxfp8_form", "affine_form",
-           "parse_affine_form", "ceil_div", "round_up", "rows", "repeat_blocks", "pad2", "swizzle_128x4", "unswizzle_128x4", "as_u8", "bits_as", "copy_bits", "e2m1_to_float",
-           "unpack_fp4"]
+__all__ = [
+    "MXFP8_FORMS", "NVFP4_ROW16", "NVFP4_GLOBAL_DIVISOR", "nvfp4_decode_scale", "mxfp8_form", "affine_form",
+    "parse_affine_form", "ceil_div", "round_up", "rows", "repeat_blocks", "pad2", "swizzle_128x4",
+    "unswizzle_128x4", "as_u8", "bits_as", "copy_bits", "e2m1_to_float", "unpack_fp4",
+]
 
 # ----------------------------------------------------------------------------- raw interchange forms
 #

@@ -30,8 +30,8 @@ from typing import Any, Mapping
 
 import torch
 
-from qdcp.adapters.base import Adapter, StoredEntry
 from qdcp.adapters import transformer_engine as qte
+from qdcp.adapters.base import Adapter, StoredEntry
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Blocked, Chunk, Layout, Replicated
 

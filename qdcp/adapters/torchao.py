@@ -17,9 +17,20 @@ from typing import Any, Mapping
 import torch
 
 from qdcp.adapters.base import Adapter, StoredEntry
-from qdcp.adapters.formats import (MXFP8_FORMS, NVFP4_GLOBAL_DIVISOR, NVFP4_ROW16, affine_form, as_u8, ceil_div,
-                                   mxfp8_form, nvfp4_decode_scale, parse_affine_form, repeat_blocks, swizzle_128x4,
-                                   unswizzle_128x4)
+from qdcp.adapters.formats import (
+    MXFP8_FORMS,
+    NVFP4_GLOBAL_DIVISOR,
+    NVFP4_ROW16,
+    affine_form,
+    as_u8,
+    ceil_div,
+    mxfp8_form,
+    nvfp4_decode_scale,
+    parse_affine_form,
+    repeat_blocks,
+    swizzle_128x4,
+    unswizzle_128x4,
+)
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Blocked, Flat, Layout, Replicated, blocks_as_groups, groups_as_blocks
 

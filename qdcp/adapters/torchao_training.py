@@ -24,6 +24,7 @@ has no op table) and through ``TorchAOBaseTensor.implements`` for the int8 weigh
 from __future__ import annotations
 
 import sys
+
 import torch
 
 from qdcp.adapters.base import Adapter
@@ -227,4 +228,3 @@ def builtin_adapters() -> list[Adapter]:
     return [Float8TrainingWeightAdapter(), MoEFloat8TrainingWeightAdapter(), MoEMXFP8TrainingWeightAdapter(),
             Int8MixedPrecisionTrainingWeightAdapter(), BitNetTrainingWeightAdapter(),
             Int8QuantizedTrainingWeightAdapter(), BitNetPacked2bitWeightAdapter()]
-

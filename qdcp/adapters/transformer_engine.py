@@ -37,11 +37,24 @@ from typing import Any
 import torch
 
 from qdcp.adapters.base import Adapter
-from qdcp.errors import LoadMismatchError, UnsupportedTensorError
-from qdcp.adapters.formats import (as_u8, bits_as, ceil_div, copy_bits, e2m1_to_float, pad2, repeat_blocks, round_up,
-                                   rows, swizzle_128x4, unpack_fp4, unswizzle_128x4,
-                                   NVFP4_ROW16, mxfp8_form)
+from qdcp.adapters.formats import (
+    NVFP4_ROW16,
+    as_u8,
+    bits_as,
+    ceil_div,
+    copy_bits,
+    e2m1_to_float,
+    mxfp8_form,
+    pad2,
+    repeat_blocks,
+    round_up,
+    rows,
+    swizzle_128x4,
+    unpack_fp4,
+    unswizzle_128x4,
+)
 from qdcp.adapters.te_components import Component, blocked, blocks
+from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Blocked
 
 _TE_TENSOR_MODULE = "transformer_engine.pytorch.tensor"
@@ -51,7 +64,6 @@ _FP8_NAMES = {7: "e4m3", 8: "e5m2"}
 _FP8_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FP8_CODES = {v: k for k, v in _FP8_NAMES.items()}
 _FP4_CODE = 10
-
 
 
 def dequantize_fp8(data: torch.Tensor, fp8: str, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -30,7 +30,6 @@ from qdcp.hf.safetensors_files import SAFETENSORS_DTYPES, ShardWriter, TensorOut
 from qdcp.reader import CheckpointEntries
 from qdcp.storage import outputs, scratch
 
-
 _SCRATCH = "convert"  #: the scratch file's kind (:mod:`qdcp.storage.scratch`)
 
 

@@ -247,7 +247,8 @@ class CompressedTensorsLayout(HFLayout):
         config_groups = {f"group_{i}": {**scheme.to_json(), "targets": sorted(modules)}
                          for i, (scheme, modules) in enumerate(groups.items())}
         formats = {s.format for s in groups}
-        return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        fmt = formats.pop() if len(formats) == 1 else "mixed-precision"
+        return {"quant_method": "compressed-tensors", "format": fmt,
                 "quantization_status": "compressed", "config_groups": config_groups, "ignore": [],
                 "kv_cache_scheme": None, "global_compression_ratio": None, "sparsity_config": {},
                 "transform_config": {}, "version": CT_VERSION}
@@ -370,7 +371,6 @@ def read_quantization_config(config: Mapping) -> dict:
         found = config.get("quantization_config") or config.get("compression_config")
         raise QdcpError(f"not a compressed-tensors config: {json.dumps(found)[:200]}")
     return qc
-
 
 
 # ----------------------------------------------------------------------------- reading a directory

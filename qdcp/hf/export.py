@@ -25,12 +25,12 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
-from qdcp.storage import outputs, scratch
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 from qdcp.hf import safetensors_files as stf
 from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Source, UnsupportedEntry, layout_named
 from qdcp.reader import CheckpointEntries
+from qdcp.storage import outputs, scratch
 
 
 class ExportError(QdcpError):

@@ -22,14 +22,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from torch.futures import Future
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
 from qdcp import spec as qspec
 from qdcp.errors import CheckpointFormatError

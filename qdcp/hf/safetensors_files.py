@@ -199,4 +199,3 @@ def read_config(path: str) -> dict:
     if not isinstance(config, dict):
         raise QdcpError(f"{p}: expected a JSON object")
     return config
-

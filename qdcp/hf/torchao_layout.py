@@ -30,8 +30,17 @@ import torch
 
 from qdcp.adapters.base import StoredEntry, adapter_for_type, describe_tensor, find_adapter, find_type_adapter
 from qdcp.errors import CheckpointFormatError, UnsupportedTensorError
-from qdcp.hf.layout import (ComponentReader, EntryPlan, Getter, HFLayout, Item, Presented, Source, UnsupportedEntry,
-                            presented)
+from qdcp.hf.layout import (
+    ComponentReader,
+    EntryPlan,
+    Getter,
+    HFLayout,
+    Item,
+    Presented,
+    Source,
+    UnsupportedEntry,
+    presented,
+)
 from qdcp.hf.safetensors_files import TensorOut
 from qdcp.reader import stored_on_meta
 

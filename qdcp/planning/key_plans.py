@@ -14,13 +14,29 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from qdcp import spec as qspec
-from qdcp.adapters.base import (Adapter, adapter_for_type, describe_tensor, find_adapter, find_type_adapter,
-                                 raw_conversion)
+from qdcp.adapters.base import (
+    Adapter,
+    adapter_for_type,
+    describe_tensor,
+    find_adapter,
+    find_type_adapter,
+    raw_conversion,
+)
 from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorError
-from qdcp.layouts import Chunk, grid_view, nearest_aligned
-from qdcp.layouts import Blocked, Replicated
-from qdcp.planning.actions import (Destination, FromPlain, InPlace, IntoPlain, ItemRead, LoadAction, RawCopy,
-                                   Reblock, Requantize, StoredSource, Temporaries)
+from qdcp.layouts import Blocked, Chunk, Replicated, grid_view, nearest_aligned
+from qdcp.planning.actions import (
+    Destination,
+    FromPlain,
+    InPlace,
+    IntoPlain,
+    ItemRead,
+    LoadAction,
+    RawCopy,
+    Reblock,
+    Requantize,
+    StoredSource,
+    Temporaries,
+)
 from qdcp.planning.placement import Placed, expand, is_empty, place, shard_layouts, sharded_inside, with_local
 
 __all__ = ["KeyPlan", "KeyPlanner", "GroupTarget", "Decoded"]

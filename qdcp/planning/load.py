@@ -21,11 +21,12 @@ from qdcp.errors import CheckpointFormatError
 from qdcp.layouts import narrow
 from qdcp.planning.actions import ItemRead, LoadAction, Temporaries
 from qdcp.planning.key_plans import GroupTarget, KeyPlan, KeyPlanner
-from qdcp.planning.shadows import Shadows
 from qdcp.planning.placement import planning
+from qdcp.planning.shadows import Shadows
 from qdcp.storage.metadata import load_object
 
 __all__ = ["QuantizedLoadPlanner"]
+
 
 # Objects whose unpickling runs no code, allowed beside torch's weights-only types: what trainers
 # checkpoint as non-tensor state (torchtitan's TrainState keeps its losses in a BytesIO).
@@ -274,8 +275,6 @@ def _report_partial(loaded: list[str], missing: list[str], metadata: Metadata, s
         f"(e.g. {missing[:3]}) in the checkpoint, which holds {len(stored)} keys (e.g. {stored[:3]}): "
         f"nothing was loaded. Check the state dict's nesting against the checkpoint's keys "
         f"(qdcp.describe(path) lists them).", UserWarning, stacklevel=2)
-
-
 
 
 def _reads_of(key: str, read: ItemRead) -> list[ReadItem]:

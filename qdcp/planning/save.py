@@ -32,11 +32,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWr
 from qdcp import checksums as sums
 from qdcp import spec as qspec
 from qdcp.adapters.base import Adapter, describe_tensor, find_adapter
-from qdcp.errors import (AlignmentError, LoadMismatchError, ReplicaMismatchError, StagingError,
-                         UnsupportedTensorError)
+from qdcp.errors import AlignmentError, LoadMismatchError, ReplicaMismatchError, StagingError, UnsupportedTensorError
 from qdcp.layouts import Chunk, Flat, Layout, grid_view, nearest_aligned
-from qdcp.staging.new_empty import register_new_empty
 from qdcp.planning.placement import Placed, is_empty, place, planning, shard_layouts, sharded_inside, with_local
+from qdcp.staging.new_empty import register_new_empty
 from qdcp.storage import refuse_existing_checkpoint
 
 DequantizeChoice = Union[bool, Callable[[str, torch.Tensor], bool]]
@@ -186,7 +185,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                     if not is_empty(placed.chunk) else None
             except AlignmentError as e:
                 raise AlignmentError(
-                    f"key {fqn!r}: component {name!r}: this rank's shard {placed.chunk} {e}{_per_shard(adapter, layout, t)}"
+                    f"key {fqn!r}: component {name!r}: this rank's shard {placed.chunk} {e}"
+                    f"{_per_shard(adapter, layout, t)}"
                     f"{_nearest(layouts, placed) or '. Shard on block boundaries, or ' + _DEQUANTIZED}.") from None
             if chunk is not None and tuple(value.shape) != chunk[1] and not (
                     regrouped and grid_view(value, chunk[1]) is not None):

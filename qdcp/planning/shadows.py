@@ -21,9 +21,9 @@ from typing import Any, Callable
 import torch
 
 from qdcp.adapters.base import find_adapter
-from qdcp.staging.chunked import ChunkCopies, chunk_buffers, names_own_chunks, shadow_of
 from qdcp.errors import LoadMismatchError
 from qdcp.planning.placement import place, with_local
+from qdcp.staging.chunked import ChunkCopies, chunk_buffers, names_own_chunks, shadow_of
 
 __all__ = ["Shadows"]
 

@@ -25,8 +25,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from qdcp.adapters.base import find_adapter
-from qdcp.staging.chunked import names_own_chunks, staged_copy
 from qdcp.errors import StagingError, UnsupportedTensorError
+from qdcp.staging.chunked import names_own_chunks, staged_copy
 
 __all__ = ["QuantizedStager"]
 

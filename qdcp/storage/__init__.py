@@ -26,7 +26,8 @@ One job per module:
   the previous checkpoint loadable. One save per path at a time (its claim). Used by
   ``dcp.async_save`` as its stager (DCP's hook: a writer that is an ``AsyncStager``), it stages
   nothing itself: it hands the call to the stager it was given, else to one made by
-  :func:`set_default_stager`'s factory (``import qdcp`` sets :class:`qdcp.QuantizedStager`). :func:`refuse_existing_checkpoint` guards the plain path.
+  :func:`set_default_stager`'s factory (``import qdcp`` sets :class:`qdcp.QuantizedStager`).
+  :func:`refuse_existing_checkpoint` guards the plain path.
 - :mod:`~qdcp.storage.factories`: :func:`storage_writer` / :func:`storage_reader` pick the
   file-system or fsspec variant for a path or URL (``memory://``, ``s3://``...).
 """
@@ -38,6 +39,8 @@ from qdcp.storage.reader import CheckpointReader
 from qdcp.storage.trailer import ChecksumExtension
 from qdcp.storage.writer import CheckpointWriter, refuse_existing_checkpoint, set_default_stager
 
-__all__ = ["CheckpointReader", "CheckpointWriter", "storage_reader", "storage_writer", "safe_load_metadata",
-           "check_chunk_geometry", "refuse_existing_checkpoint", "set_default_stager", "ChecksumExtension", "ChecksumError",
-           "CheckpointFormatError", "MAX_METADATA_BYTES", "METADATA_FILE"]
+__all__ = [
+    "CheckpointReader", "CheckpointWriter", "storage_reader", "storage_writer", "safe_load_metadata",
+    "check_chunk_geometry", "refuse_existing_checkpoint", "set_default_stager", "ChecksumExtension",
+    "ChecksumError", "CheckpointFormatError", "MAX_METADATA_BYTES", "METADATA_FILE",
+]

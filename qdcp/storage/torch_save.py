@@ -17,6 +17,7 @@ from qdcp.errors import ChecksumError
 
 __all__ = ["ViewReader", "check_zip_crcs", "archived_tensor"]
 
+
 class ViewReader(io.RawIOBase):
     """A seekable read-only file over a memoryview (zipfile reads headers through it, no copy)."""
 

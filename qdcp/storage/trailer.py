@@ -9,7 +9,6 @@ import zlib
 from typing import IO, Any
 
 import xxhash
-
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 
 from qdcp import checksums

@@ -16,9 +16,9 @@ import weakref
 from typing import Any, Callable
 
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from qdcp.errors import QdcpError
 from qdcp.storage import claims, commit
