@@ -73,7 +73,9 @@ class BlockInt8Tensor(torch.Tensor):
 
 class BlockInt8Adapter(qdcp.Adapter):
     """What qdcp needs to know of ``BlockInt8Tensor``; the base class's defaults do the rest
-    (components are the attributes of the same names, stored as they are)."""
+    (components are the attributes of the same names, stored as they are). It takes on none of the
+    optional contracts (``qdcp.adapters.RawInterchangeAdapter``, ``GroupAdapter``,
+    ``OpRegisteringAdapter``; docs/adapters.md says when a family needs one)."""
 
     type_names = ("example.BlockInt8Tensor",)
 

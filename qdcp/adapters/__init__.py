@@ -1,7 +1,17 @@
-"""Adapters: one per family of quantized tensors, and the registry that finds them."""
+"""Adapters: one per family of quantized tensors, and the registry that finds them.
+
+``base`` states the contract (:class:`Adapter`, and the optional contracts a caller tests with
+``isinstance``: :class:`RawInterchangeAdapter`, :class:`GroupAdapter`, :class:`OpRegisteringAdapter`);
+``torchao`` (a package, one module per family), ``torchao_training``, ``transformer_engine``,
+``te_grouped`` and ``compressed_tensors`` hold the built-in families; ``formats`` the neutral forms
+two families convert through.
+"""
 
 from qdcp.adapters.base import (
     Adapter,
+    GroupAdapter,
+    OpRegisteringAdapter,
+    RawInterchangeAdapter,
     StoredEntry,
     adapter_for_type,
     find_adapter,
@@ -9,4 +19,5 @@ from qdcp.adapters.base import (
     registered_type_names,
 )
 
-__all__ = ["Adapter", "StoredEntry", "adapter_for_type", "find_adapter", "register_adapter", "registered_type_names"]
+__all__ = ["Adapter", "StoredEntry", "RawInterchangeAdapter", "GroupAdapter", "OpRegisteringAdapter",
+           "adapter_for_type", "find_adapter", "register_adapter", "registered_type_names"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
@@ -38,29 +38,32 @@ class StoredEntry:
 class Adapter(abc.ABC):
     """One family of quantized tensors. Subclass and register an instance with :func:`register_adapter`.
 
-    Who calls what (this is the whole contract: no qdcp module calls anything else of an adapter):
+    Who calls what (this is the whole core contract: no qdcp module calls anything else of an
+    adapter, except the optional contracts below, which a caller first tests with ``isinstance``):
 
     - the registry (:func:`find_adapter`): :attr:`type_names`, :meth:`matches`;
     - the save planner: :meth:`type_name`, :meth:`attributes`, :meth:`info`, :meth:`components`
       (through :meth:`component_names` by default), :meth:`layouts` (raw entries),
       :meth:`dequantize` (dequantized entries), :meth:`unwrap` (wrappers stored as their tensor);
     - the load planner: the same, plus :meth:`attribute_classes` (decoding stored attributes),
-      :meth:`native_components`, :meth:`copy_into` (same type),
-      :meth:`raw_load_sources` / :meth:`raw_load` (another type of the same family, same bits),
-      :meth:`raw_forms_in` / :meth:`from_raw_form` with the source's :meth:`raw_forms_out` /
-      :meth:`to_raw_form` (another family's type holding the same format, through a neutral form),
-      :meth:`dequantize_stored` and :meth:`quantize_like` / :meth:`needs_global_amax` /
-      :meth:`quantize_unsupported` (other types), :meth:`members` / :meth:`member_chunk` /
-      :meth:`members_loaded` (groups);
+      :meth:`native_components`, :meth:`copy_into` (same type), :meth:`dequantize_stored` and
+      :meth:`quantize_like` / :meth:`needs_global_amax` / :meth:`quantize_unsupported` (other types);
     - the stager and :func:`qdcp.to_device`: :meth:`inner_buffers`, :meth:`from_inner_buffers`;
-    - DCP's default stager (through qdcp.staging.new_empty): :meth:`loaded_classes`, :meth:`add_op`;
-    - ``qdcp.export`` (Hugging Face layouts): :meth:`rebuild`, :meth:`raw_forms_out` /
-      :meth:`to_raw_form`, and :meth:`new_from_raw_form` (torchao's layout holding another family's bits);
+    - ``qdcp.export`` (Hugging Face layouts): :meth:`rebuild`;
     - ``qdcp.read_entry`` and the CLI: :meth:`rebuild` (a live instance; needs the library),
       :meth:`dequantize_stored` (values; works without the library where the adapter can) and
       :meth:`attribute_classes` (``qdcp inspect`` shows what the save recorded of :meth:`info`).
 
-    ``examples/custom_adapter.py`` is a complete adapter exercised through all of these.
+    Optional contracts, ``runtime_checkable`` protocols (as DCP states ``AsyncStager``) that an
+    adapter subclasses beside this class, for the defaults of the methods it does not write:
+
+    - :class:`RawInterchangeAdapter`: the same bits into a target of another type, no requantization
+      (the load planner, ``qdcp.export``);
+    - :class:`GroupAdapter`: one tensor packing several members, checkpointed by member (the load planner);
+    - :class:`OpRegisteringAdapter`: aten ops the library lacks (DCP's default stager, through
+      qdcp.staging.new_empty).
+
+    ``examples/custom_adapter.py`` is a complete adapter exercised through the core contract.
 
     Required (abstract: a subclass missing one cannot be instantiated): :meth:`matches`,
     :meth:`type_name`, :meth:`component_names`, :meth:`layouts`, :meth:`attributes`,
@@ -189,6 +192,34 @@ class Adapter(abc.ABC):
         for name, value in components.items():
             native[name].copy_(value)
 
+
+class StoredOnlyAdapter(Adapter):
+    """An adapter for a stored format with no live tensor class (compressed-tensors' parameter
+    sets): it describes stored entries (:meth:`rebuild`, :meth:`dequantize_stored`, raw forms) and
+    never matches a live tensor, so the live-tensor methods refuse, naming the family."""
+
+    def matches(self, cls: type) -> bool:
+        return False
+
+    def _no_live(self, *args: Any, **kwargs: Any):
+        raise UnsupportedTensorError(f"{', '.join(self.type_names)}: a stored format with no live tensor class "
+                                     f"(nothing of it to save or quantize into); load it into another target")
+
+    type_name = attributes = component_names = from_inner_buffers = layouts = _no_live
+    dequantize = quantize_like = _no_live
+
+
+# ----------------------------------------------------------------------------- optional contracts
+
+@runtime_checkable
+class RawInterchangeAdapter(Protocol):
+    """An adapter that fills a target of another type with a stored entry's bits, no requantization:
+    within its own family (:meth:`raw_load_sources` / :meth:`raw_load`), or across families through a
+    library-neutral *form* of the bits (:mod:`qdcp.adapters.formats`: the source's
+    :meth:`raw_forms_out` / :meth:`to_raw_form`, the target's :meth:`raw_forms_in` /
+    :meth:`from_raw_form`; :meth:`new_from_raw_form` for ``qdcp.export``). :func:`raw_conversion`
+    picks the path. Subclass it beside :class:`Adapter`: the defaults here offer nothing."""
+
     def raw_load_sources(self, target: torch.Tensor, source_type: str,
                          source_attrs: dict[str, Any]) -> list[str] | None:
         """For a raw checkpoint entry of *another* type of this adapter's own family (or ``target``
@@ -201,8 +232,6 @@ class Adapter(abc.ABC):
         """Fill ``target`` in place from the canonical ``components`` named by :meth:`raw_load_sources`
         (for the chunk ``target`` holds)."""
         raise NotImplementedError
-
-    # Raw conversion across families through a neutral form (qdcp.adapters.formats). Optional.
 
     def raw_forms_out(self, type_name: str, attrs: Mapping[str, Any]) -> Mapping[str, list[str]]:
         """Forms a stored entry of ``type_name`` / ``attrs`` can be stated in exactly, each with the
@@ -228,23 +257,13 @@ class Adapter(abc.ABC):
         holding the tensors of ``form`` exactly, or None (default) for forms it does not build."""
         return None
 
-    # Op registration: filling aten ops a library lacks (DCP's default stager needs new_empty). Optional.
 
-    def loaded_classes(self) -> list[type]:
-        """The tensor classes of this family whose modules are already imported (imports nothing).
-        Default: none."""
-        return []
-
-    def add_op(self, cls: type, op: Any, impl: Callable[..., Any]) -> Callable[[], None] | None:
-        """Make ``impl(func, args, kwargs)`` the implementation of aten ``op`` for ``cls`` through its
-        library's own op registry, only where the library has none. Returns a callable that removes
-        it again, or None (default) where ``cls`` implements ``op`` already or has no registry."""
-        return None
-
-    # Groups: one tensor that packs several members (MoE experts), checkpointed by member. Optional.
-
-    #: whether this family has group types (their stored entries name members: :meth:`member_chunk`)
-    groups: bool = False
+@runtime_checkable
+class GroupAdapter(Protocol):
+    """An adapter of group types: one tensor that packs several members (MoE experts), checkpointed by
+    member. The load planner maps a missing key :meth:`member_key` to a stored group's
+    :meth:`member_chunk`, and a group target whose members are stored under their own keys into its
+    :meth:`members`, then calls :meth:`members_loaded`. Subclass it beside :class:`Adapter`."""
 
     def member_key(self, key: str, index: int) -> str:
         """The state-dict key of member ``index`` of the group under ``key``: where a group stored by
@@ -254,7 +273,7 @@ class Adapter(abc.ABC):
 
     def members(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """For a group: its members, as tensors that share ``t``'s buffers (loading into them fills
-        ``t`` in place), in order; None (default) for types that are not groups."""
+        ``t`` in place), in order; None (default) for types of the family that are not groups."""
         return None
 
     def member_chunk(self, attrs: Mapping[str, Any], shape: tuple[int, ...], index: int) -> Chunk | None:
@@ -267,20 +286,22 @@ class Adapter(abc.ABC):
         group-only state (buffers no member references) in line. Default: nothing."""
 
 
-class StoredOnlyAdapter(Adapter):
-    """An adapter for a stored format with no live tensor class (compressed-tensors' parameter
-    sets): it describes stored entries (:meth:`rebuild`, :meth:`dequantize_stored`, raw forms) and
-    never matches a live tensor, so the live-tensor methods refuse, naming the family."""
+@runtime_checkable
+class OpRegisteringAdapter(Protocol):
+    """An adapter that fills aten ops its library lacks through the library's own op registry (DCP's
+    default stager needs a same-size ``new_empty``: qdcp.staging.new_empty). Subclass it beside
+    :class:`Adapter`."""
 
-    def matches(self, cls: type) -> bool:
-        return False
+    def loaded_classes(self) -> list[type]:
+        """The tensor classes of this family whose modules are already imported (imports nothing).
+        Default: none."""
+        return []
 
-    def _no_live(self, *args: Any, **kwargs: Any):
-        raise UnsupportedTensorError(f"{', '.join(self.type_names)}: a stored format with no live tensor class "
-                                     f"(nothing of it to save or quantize into); load it into another target")
-
-    type_name = attributes = component_names = from_inner_buffers = layouts = _no_live
-    dequantize = quantize_like = _no_live
+    def add_op(self, cls: type, op: Any, impl: Callable[..., Any]) -> Callable[[], None] | None:
+        """Make ``impl(func, args, kwargs)`` the implementation of aten ``op`` for ``cls`` through its
+        library's own op registry, only where the library has none. Returns a callable that removes
+        it again, or None (default) where ``cls`` implements ``op`` already or has no registry."""
+        return None
 
 
 # ----------------------------------------------------------------------------- raw conversion
@@ -293,8 +314,8 @@ class RawConversion:
     adapter takes them (:mod:`qdcp.adapters.formats`)."""
 
     names: tuple[str, ...]
-    target_adapter: Adapter
-    owner: Adapter
+    target_adapter: RawInterchangeAdapter
+    owner: RawInterchangeAdapter
     source_type: str
     source_attrs: Mapping[str, Any]
     form: str | None = None
@@ -313,9 +334,12 @@ def raw_conversion(target_adapter: Adapter, target: torch.Tensor, source_adapter
     """The exact raw path from a stored entry of ``source_type`` into ``target``, or None: first a
     conversion either adapter makes within its family, then a form both declare."""
     for owner in (target_adapter, source_adapter):
-        names = owner.raw_load_sources(target, source_type, dict(source_attrs))
+        names = owner.raw_load_sources(target, source_type, dict(source_attrs)) \
+            if isinstance(owner, RawInterchangeAdapter) else None
         if names is not None:
             return RawConversion(tuple(names), target_adapter, owner, source_type, source_attrs)
+    if not (isinstance(source_adapter, RawInterchangeAdapter) and isinstance(target_adapter, RawInterchangeAdapter)):
+        return None
     offered = source_adapter.raw_forms_out(source_type, source_attrs)
     form = next((f for f in target_adapter.raw_forms_in(target) if f in offered), None)
     if form is None:

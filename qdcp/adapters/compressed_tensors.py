@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from qdcp.adapters.base import Adapter, StoredEntry, StoredOnlyAdapter
+from qdcp.adapters.base import Adapter, RawInterchangeAdapter, StoredEntry, StoredOnlyAdapter
 from qdcp.adapters.formats import (
     MXFP8_FORMS,
     NVFP4_GLOBAL_DIVISOR,
@@ -40,7 +40,7 @@ def _expand(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, ...])
     return repeat_blocks(s, bn, bk, shape)
 
 
-class CompressedTensorsAdapter(StoredOnlyAdapter):
+class CompressedTensorsAdapter(StoredOnlyAdapter, RawInterchangeAdapter):
     """The stored compressed-tensors schemes (sources only: there is no live instance to save)."""
 
     type_names = (NVFP4, MXFP8, FLOAT, INT)

@@ -24,9 +24,9 @@ __all__ = [
 #
 # A *form* is a library-neutral statement of the bits of a quantized tensor, so that two adapter
 # families that hold the same format can convert raw, each knowing only its own tensors: the source
-# adapter turns its stored components into the form's tensors (Adapter.to_raw_form), the target's
-# adapter fills its tensor from them (Adapter.from_raw_form). Tensors of a form cover the same
-# logical chunk as the components they came from.
+# adapter turns its stored components into the form's tensors (RawInterchangeAdapter.to_raw_form),
+# the target's adapter fills its tensor from them (RawInterchangeAdapter.from_raw_form). Tensors of
+# a form cover the same logical chunk as the components they came from.
 #
 # ``mxfp8_e4m3_row32`` / ``mxfp8_e5m2_row32`` (OCP MX, one E8M0 scale per 32 elements of a row):
 #   ``data``  uint8, the logical shape: the fp8 bytes;

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import torch
 
 from qdcp.adapters import transformer_engine as qte
-from qdcp.adapters.base import Adapter, StoredEntry
+from qdcp.adapters.base import Adapter, GroupAdapter, RawInterchangeAdapter, StoredEntry
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Blocked, Chunk, Layout, Replicated
 
@@ -143,11 +143,11 @@ def _clone_with(g, cls, buffers: Mapping[str, torch.Tensor]):
     return new
 
 
-class TEGroupedTensorAdapter(Adapter):
+class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
     """TE ``GroupedTensor`` and ``GroupedTensorStorage``, stored by member (see module docstring)."""
 
     type_names = (TYPE_NAME,)
-    groups = True  # members keyed <key><i> (Adapter.member_key), as TE GroupedLinear names them
+    # members keyed <key><i> (GroupAdapter.member_key's default), as TE GroupedLinear names them
     _cls_names = ("GroupedTensor", "GroupedTensorStorage")
 
     def matches(self, cls):

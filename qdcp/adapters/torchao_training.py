@@ -27,13 +27,13 @@ import sys
 
 import torch
 
-from qdcp.adapters.base import Adapter
+from qdcp.adapters.base import Adapter, OpRegisteringAdapter
 from qdcp.adapters.torchao import TorchAOAdapter, check_shape
 from qdcp.errors import LoadMismatchError
 from qdcp.layouts import Blocked, Replicated
 
 
-class _TrainingAdapter(Adapter):
+class _TrainingAdapter(Adapter, OpRegisteringAdapter):
     """One torchao training class, found by name under a fixed module (nothing is imported)."""
 
     cls_name = ""

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from qdcp.adapters.base import Adapter
+from qdcp.adapters.base import Adapter, RawInterchangeAdapter
 from qdcp.adapters.formats import (
     NVFP4_ROW16,
     as_u8,
@@ -91,7 +91,7 @@ def _te_dtype(code: int):
 
 # ----------------------------------------------------------------------------- adapter base
 
-class TEAdapter(Adapter):
+class TEAdapter(Adapter, RawInterchangeAdapter):
     """Shared machinery: recognition, TE's inner buffers for the stager, GPU-only errors, and every
     per-component method, derived from the subclass's declared :attr:`COMPONENTS`
     (:mod:`qdcp.adapters.te_components`). A subclass adds only what is format-specific: its

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import torch
 
 from qdcp.adapters import compressed_tensors as ct
-from qdcp.adapters.base import StoredEntry, adapter_for_type
+from qdcp.adapters.base import RawInterchangeAdapter, StoredEntry, adapter_for_type
 from qdcp.adapters.formats import MXFP8_FORMS, NVFP4_ROW16, nvfp4_decode_scale, parse_affine_form
 from qdcp.errors import CheckpointFormatError, QdcpError
 from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Item, Presented, Source, UnsupportedEntry, presented
@@ -204,7 +204,8 @@ class CompressedTensorsLayout(HFLayout):
 
     def _form(self, stored: StoredEntry, key: str) -> tuple[str, dict[str, torch.Tensor]]:
         adapter = adapter_for_type(stored.type_name, key)
-        offered = adapter.raw_forms_out(stored.type_name, stored.attrs)
+        offered = adapter.raw_forms_out(stored.type_name, stored.attrs) \
+            if isinstance(adapter, RawInterchangeAdapter) else {}
         for form, names in offered.items():
             if form in (NVFP4_ROW16, _MXFP8) or parse_affine_form(form):
                 comps = {n: stored.components[n] for n in names if n in stored.components}

@@ -28,7 +28,15 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
-from qdcp.adapters.base import StoredEntry, adapter_for_type, describe_tensor, find_adapter, find_type_adapter
+from qdcp.adapters.base import (
+    RawInterchangeAdapter,
+    StoredEntry,
+    adapter_for_type,
+    describe_tensor,
+    find_adapter,
+    find_type_adapter,
+)
+from qdcp.adapters.torchao import granularity_from_block
 from qdcp.errors import CheckpointFormatError, UnsupportedTensorError
 from qdcp.hf.layout import (
     ComponentReader,
@@ -83,10 +91,13 @@ class TorchAOLayout(HFLayout):
         adapter = adapter_for_type(stored.type_name, key)
         if stored.type_name.startswith("torchao.") and stored.type_name[len("torchao."):] in allowed:
             return adapter.rebuild(stored)
-        for form, names in adapter.raw_forms_out(stored.type_name, stored.attrs).items():
+        offered = adapter.raw_forms_out(stored.type_name, stored.attrs) \
+            if isinstance(adapter, RawInterchangeAdapter) else {}
+        builders = [b for b in map(find_type_adapter, _FORM_BUILDERS) if isinstance(b, RawInterchangeAdapter)]
+        for form, names in offered.items():
             tensors = adapter.to_raw_form(stored.type_name, stored.attrs, form,
                                           {n: stored.components[n] for n in names})
-            for builder in filter(None, map(find_type_adapter, _FORM_BUILDERS)):
+            for builder in builders:
                 built = builder.new_from_raw_form(form, tensors, shape=stored.shape, dtype=stored.dtype)
                 if built is not None:
                     return built
@@ -160,8 +171,6 @@ class TorchAOLayout(HFLayout):
 
 def ao_config(t: torch.Tensor) -> Any:
     """The torchao config whose ``quantize_`` makes tensors configured like ``t`` (None if none does)."""
-    from qdcp.adapters.torchao import granularity_from_block
-
     q = importlib.import_module("torchao.quantization")
     name = type(t).__name__
     act = getattr(t, "act_quant_kwargs", None)

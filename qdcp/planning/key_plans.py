@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from qdcp import spec as qspec
 from qdcp.adapters.base import (
     Adapter,
+    GroupAdapter,
     adapter_for_type,
     describe_tensor,
     find_adapter,
@@ -288,7 +289,7 @@ class KeyPlanner:
             self._members = {}
             for key, spec in self.specs.items():
                 g_adapter = find_type_adapter(spec.type)
-                if g_adapter is not None and g_adapter.groups and spec.shape:
+                if isinstance(g_adapter, GroupAdapter) and spec.shape:
                     self._members.update({g_adapter.member_key(key, i): (key, i) for i in range(spec.shape[0])})
         return self._members
 
@@ -298,10 +299,11 @@ class KeyPlanner:
         member ``j`` is global member ``i = offset + j``, loaded into the target in place."""
         if fqn[-1:].isdigit():
             return None  # "<key>1" + "0" would read as "<key>10"
-        members = adapter.members(placed.local) if adapter is not None else None
+        group_adapter = adapter if isinstance(adapter, GroupAdapter) else None
+        members = group_adapter.members(placed.local) if group_adapter is not None else None
         if adapter is None and placed.local.ndim >= 2:
             members = list(placed.local.unbind(0))  # a plain [n, ...] stack
-        naming = adapter if adapter is not None else _PLAIN_STACK
+        naming = group_adapter if group_adapter is not None else _PLAIN_STACK
         first = placed.chunk[0][0] if placed.chunk[0] else 0
         first_key = naming.member_key(fqn, first)
         if members is None or (first_key not in self.md and first_key not in self.specs):
@@ -332,9 +334,9 @@ class KeyPlanner:
 
 
 class _PlainStack:
-    """How a plain ``[n, ...]`` stack names its members: :meth:`Adapter.member_key`'s default."""
+    """How a plain ``[n, ...]`` stack names its members: :meth:`GroupAdapter.member_key`'s default."""
 
-    member_key = Adapter.member_key
+    member_key = GroupAdapter.member_key
 
 
 _PLAIN_STACK = _PlainStack()

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from qdcp.adapters.base import Adapter, all_adapters
+from qdcp.adapters.base import Adapter, OpRegisteringAdapter, all_adapters
 
 __all__ = ["register_new_empty", "unregister_new_empty", "enable_new_empty", "filled_classes", "new_empty_enabled"]
 
@@ -70,6 +70,8 @@ def register_new_empty() -> list[type]:
     filled = []
     with _lock:
         for adapter in all_adapters():
+            if not isinstance(adapter, OpRegisteringAdapter):
+                continue
             for cls in adapter.loaded_classes():
                 if cls in _removers or cls in _refused:
                     continue

@@ -1,0 +1,186 @@
+"""What every torchao adapter shares: classes found by name at fixed import paths, and
+:class:`TorchAOAdapter`, one torchao class that declares its data as ``TorchAOBaseTensor`` does.
+
+torchao is optional: nothing here imports it until a torchao tensor is seen (then torchao is already
+imported) or a checkpoint entry of a torchao type must be rebuilt. Classes are recognised by module
+prefix and class name, and loaded from the fixed import paths in :data:`CLASS_PATHS` only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from typing import Any, Mapping
+
+import torch
+
+from qdcp.adapters.base import Adapter, OpRegisteringAdapter
+from qdcp.errors import LoadMismatchError, UnsupportedTensorError
+
+CLASS_PATHS: dict[str, str] = {
+    "Int8Tensor": "torchao.quantization",
+    "Float8Tensor": "torchao.quantization",
+    "IntxUnpackedToInt8Tensor": "torchao.quantization",
+    "NF4Tensor": "torchao.quantization",
+    "MXTensor": "torchao.prototype.mx_formats.mx_tensor",
+    "NVFP4Tensor": "torchao.prototype.mx_formats.nvfp4_tensor",
+    "OptimState8bit": "torchao.optim.subclass_8bit",
+    "OptimState4bit": "torchao.optim.subclass_4bit",
+    "OptimStateFp8": "torchao.optim.subclass_fp8",
+    "Int8QuantizedTrainingLinearWeight": "torchao.prototype.quantized_training.int8",
+    "BitNetPacked2bitLinearWeight": "torchao.prototype.quantized_training.bitnet",
+}
+
+# Enums and records that may appear in torchao attributes: class name -> (module, attribute).
+_ATTRIBUTE_CLASSES: dict[str, str] = {
+    "KernelPreference": "torchao.quantization.quantize_.common.kernel_preference",
+    "MappingType": "torchao.quantization.quant_primitives",
+    "Float8MMConfig": "torchao.float8.inference",
+    "QuantizeTensorToInt8Kwargs": "torchao.quantization.quantize_.workflows.int8.int8_tensor",
+    "QuantizeTensorToFloat8Kwargs": "torchao.quantization.quantize_.workflows.float8.float8_tensor",
+    "IntxUnpackedToInt8TensorActivationQuantization":
+        "torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor",
+    "PerTensor": "torchao.quantization.granularity",
+    "PerRow": "torchao.quantization.granularity",
+    "PerAxis": "torchao.quantization.granularity",
+    "PerGroup": "torchao.quantization.granularity",
+    "PerToken": "torchao.quantization.granularity",
+    "PerBlock": "torchao.quantization.granularity",
+    "ScaleCalculationMode": "torchao.prototype.mx_formats.config",
+    "QuantizeTensorToMXKwargs": "torchao.prototype.mx_formats.mx_tensor",
+    "QuantizeTensorToNVFP4Kwargs": "torchao.prototype.mx_formats.nvfp4_tensor",
+}
+
+
+def import_class(module: str, name: str) -> Any:
+    """``module.name`` (a torchao class or function), or an error naming torchao 0.18 to install."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise UnsupportedTensorError(
+            f"torchao type {name} is needed but cannot be imported from {module} ({e}); "
+            f"install torchao 0.18 (pip install 'qdcp[torchao]')") from None
+
+
+class TorchAOAdapter(Adapter, OpRegisteringAdapter):
+    """Shared machinery for one torchao class that declares its data as ``TorchAOBaseTensor`` does.
+
+    Subclasses set :attr:`cls_name` and implement :meth:`layouts` and :meth:`quantize_like`.
+    """
+
+    cls_name: str = ""
+
+    def __init__(self) -> None:
+        self.type_names = (f"torchao.{self.cls_name}",)
+        self._attribute_classes: dict[str, type] | None = None
+
+    # --- identity
+    def matches(self, cls: type) -> bool:
+        return cls.__name__ == self.cls_name and cls.__module__.split(".")[0] == "torchao"
+
+    def type_name(self, t):
+        return self.type_names[0]
+
+    def tensor_class(self) -> type:
+        return import_class(CLASS_PATHS[self.cls_name], self.cls_name)
+
+    def loaded_classes(self):
+        module = sys.modules.get(CLASS_PATHS[self.cls_name])
+        cls = getattr(module, self.cls_name, None) if module is not None else None
+        return [cls] if isinstance(cls, type) and self.matches(cls) else []
+
+    def add_op(self, cls, op, impl):
+        """Through ``TorchAOBaseTensor.implements``: torchao's per-class table of aten ops."""
+        table = getattr(cls, "_ATEN_OP_TABLE", {}).get(cls)
+        if table is None or op in table or not hasattr(cls, "implements"):
+            return None
+        cls.implements(op)(lambda func, types, args, kwargs: impl(func, args, kwargs))
+        handler = table[op]
+
+        def remove() -> None:
+            if table.get(op) is handler:
+                del table[op]
+        return remove
+
+    def attribute_classes(self) -> Mapping[str, type]:
+        if self._attribute_classes is None:
+            found = {}
+            for name, module in _ATTRIBUTE_CLASSES.items():
+                try:
+                    found[name] = getattr(importlib.import_module(module), name)
+                except (ImportError, AttributeError):
+                    pass
+            self._attribute_classes = found
+        return self._attribute_classes
+
+    # --- declarations (TorchAOBaseTensor style)
+    def _data_names(self, cls: type) -> tuple[list[str], list[str]]:
+        return list(cls.tensor_data_names), list(getattr(cls, "optional_tensor_data_names", []) or [])
+
+    def _attr_names(self, cls: type) -> list[str]:
+        return list(cls.tensor_attribute_names) + list(
+            getattr(cls, "optional_tensor_attribute_names", []) or [])
+
+    def component_names(self, t):
+        required, optional = self._data_names(type(t))
+        return required + [n for n in optional if getattr(t, n, None) is not None]
+
+    def attributes(self, t):
+        return {n: getattr(t, n) for n in self._attr_names(type(t))}
+
+    def dequantize(self, t, dtype=None):
+        """torchao's ``dequantize``, computed in ``dtype`` where the class takes an ``output_dtype``
+        that wide (else in the widest it takes, float32), then cast to ``dtype``."""
+        if dtype is None or dtype == t.dtype or not _takes_output_dtype(type(t)):
+            out = t.dequantize()
+            return out if dtype is None else out.to(dtype)
+        for work in dict.fromkeys((dtype, torch.float32)):
+            if (type(t), work) in _REFUSED_OUTPUT or work.itemsize <= t.dtype.itemsize:
+                continue
+            try:
+                return t.dequantize(output_dtype=work).to(dtype)
+            except (AssertionError, ValueError, RuntimeError, NotImplementedError):
+                _REFUSED_OUTPUT.add((type(t), work))  # e.g. dequantize_affine refuses float64
+        return t.dequantize().to(dtype)
+
+    def rebuild(self, stored):
+        cls = self.tensor_class()
+        out = cls.__tensor_unflatten__(dict(stored.components), dict(stored.attrs), torch.Size(stored.shape), None)
+        check_shape(out, stored.shape, self.cls_name)
+        return out
+
+    def from_inner_buffers(self, t, buffers):
+        attrs = self.attributes(t)
+        return type(t).__tensor_unflatten__(dict(buffers), attrs, t.shape, t.stride())
+
+    def copy_into(self, target, components):
+        native = self.native_components(target)
+        missing = set(components) - set(native)
+        if missing:
+            raise LoadMismatchError(
+                f"the target {self.cls_name} has no component(s) {sorted(missing)} to load into")
+        for name, value in components.items():
+            native[name].copy_(value)
+
+
+_OUTPUT_DTYPE: dict[type, bool] = {}
+_REFUSED_OUTPUT: set[tuple[type, torch.dtype]] = set()
+
+
+def _takes_output_dtype(cls: type) -> bool:
+    """Whether ``cls.dequantize`` takes an ``output_dtype`` argument (torchao's newer classes do)."""
+    known = _OUTPUT_DTYPE.get(cls)
+    if known is None:
+        try:
+            known = "output_dtype" in inspect.signature(cls.dequantize).parameters
+        except (TypeError, ValueError):
+            known = False
+        _OUTPUT_DTYPE[cls] = known
+    return known
+
+
+def check_shape(out: torch.Tensor, shape, cls_name: str) -> None:
+    """Refuse a rebuilt tensor whose shape is not the stored logical shape."""
+    if tuple(out.shape) != tuple(shape):
+        raise LoadMismatchError(f"rebuilt {cls_name} has shape {tuple(out.shape)}, expected {tuple(shape)}")
