@@ -1,4 +1,7 @@
-"""The qdcp command line, run as users run it (a subprocess), on real checkpoints."""
+"""The qdcp command line on real checkpoints: each verb once as users run it (``python -m qdcp``, a
+subprocess: the installed entry point and its exit status; on a terminal for the progress bars), the
+rest through ``qdcp.cli.main`` in this process (tests/cli_in_process.py), which is what the entry
+point runs."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import qdcp
+from cli_in_process import qdcp_cli
 from qdcp import QuantizedSavePlanner
 from quantized_cases import CASE_BY_NAME, assert_bitwise_equal, bits
 
@@ -18,9 +22,18 @@ CASES = [CASE_BY_NAME[n] for n in ("int8_group32", "mx_fp8_e5m2_swizzled", "nvfp
                                    "optim4bit")]
 
 
-def run(*args, ok=True):
+def spawn(*args, ok=True) -> subprocess.CompletedProcess:
+    """``python -m qdcp ARGS`` in a subprocess."""
     proc = subprocess.run([sys.executable, "-m", "qdcp", *map(str, args)], capture_output=True, text=True,
                           timeout=300)
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def run(*args, ok=True) -> subprocess.CompletedProcess:
+    """``qdcp ARGS`` through ``qdcp.cli.main`` in this process."""
+    proc = qdcp_cli(*args)
     if ok:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -38,7 +51,7 @@ def checkpoint(tmp_path_factory):
 
 def test_inspect_table_and_json(checkpoint):
     path, state = checkpoint
-    out = run("inspect", path).stdout
+    out = spawn("inspect", path).stdout
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["key", "stored", "type"]
     assert any(ln.startswith("nf4 ") and "torchao.NF4Tensor" in ln for ln in lines)
@@ -77,9 +90,9 @@ def test_verify_detects_chunk_holes(checkpoint, tmp_path):
 
 
 def test_exit_codes_for_bad_paths(tmp_path):
-    assert run("verify", tmp_path / "missing", ok=False).returncode == 2
+    assert spawn("verify", tmp_path / "missing", ok=False).returncode == 2
     (tmp_path / "notckpt").mkdir()
-    proc = run("inspect", tmp_path / "notckpt", ok=False)
+    proc = spawn("inspect", tmp_path / "notckpt", ok=False)
     assert proc.returncode == 2 and "no .metadata" in proc.stderr
 
 
@@ -155,5 +168,5 @@ def test_long_work_shows_progress_on_a_terminal_only(checkpoint, tmp_path):
     skipped = "qdcp: skipped non-tensor entry 'step' (safetensors holds tensors only)"
     rc, err = _on_a_terminal("convert", path, tmp_path / "b.safetensors", "--to", "safetensors", "--quiet")
     assert rc == 0 and err.strip() == skipped
-    proc = run("convert", path, tmp_path / "c.safetensors", "--to", "safetensors")  # not a terminal
+    proc = run("convert", path, tmp_path / "c.safetensors", "--to", "safetensors")  # not a terminal (a StringIO)
     assert proc.stderr.strip() == skipped

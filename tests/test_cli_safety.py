@@ -1,13 +1,14 @@
 """The CLI never deletes or rewrites what it did not write, and says what is wrong in one line.
 
-Run as a user types it (``python -m qdcp ...``) on a real checkpoint saved with ``qdcp.save``.
+Each verb runs as a user types it, through ``qdcp.cli.main`` in this process (tests/cli_in_process.py:
+its exit status, stdout and stderr; test_cli.py and test_export.py run the installed entry point as
+a subprocess), on a real checkpoint saved with ``qdcp.save``.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,9 @@ import torch
 from safetensors import safe_open
 
 import qdcp
+from cli_in_process import qdcp_cli
 from qdcp.cli import build_parser
 from quantized_cases import CASE_BY_NAME
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +28,7 @@ def ckpt(tmp_path_factory) -> Path:
     return path
 
 
-def _qdcp(*args, cwd=None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "qdcp", *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=300)
+_qdcp = qdcp_cli
 
 
 def _snapshot(path: Path) -> dict:
