@@ -10,6 +10,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from qdcp.errors import QdcpError
+from qdcp.storage.pipeline import default_thread_count
 from qdcp.storage.reader import CheckpointReader, SafeReading
 from qdcp.storage.trailer import ChecksumExtension
 from qdcp.storage.urls import is_url
@@ -44,7 +45,8 @@ def storage_writer(path: str | os.PathLike, overwrite: bool = False, checksums: 
     """A :class:`CheckpointWriter` for a local path, or its fsspec twin for a URL.
 
     For URLs, ``kwargs`` are fsspec storage options; the commit is a rename (not atomic on object
-    stores), but ``.metadata`` is still written last. ``stager``: as :class:`CheckpointWriter`'s.
+    stores), but ``.metadata`` is still written last. ``stager``, ``thread_count``: as
+    :class:`CheckpointWriter`'s (the same write pipeline, :mod:`qdcp.storage.pipeline`).
     """
     if is_url(path):
         _need_fsspec()
@@ -69,7 +71,9 @@ if FsspecWriter is not None:
         """:class:`CheckpointWriter` for fsspec URLs (the commit rename is not atomic on object stores)."""
 
         def __init__(self, path: str, overwrite: bool = False, checksums: bool = True,
-                     stager: AsyncStager | None = None, **kwargs: Any) -> None:
+                     stager: AsyncStager | None = None, thread_count: int | None = None, **kwargs: Any) -> None:
             extensions = [ChecksumExtension()] if checksums else None
-            super().__init__(os.fspath(path), overwrite=True, _extensions=extensions, **kwargs)
+            super().__init__(os.fspath(path), overwrite=True, _extensions=extensions,
+                             thread_count=thread_count or default_thread_count(), **kwargs)
             self._setup_atomic(overwrite, stager)
+            self.qdcp_auto_threads = thread_count is None

@@ -16,9 +16,10 @@ import weakref
 from typing import Any, Callable
 
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.filesystem import SerializationFormat, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.futures import Future
 
 from qdcp.errors import QdcpError
 from qdcp.storage import claims, commit
@@ -26,6 +27,7 @@ from qdcp.storage.causes import raise_with_cause
 from qdcp.storage.claim_stores import FsspecStore, LocalStore
 from qdcp.storage.hooks import records_checksums
 from qdcp.storage.metadata import METADATA_FILE
+from qdcp.storage.pipeline import default_thread_count, write_items
 from qdcp.storage.trailer import ChecksumExtension
 from qdcp.storage.urls import is_url
 
@@ -169,10 +171,18 @@ class AtomicWriting:
     def write_data(self, plan, planner):
         # a planner that records every item's checksum in the metadata makes the writer's own
         # qdcp-checksum trailers redundant: leave them out (the files stay stock-DCP readable)
-        self.transforms.extensions = () if records_checksums(planner) else self._qdcp_extensions
+        checked = records_checksums(planner)
+        self.transforms.extensions = () if checked else self._qdcp_extensions
         try:
-            fut = super().write_data(plan, planner)
-            fut.wait()  # a torch.futures.Future, already complete for file-system writers
+            # qdcp's pipeline (qdcp.storage.pipeline): files on threads, no zip CRC-32 where every
+            # item is checksummed otherwise, device copies ahead of the writes
+            if getattr(self, "serialization_format", SerializationFormat.TORCH_SAVE) != SerializationFormat.TORCH_SAVE:
+                fut = super().write_data(plan, planner)  # DCP's own (safetensors files)
+                fut.wait()
+            else:
+                fut = Future()
+                fut.set_result(write_items(self, plan.items, plan.storage_data.prefix, planner,
+                                           crc=not (checked or self.transforms.extensions)))
         except BaseException as e:
             self._files.remove_prefixed(plan.storage_data.prefix)  # this rank's own, partly written
             if self._claim is not None:
@@ -354,11 +364,19 @@ class CheckpointWriter(AtomicWriting, FileSystemWriter):
         stager: what ``dcp.async_save`` stages through when it uses this writer as its stager (no
             ``async_stager`` given); it stays the caller's to close. Default: a
             :class:`~qdcp.QuantizedStager` this writer makes, and closes in :meth:`close`.
-        **kwargs: ``FileSystemWriter`` options (``thread_count``, ``sync_files``...).
+        thread_count: files (and threads) each rank writes into; default
+            :func:`~qdcp.storage.pipeline.default_thread_count` (the usable cores, at most 4).
+        **kwargs: other ``FileSystemWriter`` options (``sync_files``, ``per_thread_copy_ahead``...).
+
+    Each rank's items are written by :mod:`qdcp.storage.pipeline`: split by bytes over
+    ``thread_count`` files written and fsync'd in parallel, device copies ahead of the writes,
+    without the ``torch.save`` zip CRC-32s where every item is checksummed otherwise.
     """
 
     def __init__(self, path: str | os.PathLike, overwrite: bool = False, checksums: bool = True,
-                 stager: AsyncStager | None = None, **kwargs: Any) -> None:
+                 stager: AsyncStager | None = None, thread_count: int | None = None, **kwargs: Any) -> None:
         extensions = [ChecksumExtension()] if checksums else None
-        super().__init__(path, overwrite=True, _extensions=extensions, **kwargs)
+        super().__init__(path, overwrite=True, _extensions=extensions,
+                         thread_count=thread_count or default_thread_count(), **kwargs)
         self._setup_atomic(overwrite, stager)
+        self.qdcp_auto_threads = thread_count is None

@@ -1,0 +1,170 @@
+"""The write path against the storage's own limit: qdcp's saves / fsync'd writes of the same bytes.
+
+Builds Int8Tensor weights (4096x4096, per-row scales) holding ``--gib`` GiB of components on
+``--device`` and times, interleaved, best of ``--repeat`` (each after ``os.sync()``, its directory
+fresh), in ONE run:
+
+- the storage's own bandwidth for the same bytes (the components' bytes, from host memory): written
+  with plain ``write`` calls and fsync'd, into 1 file and into ``--files`` files on as many threads;
+- vanilla ``dcp.save`` of plain tensors with the same bytes (the components cloned), through
+  ``FileSystemWriter`` at its defaults (``thread_count=1``) and at ``thread_count=--files``;
+- ``dcp.save(state, planner=QuantizedSavePlanner())`` (DCP's own writer);
+- ``qdcp.save`` (synchronous) and ``qdcp.async_save`` (the whole save: the call until its future is
+  done), both at qdcp's defaults; ``async_save`` also with a ``QuantizedStager`` kept across saves
+  (its steady state: buffers reused);
+- with ``--fsspec``: the same bytes written through fsspec (``file://``, fsync'd) and ``qdcp.save``
+  to that URL (qdcp's fsspec writer).
+
+Prints GiB/s per case and each save's ratio to vanilla ``dcp.save`` (thread_count=1) and to the
+storage's parallel bandwidth (goals: ``qdcp.save`` >= 1.0x vanilla; a whole save at qdcp's
+defaults >= 0.85x the storage).
+
+    python benchmarks/write_path.py [--gib 1] [--device cpu|cuda] [--files 4] [--repeat 3] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import qdcp
+from common import plain_twin, quantized_state
+from qdcp import QuantizedSavePlanner, QuantizedStager
+from qdcp.adapters.base import find_adapter
+
+
+def host_bytes(state: dict) -> list[torch.Tensor]:
+    """The components' bytes as flat uint8 host tensors (what the storage anchor writes)."""
+    out = []
+    for t in state.values():
+        adapter = find_adapter(t)
+        for b in (adapter.inner_buffers(t).values() if adapter else [t]):
+            out.append(b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+    return out
+
+
+def split(buffers: list[torch.Tensor], n: int) -> list[list[torch.Tensor]]:
+    """``buffers`` in ``n`` groups of about equal bytes (largest first into the lightest group)."""
+    groups: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for b in sorted(buffers, key=lambda b: -b.numel()):
+        i = sizes.index(min(sizes))
+        groups[i].append(b)
+        sizes[i] += b.numel()
+    return [g for g in groups if g]
+
+
+def _write_fsynced(opener: Callable[[str], object], path: str, group: list[torch.Tensor]) -> None:
+    with opener(path) as f:
+        for b in group:
+            f.write(memoryview(b.numpy()))
+        f.flush()
+        try:
+            os.fsync(f.fileno())
+        except (AttributeError, OSError, ValueError):  # a file object without a descriptor
+            os.sync()
+
+
+def write_files(buffers: list[torch.Tensor], directory: str, n: int, opener=None) -> None:
+    """Write ``buffers`` into ``n`` files on ``n`` threads, each fsync'd before it is closed."""
+    opener = opener or (lambda p: open(p, "wb"))
+    os.makedirs(directory, exist_ok=True) if "://" not in directory else None
+    threads = [threading.Thread(target=_write_fsynced, args=(opener, f"{directory}/part{i}", g))
+               for i, g in enumerate(split(buffers, n))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def best(cases: dict[str, tuple[Callable[[], object], Callable[[], object]]], repeat: int) -> dict[str, float]:
+    """Best (shortest) wall time of each ``(fn, cleanup)`` over ``repeat`` interleaved rounds;
+    ``cleanup`` runs untimed before and after each run, then ``os.sync()``."""
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for r in range(repeat):
+        for name in (list(cases) if r % 2 == 0 else list(reversed(cases))):
+            fn, cleanup = cases[name]
+            cleanup()
+            os.sync()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+            cleanup()
+    return {k: min(v) for k, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0, help="GiB of quantized components (default 1)")
+    ap.add_argument("--device", default="cpu", help="where the state lives: cpu or cuda (default cpu)")
+    ap.add_argument("--files", type=int, default=4, help="files/threads of the storage's parallel anchor")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds; each case's best is kept (default 3)")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
+    ap.add_argument("--fsspec", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the fsspec storage (file:// URL) and its anchor (default on)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+
+    state = {k: v.to(device) for k, v in quantized_state("int8", 2 * args.gib).items()}
+    twin = plain_twin(state)
+    raw = host_bytes(state)
+    nbytes = sum(b.numel() for b in raw)
+    root = tempfile.mkdtemp(prefix="qdcp-write-", dir=args.dir)
+    d = {k: os.path.join(root, k) for k in ("raw", "vanilla", "q")}
+    url = "file://" + os.path.join(root, "fs")
+    clean = lambda *paths: lambda: [shutil.rmtree(p, ignore_errors=True) for p in paths]  # noqa: E731
+    kept = QuantizedStager()
+    whole = lambda fut: getattr(fut, "upload_completion", fut).result()  # noqa: E731
+    files = args.files
+    cases = {
+        "storage, 1 file": (lambda: write_files(raw, d["raw"], 1), clean(d["raw"])),
+        f"storage, {files} files": (lambda: write_files(raw, d["raw"], files), clean(d["raw"])),
+        "vanilla dcp.save (thread_count=1)": (lambda: dcp.save(twin, storage_writer=dcp.FileSystemWriter(d["vanilla"])),
+                                             clean(d["vanilla"])),
+        f"vanilla dcp.save (thread_count={files})": (
+            lambda: dcp.save(twin, storage_writer=dcp.FileSystemWriter(d["vanilla"], thread_count=files)),
+            clean(d["vanilla"])),
+        "dcp.save + QuantizedSavePlanner": (lambda: dcp.save(state, checkpoint_id=d["q"],
+                                                             planner=QuantizedSavePlanner()), clean(d["q"])),
+        "qdcp.save": (lambda: qdcp.save(state, d["q"]), clean(d["q"])),
+        "qdcp.async_save (whole save)": (lambda: whole(qdcp.async_save(state, d["q"])), clean(d["q"])),
+        "qdcp.async_save, kept stager": (lambda: whole(qdcp.async_save(state, d["q"], stager=kept)), clean(d["q"])),
+    }
+    if args.fsspec:
+        import fsspec
+
+        fs = fsspec.filesystem("file")
+        cases[f"storage via fsspec, {files} files"] = (
+            lambda: (fs.makedirs(url, exist_ok=True), write_files(raw, url, files, lambda p: fs.open(p, "wb"))),
+            clean(url[len("file://"):]))
+        cases["qdcp.save (fsspec file://)"] = (lambda: qdcp.save(state, url), clean(url[len("file://"):]))
+    print(f"{len(state)} Int8Tensor weights on {device}, {nbytes / 2**30:.3f} GiB of components; "
+          f"{os.cpu_count()} CPUs; writing under {root}; best of {args.repeat}")
+    try:
+        times = best(cases, args.repeat)
+    finally:
+        kept.close()
+        shutil.rmtree(root, ignore_errors=True)
+    disk = times[f"storage, {files} files"]
+    fs_disk = times.get(f"storage via fsspec, {files} files")
+    vanilla = times["vanilla dcp.save (thread_count=1)"]
+    print(f"\n{'case':44} {'GiB/s':>7} {'/ vanilla':>10} {'/ storage':>10}")
+    for name, t in times.items():
+        anchor = fs_disk if "fsspec" in name and fs_disk else disk
+        print(f"{name:44} {nbytes / t / 2**30:7.3f} {vanilla / t:10.2f} {anchor / t:10.2f}")
+    print(f"\ngoals: qdcp.save / vanilla >= 1.0; whole save at qdcp's defaults / storage ({files} files) >= 0.85 "
+          f"(fsspec: / storage via fsspec)")
+
+
+if __name__ == "__main__":
+    main()
