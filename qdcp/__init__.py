@@ -20,8 +20,9 @@ The package, data flowing one way (each folder's ``__init__`` says what its modu
 - ``planning/``: DCP's save and load planners over those.
 - ``staging/``: copies by inner buffers (async saves, offloading).
 - ``storage/``: safe metadata, verified reads, atomic checksummed writes.
-- ``checkpoint.py`` (``qdcp.save`` / ``load``), ``reader.py`` (reading without a target), ``hf/``
-  (Hugging Face layouts), ``frameworks/`` (torchtitan, Lightning, ``install()``, consolidation), ``cli.py``.
+- ``checkpoint.py`` (``qdcp.save`` / ``load``), ``reading/`` (reading without a target: entries,
+  describe, verify, consolidation), ``hf/`` (Hugging Face layouts), ``frameworks/`` (torchtitan,
+  Lightning, ``install()``), ``cli.py``.
 """
 
 from qdcp.adapters import Adapter, StoredEntry, find_adapter, register_adapter, registered_type_names
@@ -43,11 +44,19 @@ from qdcp.errors import (
     StagingError,
     UnsupportedTensorError,
 )
-from qdcp.frameworks.consolidate import ConsolidatingLoadPlanner, consolidate, dcp_to_torch_save
 from qdcp.frameworks.switch import install, installed, is_installed, uninstall
 from qdcp.hf import ExportError, ExportResult, QuantizedHFReader, export
 from qdcp.planning import QuantizedLoadPlanner, QuantizedSavePlanner
-from qdcp.reader import CheckpointEntries, describe, read_entry, read_metadata, read_stored
+from qdcp.reading import (
+    CheckpointEntries,
+    ConsolidatingLoadPlanner,
+    consolidate,
+    dcp_to_torch_save,
+    describe,
+    read_entry,
+    read_metadata,
+    read_stored,
+)
 from qdcp.staging import QuantizedStager, enable_new_empty, register_new_empty, to_device, unregister_new_empty
 from qdcp.storage import (
     CheckpointReader,

@@ -27,11 +27,21 @@ import warnings
 from typing import Any, Iterator, Sequence
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from tqdm import tqdm
 
-from qdcp import spec as qspec
+from qdcp.checkpoint import save
 from qdcp.errors import QdcpError
+from qdcp.hf.convert import UnwritableDtype, to_safetensors
+from qdcp.hf.export import export
+from qdcp.reading import (
+    CheckpointEntries,
+    check_chunks,
+    check_components,
+    check_entry,
+    check_storage,
+    consolidate,
+    describe,
+)
 from qdcp.storage import outputs, scratch
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -64,39 +74,23 @@ def _short_attrs(attrs: dict) -> str:
 # ----------------------------------------------------------------------------- the entries of a checkpoint
 
 class _Entries:
-    """A checkpoint's state-dict entries (component items folded into their entry), with the
-    bytes each stores, iterated in key order under a progress bar."""
+    """A checkpoint's entries (:class:`qdcp.reading.CheckpointEntries`), iterated in key order
+    under a progress bar of the bytes each stores."""
 
     def __init__(self, path: str, quiet: bool, what: str) -> None:
-        from qdcp.reader import CheckpointEntries
-
-        self.path, self.quiet, self.what = path, quiet, what
+        self.quiet, self.what = quiet, what
         self.reading = CheckpointEntries(path)  #: reads each entry (metadata and specs parsed once)
-        self.md: Metadata = self.reading.metadata
-        self.specs = self.reading.specs
-        self.owned = {qspec.component_fqn(e.fqn, c.name) for e in self.specs.values() for c in e.components}
-        self.keys = sorted(set(self.specs) | {k for k in self.md.state_dict_metadata if k not in self.owned})
-
-    def nbytes(self, key: str) -> int:
-        entry = self.specs.get(key)
-        if entry is not None and entry.storage == qspec.RAW:
-            return sum(math.prod(c.shape) * c.dtype.itemsize for c in entry.components)
-        item = self.md.state_dict_metadata.get(key)
-        return math.prod(item.size) * item.properties.dtype.itemsize if isinstance(item, TensorStorageMetadata) else 0
-
-    def raw(self, key: str) -> qspec.EntrySpec | None:
-        entry = self.specs.get(key)
-        return entry if entry is not None and entry.storage == qspec.RAW else None
+        self.keys = self.reading.keys()
 
     def __iter__(self) -> Iterator[str]:
-        total = sum(self.nbytes(k) for k in self.keys)
+        total = sum(self.reading.nbytes(k) for k in self.keys)
         disable = True if self.quiet else None  # None: tqdm shows a bar on a terminal only
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self.what, disable=disable,
                   file=sys.stderr, leave=False) as bar:
             for i, key in enumerate(self.keys):
                 bar.set_postfix_str(f"entry {i + 1}/{len(self.keys)}", refresh=False)
                 yield key
-                bar.update(self.nbytes(key))
+                bar.update(self.reading.nbytes(key))
 
     def values(self, key: str, dtype: torch.dtype | None) -> torch.Tensor | Any:
         """The entry as plain values (raw entries dequantized, in ``dtype`` if given), or an object."""
@@ -107,8 +101,6 @@ class _Entries:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``qdcp inspect``: print the table of entries (or ``--json``)."""
-    from qdcp.reader import describe
-
     info = describe(args.path)
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
@@ -136,18 +128,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """``qdcp verify``: read and rebuild every entry, list every problem; exit 1 if any."""
-    from qdcp.reader import check_chunks, check_storage
-
     entries = _Entries(args.path, args.quiet, "verify")
-    md, specs = entries.md, entries.specs
-    problems = check_chunks(md) + check_storage(md, args.path)
-    problems += [f"{k}: a qdcp component item that no spec entry lists (damaged or missing spec)"
-                 for k in sorted(md.state_dict_metadata)
-                 if qspec.COMPONENT_SEPARATOR in k and k not in entries.owned
-                 and k.rsplit(qspec.COMPONENT_SEPARATOR, 1)[0] not in specs]
+    md = entries.reading.metadata
+    problems = check_chunks(md) + check_storage(md, args.path) + check_components(entries.reading)
     for key in entries:
         try:
-            problems += _verify_entry(entries, key)
+            problems += check_entry(entries.reading, key)
         except BaseException as e:  # CheckpointException is a BaseException
             if isinstance(e, KeyboardInterrupt):
                 raise
@@ -161,21 +147,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _count(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
-
-
-def _verify_entry(entries: _Entries, key: str) -> list[str]:
-    """Read the entry whole (checksums and stored shapes checked on the way) and compute its values."""
-    value = entries.values(key, None)
-    if not isinstance(value, torch.Tensor):
-        return []
-    spec = entries.specs.get(key)
-    expected = spec.shape if spec is not None else tuple(entries.md.state_dict_metadata[key].size)
-    problems = []
-    if tuple(value.shape) != tuple(expected):
-        problems.append(f"{key}: rebuilt shape {tuple(value.shape)} != {tuple(expected)}")
-    if spec is not None and spec.storage == qspec.RAW and value.dtype != spec.dtype:
-        problems.append(f"{key}: rebuilt dtype {value.dtype} != {spec.dtype}")
-    return problems
 
 
 def _root_cause(e: BaseException) -> str:
@@ -208,8 +179,6 @@ def _to_torch(args: argparse.Namespace) -> int:
     """``--to torch``: the whole checkpoint in one ``torch.save`` file (:func:`qdcp.dcp_to_torch_save`),
     written under a fresh scratch name (:mod:`qdcp.storage.scratch`) and renamed into place; never
     over an existing file."""
-    from qdcp.frameworks.consolidate import consolidate
-
     if args.dtype or args.overwrite:
         why = "(it writes each entry in its own dtype)" if args.dtype else \
             "(it never replaces a file: a torch.save file does not say who wrote it)"
@@ -244,8 +213,6 @@ _DCP_FILES = outputs.name_matcher(r"\.metadata", r"\.metadata(\.[0-9a-f]+)?\.tmp
 
 def _to_safetensors(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
     """``--to safetensors``: :func:`qdcp.hf.convert.to_safetensors`, its result printed."""
-    from qdcp.hf.convert import UnwritableDtype, to_safetensors
-
     try:
         result = to_safetensors(args.path, args.out, dequantize=args.dequantize, dtype=dtype,
                                 overwrite=args.overwrite, progress=False if args.quiet else None)
@@ -262,8 +229,6 @@ def _to_dcp_dequantized(entries: _Entries, out: str, dtype: torch.dtype | None, 
     """A portable DCP checkpoint: every tensor entry plain (raw entries dequantized, in ``dtype``
     if given), objects as they are; readable by stock DCP. Written by qdcp's writer: a previous
     output is replaced atomically (it stays whole until the new one is)."""
-    from qdcp.checkpoint import save
-
     state = {key: entries.values(key, dtype) for key in entries}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -276,8 +241,6 @@ def _to_dcp_dequantized(entries: _Entries, out: str, dtype: torch.dtype | None, 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``qdcp export``: a Hugging Face directory through :func:`qdcp.export`."""
-    from qdcp.hf.export import export
-
     result = export(args.path, args.out, format=args.format, config=_config(args.config),
                     max_shard_size=args.max_shard_size, dequantize_unsupported=args.dequantize_unsupported,
                     overwrite=args.overwrite, progress=False if args.quiet else None)

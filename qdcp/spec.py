@@ -399,6 +399,16 @@ def stored_components(state_dict_metadata: Mapping[str, Any]) -> dict[str, set[s
     return out
 
 
+def entry_keys(state_dict_metadata: Mapping[str, Any], specs: Mapping[str, EntrySpec]) -> list[str]:
+    """The state-dict keys of a checkpoint's entries, in its items' order: every item's key, the
+    component items a spec lists (``<key>.__qdcp__.<name>``) folded into their entry's key; then
+    the keys of spec entries with no item stored."""
+    owner = {component_fqn(e.fqn, c.name): e.fqn for e in specs.values() for c in e.components}
+    keys = dict.fromkeys(owner.get(k, k) for k in state_dict_metadata)
+    keys.update(dict.fromkeys(specs))
+    return list(keys)
+
+
 def check_items(entry: EntrySpec, state_dict_metadata: Mapping[str, Any], stored: set[str],
                 key: str | None = None) -> None:
     """Every component item the spec lists exists with exactly its shape and dtype, and no item

@@ -406,7 +406,7 @@ def _forged_chunks(fqn, pieces, checksums):
     (rows of the original data), so only a coverage check can tell the damage."""
     def go(path, root):
         md = read_md(path)
-        orig = qdcp.reader.read_entry(root / ("trailer" if checksums else "plain"), fqn.split(SEP)[0]) \
+        orig = qdcp.read_entry(root / ("trailer" if checksums else "plain"), fqn.split(SEP)[0]) \
             if SEP not in fqn else None
         if orig is None:
             sd = {fqn: torch.empty(tuple(md.state_dict_metadata[fqn].size),

@@ -13,7 +13,7 @@ import qdcp
 from qdcp.hf import ct_layout
 from qdcp.hf.layout import layout_named, layout_of
 from qdcp.hf.reader import HFDirectory
-from qdcp.reader import CheckpointEntries
+from qdcp.reading import CheckpointEntries
 from quantized_cases import CASE_BY_NAME, bits, qdcp_save
 
 warnings.filterwarnings("ignore")

@@ -1,4 +1,4 @@
-"""qdcp.reader: what read_metadata, describe and read_stored report of a checkpoint, on disk or
+"""qdcp.reading: what read_metadata, describe and read_stored report of a checkpoint, on disk or
 behind an fsspec URL."""
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_entries_read_verifies_every_item(tmp_path):
     """Reading entries without a target (``read_stored``, ``read_entry``, ``CheckpointEntries``
     and so ``qdcp export``) checks each item against the checksum its save recorded: a flipped
     byte in a component's values is a ChecksumError naming the key, never wrong values."""
-    from qdcp.reader import CheckpointEntries
+    from qdcp.reading import CheckpointEntries
     from qdcp.storage import ChecksumError
 
     path = tmp_path / "ckpt"
@@ -96,7 +96,7 @@ def test_entries_reuse_memory_read_in_place(tmp_path, writer):
     bit-equal to an ordinary read, and the next read of an entry the same size lands at the same
     address. Items are still verified: a flipped byte is a ChecksumError naming the key, both for
     checksums qdcp's planner recorded and for torch.save's zip CRCs (a stock DCP save)."""
-    from qdcp.reader import CheckpointEntries
+    from qdcp.reading import CheckpointEntries
     from qdcp.storage import ChecksumError
 
     torch.manual_seed(0)

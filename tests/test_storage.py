@@ -199,7 +199,7 @@ def test_the_planner_storage_contract_is_stated_as_protocols():
     DCP's behaviour)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
-    from qdcp.reader import _Assembler
+    from qdcp.reading.entries import _Assembler
     from qdcp.storage.hooks import AdoptingLoadPlanner, ChecksummingSavePlanner, VerifyingLoadPlanner
 
     assert isinstance(qdcp.QuantizedLoadPlanner(), VerifyingLoadPlanner)

@@ -19,7 +19,7 @@ What the wrappers choose:
 - load: ``QuantizedLoadPlanner`` (any target type; objects unpickled with ``weights_only``);
 - DCP's ``_EmptyStateDictLoadPlanner`` (which consolidation tools, DCP's ``dcp_to_torch_save``,
   accelerate's ``merge_fsdp_weights`` and Lightning's ``consolidate_checkpoint``, look up at call
-  time in ``format_utils``; ``state_dict_loader`` uses it too): ``qdcp.consolidate``'s
+  time in ``format_utils``; ``state_dict_loader`` uses it too): ``qdcp.reading.consolidate``'s
   ``ConsolidatingLoadPlanner``, so each quantized entry comes out dequantized under its own key,
   not as its inner buffers under ``<key>.__qdcp__.*`` keys.
 """
@@ -34,6 +34,12 @@ from typing import Any, Callable, Iterator
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from qdcp.planning.load import QuantizedLoadPlanner
+from qdcp.planning.save import QuantizedSavePlanner
+from qdcp.reading.consolidate import ConsolidatingLoadPlanner
+from qdcp.staging.stager import QuantizedStager
 
 __all__ = ["install", "uninstall", "installed", "is_installed"]
 
@@ -116,8 +122,6 @@ _switched: list[type] = []
 def _switched_empty_planner() -> type:
     """qdcp's ``ConsolidatingLoadPlanner``, unpickling objects as :func:`install` was told."""
     if not _switched:
-        from qdcp.frameworks.consolidate import ConsolidatingLoadPlanner
-
         class SwitchedEmptyStateDictLoadPlanner(ConsolidatingLoadPlanner):
             """What ``qdcp.install()`` puts in place of DCP's ``_EmptyStateDictLoadPlanner``."""
 
@@ -149,8 +153,6 @@ def _wrap(original: Callable, adjust: Callable[[dict[str, Any]], None], storage:
 
 
 def _save_arguments(arguments: dict[str, Any]) -> None:
-    from qdcp.planning.save import QuantizedSavePlanner
-
     planner = arguments.get("planner")
     if planner is None or type(planner) is DefaultSavePlanner:
         hf = isinstance(arguments.get("storage_writer"), dcp.HuggingFaceStorageWriter)
@@ -158,10 +160,6 @@ def _save_arguments(arguments: dict[str, Any]) -> None:
 
 
 def _async_arguments(arguments: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.staging import AsyncStager
-
-    from qdcp.staging.stager import QuantizedStager
-
     _save_arguments(arguments)
     writer = arguments.get("storage_writer")
     if arguments.get("async_stager") is None and (not isinstance(writer, AsyncStager) or _torch_stages(writer)):
@@ -176,8 +174,6 @@ def _torch_stages(writer: Any) -> bool:
 
 
 def _load_arguments(arguments: dict[str, Any]) -> None:
-    from qdcp.planning.load import QuantizedLoadPlanner
-
     planner = arguments.get("planner")
     if planner is None or type(planner) is DefaultLoadPlanner:
         flags = {} if planner is None else {

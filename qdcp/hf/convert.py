@@ -27,7 +27,7 @@ from tqdm import tqdm
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 from qdcp.hf.safetensors_files import SAFETENSORS_DTYPES, ShardWriter, TensorOut
-from qdcp.reader import CheckpointEntries
+from qdcp.reading.entries import CheckpointEntries
 from qdcp.storage import outputs, scratch
 
 _SCRATCH = "convert"  #: the scratch file's kind (:mod:`qdcp.storage.scratch`)
@@ -105,19 +105,13 @@ def to_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *, deq
     outputs.check_replaceable(out, overwrite, directory=False, ours=written_by_qdcp,
                               what="a safetensors file qdcp wrote")
     entries = CheckpointEntries(checkpoint)
-    keys = entry_keys(entries)
+    keys = entries.keys()
     rows, skipped = plan_rows(entries, keys, dequantize, dtype)
     bad = next((row for row in rows if row.dtype not in SAFETENSORS_DTYPES), None)
     if bad is not None:
         raise UnwritableDtype(bad)
     _write(entries, keys, rows, out, _file_metadata(entries, dequantize), progress)
     return SafetensorsResult(out, tuple(rows), tuple(skipped))
-
-
-def entry_keys(entries: CheckpointEntries) -> list[str]:
-    """The checkpoint's state-dict keys (component items folded into their entry), sorted."""
-    owned = {qspec.component_fqn(e.fqn, c.name) for e in entries.specs.values() for c in e.components}
-    return sorted(set(entries.specs) | {k for k in entries.metadata.state_dict_metadata if k not in owned})
 
 
 def plan_rows(entries: CheckpointEntries, keys: Sequence[str], dequantize: bool,

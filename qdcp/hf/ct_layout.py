@@ -56,7 +56,7 @@ from qdcp.errors import CheckpointFormatError, QdcpError
 from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Item, Presented, Source, UnsupportedEntry, presented
 from qdcp.hf.safetensors_files import RowBlocks, TensorOut
 from qdcp.layouts import Blocked, Replicated
-from qdcp.reader import stored_on_meta
+from qdcp.reading.entries import stored_on_meta
 
 if TYPE_CHECKING:
     from qdcp.hf.reader import HFDirectory

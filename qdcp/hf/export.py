@@ -29,7 +29,7 @@ from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 from qdcp.hf import safetensors_files as stf
 from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Source, UnsupportedEntry, layout_named
-from qdcp.reader import CheckpointEntries
+from qdcp.reading.entries import CheckpointEntries
 from qdcp.storage import outputs, scratch
 
 
@@ -66,7 +66,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
     checkpoint, out_dir = os.fspath(checkpoint), os.fspath(out_dir)
     _check_output(checkpoint, out_dir, overwrite)
     entries = CheckpointEntries(checkpoint, reuse_memory=True)  # one entry in memory at a time
-    sources, skipped = _sources(entries.metadata)
+    sources, skipped = _sources(entries)
     plans = _plan_all(layout, sources, dequantize_unsupported,
                       lambda key: functools.partial(entries.components, key))
     config_json = dict(_base_config(config))
@@ -117,24 +117,20 @@ class _OutputRefused(ExportError, outputs.OutputError):
     """``out_dir`` cannot be written (an :class:`ExportError` and a :class:`qdcp.storage.outputs.OutputError`)."""
 
 
-def _sources(md) -> tuple[dict[str, Source], list[str]]:
+def _sources(entries: CheckpointEntries) -> tuple[dict[str, Source], list[str]]:
     """Every tensor entry of the checkpoint (raw quantized entries with their spec), and the keys
-    of objects."""
-    specs = qspec.read_specs(md)
-    owned = {qspec.component_fqn(e.fqn, c.name) for e in specs.values() for c in e.components}
+    of objects, each sorted."""
     sources: dict[str, Source] = {}
     skipped: list[str] = []
-    for key, entry in specs.items():
-        if entry.storage == qspec.RAW:
+    for key in entries.keys():
+        entry, item = entries.specs.get(key), entries.metadata.state_dict_metadata.get(key)
+        if entry is not None and entry.storage == qspec.RAW:
             sources[key] = Source(key, tuple(entry.shape), entry.dtype, entry)
-    for key, item in md.state_dict_metadata.items():
-        if key in owned or key in sources:
-            continue
-        if isinstance(item, TensorStorageMetadata):
+        elif isinstance(item, TensorStorageMetadata):
             sources[key] = Source(key, tuple(item.size), item.properties.dtype)
-        else:
+        elif item is not None:
             skipped.append(key)
-    return dict(sorted(sources.items())), sorted(skipped)
+    return sources, skipped
 
 
 def _plan_all(layout: HFLayout, sources: Mapping[str, Source], dequantize_unsupported: bool,

@@ -50,7 +50,7 @@ from qdcp.hf.layout import (
     presented,
 )
 from qdcp.hf.safetensors_files import TensorOut
-from qdcp.reader import stored_on_meta
+from qdcp.reading.entries import stored_on_meta
 
 if TYPE_CHECKING:
     from qdcp.hf.reader import HFDirectory

@@ -22,7 +22,9 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from qdcp import spec as qspec
+from qdcp.checkpoint import load
 from qdcp.planning.load import QuantizedLoadPlanner
+from qdcp.reading.entries import CheckpointEntries, read_metadata
 
 __all__ = ["consolidate", "dcp_to_torch_save", "ConsolidatingLoadPlanner"]
 
@@ -37,9 +39,6 @@ def consolidate(path: str | os.PathLike, *, dequantize: bool = True) -> dict[str
     the library must be importable). Read through qdcp's reader: checksums verified, objects
     unpickled without running code. Memory: the whole checkpoint.
     """
-    from qdcp.checkpoint import load
-    from qdcp.reader import CheckpointEntries, read_metadata
-
     md = read_metadata(path)
     flat = empty_entries(md, dequantize=dequantize)
     load(flat, path)
@@ -64,17 +63,18 @@ def empty_entries(md: Metadata, *, dequantize: bool = True, keys: Iterable[str] 
     ``None`` for objects. Component items (``<key>.__qdcp__.*``) are not entries. ``keys``: only
     the entries named, or under a prefix named (as DCP's ``_EmptyStateDictLoadPlanner(keys=)``)."""
     specs = qspec.read_specs(md)
-    owned = {qspec.component_fqn(e.fqn, c.name) for e in specs.values() for c in e.components}
     wanted = None if keys is None else set(keys)
     out: dict[str, Any] = {}
-    for key, entry in specs.items():
-        if entry.storage == qspec.RAW and dequantize and _included(key, md, wanted):
-            out[key] = torch.empty(tuple(entry.shape), dtype=entry.dtype)
-    for key, item in md.state_dict_metadata.items():
-        if key in owned or (key in specs and specs[key].storage == qspec.RAW) or not _included(key, md, wanted):
+    for key in qspec.entry_keys(md.state_dict_metadata, specs):
+        entry, item = specs.get(key), md.state_dict_metadata.get(key)
+        if not _included(key, md, wanted):
             continue
-        out[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype) \
-            if isinstance(item, TensorStorageMetadata) else None
+        if entry is not None and entry.storage == qspec.RAW:
+            if dequantize:
+                out[key] = torch.empty(tuple(entry.shape), dtype=entry.dtype)
+        elif item is not None:
+            out[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype) \
+                if isinstance(item, TensorStorageMetadata) else None
     return out
 
 

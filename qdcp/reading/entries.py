@@ -1,4 +1,5 @@
-"""Reading a checkpoint without a target: its metadata, a description, single entries, chunk checks.
+"""A checkpoint's entries, read without a target: its metadata, the keys and sizes of its
+state-dict entries, and single entries (as stored, rebuilt, or as values).
 
 Everything here reads through :func:`qdcp.storage.storage_reader` (safe metadata, verified
 checksums).
@@ -6,11 +7,12 @@ checksums).
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Mapping, Sequence
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from qdcp import spec as qspec
@@ -25,49 +27,6 @@ from qdcp.storage.metadata import load_object
 def read_metadata(path: str | os.PathLike, **storage_options: Any) -> Metadata:
     """The DCP ``Metadata`` of the checkpoint at ``path`` (a path or fsspec URL), read safely."""
     return storage_reader(path, **storage_options).read_metadata()
-
-
-def describe(path: str | os.PathLike) -> dict[str, dict]:
-    """Per state-dict key, how the checkpoint at ``path`` stores it.
-
-    Returns ``{key: info}`` where ``info["stored_as"]`` is ``"plain"``, ``"raw"``, ``"dequantized"``
-    or ``"object"``; tensors add ``shape`` and ``dtype`` (logical) and ``bytes`` (stored, excluding
-    framing); quantized entries add ``type``, ``attrs`` and, raw, ``components``: ``{name: {shape,
-    dtype, bytes, layout}}``.
-    """
-    md = read_metadata(path)
-    specs = qspec.read_specs(md)
-    owned = {qspec.component_fqn(e.fqn, c.name) for e in specs.values() for c in e.components}
-    out: dict[str, dict] = {}
-    for fqn, entry in sorted(specs.items()):
-        info: dict[str, Any] = {"stored_as": entry.storage, "type": entry.type,
-                                "shape": list(entry.shape), "dtype": qspec.dtype_to_str(entry.dtype),
-                                "attrs": entry.attrs}
-        if entry.info:
-            info["info"] = entry.info
-        if entry.storage == qspec.RAW:
-            comps = {}
-            for c in entry.components:
-                nbytes = _nbytes(c.shape, c.dtype)
-                comps[c.name] = {"shape": list(c.shape), "dtype": qspec.dtype_to_str(c.dtype),
-                                 "bytes": nbytes, "layout": c.layout}
-            info["components"] = comps
-            info["bytes"] = sum(c["bytes"] for c in comps.values())
-        else:
-            dtype = entry.stored_dtype or entry.dtype
-            info["stored_dtype"] = qspec.dtype_to_str(dtype)
-            info["bytes"] = _nbytes(entry.shape, dtype)
-        out[fqn] = info
-    for fqn, item in sorted(md.state_dict_metadata.items()):
-        if fqn in owned or fqn in out:
-            continue
-        if isinstance(item, TensorStorageMetadata):
-            dtype = item.properties.dtype
-            out[fqn] = {"stored_as": "plain", "shape": list(item.size),
-                        "dtype": qspec.dtype_to_str(dtype), "bytes": _nbytes(item.size, dtype)}
-        elif isinstance(item, BytesStorageMetadata):
-            out[fqn] = {"stored_as": "object"}
-    return out
 
 
 class CheckpointEntries:
@@ -93,6 +52,23 @@ class CheckpointEntries:
         self.specs = qspec.read_specs(self.metadata)
         self._stored = qspec.stored_components(self.metadata.state_dict_metadata)
         self._stored_bytes = _stored_bytes(self.metadata)
+        self._keys: list[str] | None = None
+
+    def keys(self) -> list[str]:
+        """The checkpoint's state-dict keys, sorted (component items folded into their entry:
+        :func:`qdcp.spec.entry_keys`)."""
+        if self._keys is None:
+            self._keys = sorted(qspec.entry_keys(self.metadata.state_dict_metadata, self.specs))
+        return list(self._keys)
+
+    def nbytes(self, key: str) -> int:
+        """The bytes entry ``key`` stores (a raw entry's components, a plain or dequantized
+        entry's tensor; framing excluded); 0 for objects."""
+        entry = self.specs.get(key)
+        if entry is not None and entry.storage == qspec.RAW:
+            return sum(math.prod(c.shape) * c.dtype.itemsize for c in entry.components)
+        item = self.metadata.state_dict_metadata.get(key)
+        return math.prod(item.size) * item.properties.dtype.itemsize if isinstance(item, TensorStorageMetadata) else 0
 
     def _raw_spec(self, key: str) -> qspec.EntrySpec:
         entry = self.specs.get(key)
@@ -301,50 +277,3 @@ def _check_claimed_bytes(item: Any, fqn: str, stored: int) -> None:
         raise CheckpointFormatError(
             f"{fqn!r} claims {claimed} bytes but its stored items hold {stored}; the checkpoint's "
             f"metadata is corrupt or hostile")
-
-
-def check_chunks(metadata: Metadata) -> list[str]:
-    """Problems with the chunks of every tensor item: out of bounds, overlapping, or holes."""
-    return [f"{fqn}: {problem}" for fqn, problem in qspec.chunk_problems(metadata.state_dict_metadata)]
-
-
-def check_storage(metadata: Metadata, path: str | os.PathLike | None = None) -> list[str]:
-    """Problems with the storage records: a chunk or object without one, one that belongs to no
-    item, records of one file that overlap, or (for a local ``path``) that lie outside their file."""
-    problems = []
-    records = metadata.storage_data or {}
-    if not isinstance(records, dict):
-        return ["the checkpoint's storage records are not a mapping"]
-    have = {(getattr(i, "fqn", None), tuple(getattr(i, "offset", None) or ())) for i in records}
-    wanted = set()
-    for fqn, item in metadata.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
-            wanted |= {(fqn, tuple(c.offsets)) for c in item.chunks}
-        else:
-            wanted.add((fqn, ()))
-    problems += [f"{fqn}: its chunk at {o} has no storage record" for fqn, o in sorted(wanted - have)]
-    problems += [f"{fqn}: a storage record at {o} belongs to no item" for fqn, o in sorted(have - wanted)]
-    per_file: dict = {}
-    for index, info in records.items():
-        per_file.setdefault(getattr(info, "relative_path", None), []).append(
-            (int(getattr(info, "offset", 0) or 0), int(getattr(info, "length", 0) or 0), index.fqn))
-    for rel, spans in per_file.items():
-        spans.sort()
-        for (a, la, fa), (b, lb, fb) in zip(spans, spans[1:]):
-            if a + la > b:
-                problems.append(f"{fb}: its stored bytes overlap those of {fa} in {rel!r}")
-        if path is not None and "://" not in os.fspath(path) and isinstance(rel, str):
-            file = os.path.join(os.fspath(path), rel)
-            size = os.path.getsize(file) if os.path.isfile(file) else None
-            for off, length, fqn in spans:
-                if size is None or off < 0 or length < 0 or off + length > size:
-                    problems.append(f"{fqn}: its stored bytes [{off}, {off + length}) lie outside {rel!r} "
-                                    f"({'missing' if size is None else f'{size} bytes'})")
-    return problems
-
-
-def _nbytes(shape, dtype: torch.dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n * torch.empty((), dtype=dtype).element_size()
