@@ -24,7 +24,7 @@ from qdcp.adapters.base import (
     raw_conversion,
 )
 from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorError
-from qdcp.layouts import Blocked, Chunk, Replicated, grid_view, nearest_aligned
+from qdcp.layouts import Blocked, Chunk, Flat, Layout, Replicated, grid_view, nearest_aligned
 from qdcp.planning.actions import (
     Destination,
     FromPlain,
@@ -187,12 +187,35 @@ class KeyPlanner:
         return known
 
     def _read(self, src_fqn: str, source: qspec.EntrySpec, name: str, chunk: Chunk, *, fqn: str,
-              buffer: torch.Tensor | None = None) -> ItemRead:
-        """A read of ``chunk`` of component ``name``, into ``buffer`` or a new temporary."""
+              buffer: torch.Tensor | None = None, part: str = "") -> ItemRead:
+        """A read of ``chunk`` of component ``name``, into ``buffer`` or a new temporary (``part``:
+        one of several reads of the component, each into its own part of the buffer)."""
         stored = qspec.component_fqn(src_fqn, name)
         dest = Destination(chunk[1], source.component(name).dtype, buffer, self.temporaries)
-        return ItemRead(qspec.component_fqn(fqn, name), stored, self.md[stored], chunk, dest,
+        return ItemRead(qspec.component_fqn(fqn, name) + part, stored, self.md[stored], chunk, dest,
                         name if dest.temporary else None)
+
+    def _row_reads(self, fqn, placed, adapter, source, name, stored: Layout, native, src_fqn) -> list | None:
+        """A column cut's groups (the grid of a shard's own rows, :func:`~qdcp.layouts.for_shard`)
+        read from a checkpoint that stores the same groups flat (saved whole or by rows): one read
+        of each of its rows' runs of groups, straight into that row of its buffer. None where the
+        target's groups are not the stored ones or its buffer is no such grid."""
+        if not adapter.groups_per_shard or not isinstance(stored, Flat) or len(source.shape) != 2:
+            return None
+        target = shard_layouts(adapter, placed, adapter.layouts(placed.local)).get(name)
+        if not isinstance(target, Blocked) or stored.on_shard(source.shape) != target or target.block[0] != 1:
+            return None
+        try:
+            grid = target.map_chunk(source.shape, placed.chunk)
+        except AlignmentError:
+            return None
+        dest = native.get(name)
+        dest = grid_view(dest, grid[1]) if dest is not None else None
+        if dest is None or not dest.is_contiguous():
+            return None
+        (r0, c0), (nr, nc) = placed.chunk
+        return [self._read(src_fqn, source, name, stored.map_chunk(source.shape, ((r0 + i, c0), (1, nc))),
+                           fqn=fqn, buffer=dest[i], part=f"#row{i}") for i in range(nr)]
 
     def _in_place(self, fqn, placed, adapter, source, *, src_fqn, layouts) -> InPlace:
         native = adapter.native_components(placed.local)
@@ -201,8 +224,12 @@ class KeyPlanner:
             try:
                 chunk = layouts[c.name].map_chunk(source.shape, placed.chunk)
             except AlignmentError as e:
-                raise AlignmentError(f"key {fqn!r}: component {c.name!r}: the target shard {placed.chunk} "
-                                     f"{e}{nearest_aligned(layouts, source.shape, placed.chunk)}") from None
+                rows = self._row_reads(fqn, placed, adapter, source, c.name, layouts[c.name], native, src_fqn)
+                if rows is None:
+                    raise AlignmentError(f"key {fqn!r}: component {c.name!r}: the target shard {placed.chunk} "
+                                         f"{e}{nearest_aligned(layouts, source.shape, placed.chunk)}") from None
+                reads.extend(rows)
+                continue
             dest = native.get(c.name)
             if dest is not None and adapter.groups_per_shard:
                 dest = grid_view(dest, chunk[1])  # the target's flat groups, read as the grid they form
@@ -362,10 +389,25 @@ def _same_config(adapter: Adapter, placed: Placed, source: qspec.EntrySpec, fqn:
     if not qspec.same_attrs(attrs, source.attrs) or set(layouts) != {c.name for c in source.components}:
         return False
     comps = adapter.components(t)
+    stored = qspec.layouts_of(source)
     for c in source.components:
-        if layouts[c.name].to_json() != c.layout or comps[c.name].dtype != c.dtype:
+        if comps[c.name].dtype != c.dtype:
+            return False
+        if layouts[c.name].to_json() != c.layout and not _same_groups(layouts[c.name], stored[c.name], source.shape):
             return False
     return True
+
+
+def _same_groups(target: Layout, stored: Layout, shape: tuple[int, ...]) -> bool:
+    """Whether a target's groups are a checkpoint's in another form: flat groups (a row range, or
+    the whole tensor) of a checkpoint stored as their grid (saved cut by columns,
+    :func:`~qdcp.layouts.for_shard`), read as a rectangle of it; or a column cut's grid of a
+    checkpoint stored flat (saved whole or by rows), read row by row (:meth:`KeyPlanner._row_reads`)."""
+    if isinstance(target, Flat) and isinstance(stored, Blocked):
+        return target.on_shard(shape) == stored
+    if isinstance(target, Blocked) and isinstance(stored, Flat):
+        return stored.on_shard(shape) == target
+    return False
 
 
 def _reblockable(adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, decoded: Decoded, fqn: str) -> bool:
