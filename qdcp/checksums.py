@@ -27,9 +27,10 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
-from qdcp.errors import CheckpointFormatError, ChecksumError
-from qdcp.spec import describe_item
+from qdcp.errors import AlignmentError, CheckpointFormatError, ChecksumError, ReplicaMismatchError
+from qdcp.spec import COMPONENT_SEPARATOR, describe_item
 
 PLANNER_DATA_KEY = "__qdcp_checksums__"
 ALGORITHM = "xxh3_64"
@@ -150,6 +151,99 @@ class RecordBuilder:
         """The record: items every chunk of which was hashed."""
         items = {fqn: bytes(b) for fqn, b in self._items.items() if self._missing[fqn] == 0 and b}
         return {"algorithm": ALGORITHM, "items": items}
+
+
+def item_key(item: WriteItem) -> tuple[str, tuple[int, ...]]:
+    """A write item's ``(fqn, chunk offsets)``: how the save side names it across ranks."""
+    return item.index.fqn, tuple(item.index.offset or ())
+
+
+class SaveHashes:
+    """The save side, beside :class:`ReadVerifier`: each rank's item hashes, the checks between
+    ranks before anything is written, and the metadata's record.
+
+    On every rank, :meth:`local` hashes what the writer will be given for each item (all of them
+    with ``checksums`` or ``check_replicas``; else only the items other ranks' shards also hold);
+    on the coordinator, :meth:`check` compares the ranks' hashes of the items several ranks hold
+    (shared items always, every replica with ``check_replicas``) and :meth:`record` builds the
+    checksum record of the hashes of the copies DCP writes.
+    """
+
+    def __init__(self, checksums: bool, check_replicas: bool) -> None:
+        self.checksums = checksums
+        self.check_replicas = check_replicas
+
+    def local(self, items: list[WriteItem], shared: list[tuple[str, tuple[int, ...]]],
+              data: Callable[[WriteItem], Any]) -> dict:
+        """This rank's part: ``{"hashes": {item key: hash}, "shared": [item key, ...]}`` for ``items``,
+        whose data ``data(item)`` gives; ``shared``: the item keys other ranks' shards also hold."""
+        shared_keys = set(shared)
+        hashed = items if self.checksums or self.check_replicas else [i for i in items if item_key(i) in shared_keys]
+        return {"hashes": hash_many((item_key(i), data(i)) for i in hashed), "shared": shared}
+
+    def check(self, per_rank: list[dict | None]) -> list[dict]:
+        """Refuse items several ranks hold whose copies differ (see :meth:`local`); returns the
+        ranks' parts (an empty one for a rank that sent none)."""
+        per_rank = [part or {"hashes": {}, "shared": []} for part in per_rank]
+        _check_shared(per_rank)
+        if self.check_replicas:
+            _check_replicas(per_rank)
+        return per_rank
+
+    def record(self, global_plan: list[SavePlan], per_rank: list[dict], metadata: Metadata) -> dict | None:
+        """The metadata's checksum record (None without ``checksums``): for each item, the hash of
+        the copy the rank that writes it computed (DCP writes one rank's copy of a replicated item),
+        in the metadata's chunk order (DCP's global plan gives each item's chunk index)."""
+        if not self.checksums:
+            return None
+        builder = RecordBuilder()
+        for fqn, md in metadata.state_dict_metadata.items():
+            builder.item(fqn, len(md.chunks) if isinstance(md, TensorStorageMetadata) else 1)
+        for rank, plan in enumerate(global_plan):
+            hashes = per_rank[rank]["hashes"]
+            for item in plan.items:
+                builder.set(item.index.fqn, item.index.index or 0, hashes.get(item_key(item)))
+        return builder.record()
+
+
+def _diverged(per_rank: list[dict], shared_only: bool) -> dict[tuple, list[int]]:
+    """``{item key: [first rank, ranks whose hash differs from its]}`` over the items several ranks
+    hash (each rank's ``hashes``; with ``shared_only``, only the keys it lists as ``shared``)."""
+    first: dict[tuple, tuple[int, int]] = {}
+    diverged: dict[tuple, list[int]] = {}
+    for rank, part in enumerate(per_rank):
+        hashes = part["hashes"]
+        for key in (part["shared"] if shared_only else hashes):
+            seen = first.setdefault(key, (rank, hashes[key]))
+            if seen[1] != hashes[key]:
+                diverged.setdefault(key, [seen[0]]).append(rank)
+    return diverged
+
+
+def _check_shared(per_rank: list[dict]) -> None:
+    """Items of a component that several ranks' shards hold (replicated, or constant along a dim
+    the shards cut) must be equal: DCP keeps one rank's copy. Refuse them when they differ."""
+    for key, ranks in _diverged(per_rank, shared_only=True).items():
+        fqn, name = key[0].rsplit(COMPONENT_SEPARATOR, 1)
+        raise AlignmentError(
+            f"key {fqn!r}: component {name!r} holds values shared by the shards of ranks "
+            f"{ranks[0]} and {ranks[1]} (one for the whole tensor, or for a block both shards "
+            f"cut), but they differ: the shards were quantized each on its own (e.g. with "
+            f"its own per-tensor scale). Quantize the shards with one scale for the whole "
+            f"tensor, or save this entry dequantized.")
+
+
+def _check_replicas(per_rank: list[dict]) -> None:
+    """Every chunk several ranks hold must have one hash; the diverged ones are named."""
+    diverged = _diverged(per_rank, shared_only=False)
+    if diverged:
+        lines = [f"{describe_item(fqn)}: the chunk at {list(offsets)} of rank(s) {ranks[1:]} differs from rank "
+                 f"{ranks[0]}'s" for (fqn, offsets), ranks in sorted(diverged.items())[:10]]
+        more = f" (and {len(diverged) - 10} more)" if len(diverged) > 10 else ""
+        raise ReplicaMismatchError(
+            f"{len(diverged)} replicated chunk(s) differ between the ranks that hold them{more}; nothing was "
+            f"written:\n  " + "\n  ".join(lines) + "\nThe replicas diverged in training (check that "
+            "every replica group ran the same updates), or save from one replica group.")
 
 
 @dataclasses.dataclass

@@ -1,23 +1,29 @@
 """DCP's own logic, reproduced where DCP has no extension point for what qdcp needs.
 
-Each function says what it copies and why; everything else of qdcp uses DCP through its public
-planner and storage interfaces. The private torch names these need are listed in docs/versions.md.
+Each function says what it copies and why. The save planner's riders -- per-rank data sent beside
+a plan in ``SavePlan.planner_data`` -- live here too, with DCP's plan caching, which must not see
+them: DCP keeps the plans it is given and compares later ones with them. Elsewhere qdcp uses DCP
+through its planner and storage interfaces plus the private names docs/versions.md lists with why
+(among them the one hook the save planner overrides, ``DefaultSavePlanner._create_global_plan``,
+which DCP's plan caching calls); this module's are listed there too.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint import _version
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from qdcp.layouts import Chunk
 
-__all__ = ["pre_2_4_state_dict", "read_items"]
+__all__ = ["pre_2_4_state_dict", "read_items", "local_save_plan", "take_riders", "global_save_plan_merging"]
 
 
 def pre_2_4_state_dict(metadata: Metadata, state_dict: dict, original_state_dict: Any,
@@ -51,3 +57,46 @@ def read_items(fqn: str, item_md: TensorStorageMetadata, chunk: Chunk) -> list[R
                          storage_offsets=zeros, lengths=torch.Size(chunk[1]))]
     return create_read_items_for_chunk_list(
         fqn, item_md, [ChunkStorageMetadata(torch.Size(chunk[0]), torch.Size(chunk[1]))])
+
+
+def local_save_plan(planner: DefaultSavePlanner, plan: SavePlan, rider_key: str, rider: Any) -> SavePlan:
+    """``DefaultSavePlanner.create_local_plan``'s return for ``plan``, which qdcp built itself, with
+    ``rider`` (this save's data, never part of what plan caching compares) under ``rider_key`` of its
+    ``planner_data``. With plan caching on: where the last save cached an equal plan (items and
+    planner_data; DCP's own compares items only, qdcp's spec text rides in planner_data), DCP's empty,
+    unusable plan, carrying only the rider; else ``plan`` is kept pending, for DCP's ``finish_plan``
+    to cache. Copied because DCP's builds the plan itself and has no place for a rider."""
+    if planner._enable_plan_caching:
+        cached = SavePlanner._cached_save_plan.get(planner._cached_plans_key)
+        if cached is not None and cached.items == plan.items and cached.planner_data == plan.planner_data:
+            return SavePlan([], planner_data={rider_key: rider}, usable=False)
+        planner._pending_local_plan = plan
+    return dataclasses.replace(plan, planner_data={**plan.planner_data, rider_key: rider})
+
+
+def take_riders(plans: list[SavePlan], key: str) -> list[Any]:
+    """Each plan's rider under ``key`` (None where it has none), taken out of its ``planner_data``
+    in place: DCP's plan caching keeps these plans and compares later ones with them."""
+    return [(plan.planner_data or {}).pop(key, None) for plan in plans]
+
+
+def global_save_plan_merging(plans: list[SavePlan], key: str, merge: Callable[[list[Any]], Any],
+                             create: Callable[[list[SavePlan]], tuple[list[SavePlan], Metadata]]
+                             ) -> tuple[list[SavePlan], Metadata]:
+    """DCP's global save planning (``create``: ``DefaultSavePlanner._create_global_plan``), with the
+    ranks' riders under ``key`` merged by ``merge`` (called first, so it can name what the ranks
+    disagree on before DCP validates the plans) into the metadata's ``planner_data[key]``: DCP's
+    own merges every plan's planner_data into one dict, keeping one rank's. The riders are taken
+    out of the plans for the call and put back after it (no copy per rank; DCP's plan caching keeps
+    these plans and compares later ones with them)."""
+    riders = take_riders(plans, key)
+    try:
+        merged = merge(riders)
+        global_plan, metadata = create(plans)
+    finally:
+        for plan, rider in zip(plans, riders):
+            if rider is not None:
+                plan.planner_data[key] = rider
+    planner_data = dict(metadata.planner_data or {})
+    planner_data[key] = merged
+    return global_plan, dataclasses.replace(metadata, planner_data=planner_data)

@@ -1,0 +1,276 @@
+"""Save entries: what DCP writes for each quantized key of a state dict, and each item's data.
+
+:class:`EntryPlanner` is the save side of :mod:`~qdcp.planning.key_plans`: for each key whose value
+(bare, or the local tensor of a DTensor) an adapter takes, it plans a :class:`SaveEntry`:
+
+- raw: one DCP item per component, named ``<fqn>.__qdcp__.<component>``, its chunk mapped from the
+  logical chunk by the component's layout; entries of one structure share a :class:`RawTemplate`;
+- dequantized: one plain item under ``<fqn>``;
+- wrappers around a high-precision tensor (``Adapter.unwrap``), and quantized tensors whose inner
+  tensors are DTensors (saved dequantized): a plain value put back in the state dict for DCP.
+
+Each entry's JSON spec goes into the rank's spec document; :func:`merge_specs` makes one document
+of every rank's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Union
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from qdcp import spec as qspec
+from qdcp.adapters.base import Adapter, describe_tensor, find_adapter
+from qdcp.errors import AlignmentError, LoadMismatchError, StagingError, UnsupportedTensorError
+from qdcp.layouts import Chunk, Flat, Layout, grid_view, nearest_aligned
+from qdcp.planning.placement import Placed, is_empty, place, shard_layouts, sharded_inside, with_local
+
+DequantizeChoice = Union[bool, Callable[[str, torch.Tensor], bool]]
+
+__all__ = ["DequantizeChoice", "EntryPlanner", "SaveEntry", "RawTemplate", "merge_specs"]
+
+
+@dataclasses.dataclass
+class SaveEntry:
+    """One quantized key as this rank saves it: its spec and the items it writes."""
+    fqn: str
+    spec: qspec.EntrySpec
+    placed: Placed
+    adapter: Adapter
+    items: list[WriteItem]
+    shared: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (component, chunk offsets) other shards also hold
+
+
+@dataclasses.dataclass(frozen=True)
+class RawTemplate:
+    """What every raw entry of one structure (type, shard, attributes, component shapes) stores;
+    made once and shared by all such entries (all layers of a model)."""
+    type_name: str
+    attrs: dict
+    info: Any
+    specs: tuple[qspec.ComponentSpec, ...]
+    writes: tuple[tuple[str, WriteItemType, TensorWriteData], ...]  # (component, item type, data) per item
+    shared: tuple[tuple[str, tuple[int, ...]], ...]  # (component, chunk offsets) other shards also hold
+
+
+class EntryPlanner:
+    """Plans the quantized keys of one rank's state dict and gives each of their items' data.
+
+    ``dequantize`` and ``dequantize_dtype`` are :class:`~qdcp.QuantizedSavePlanner`'s.
+    """
+
+    def __init__(self, dequantize: DequantizeChoice, dequantize_dtype: torch.dtype | None) -> None:
+        self.dequantize = dequantize
+        self.dequantize_dtype = dequantize_dtype
+        self.entries: dict[str, SaveEntry] = {}
+        self._sources: dict[str, tuple[SaveEntry, str | None]] = {}  # item fqn -> (entry, component)
+        self._templates: dict[tuple, RawTemplate] = {}
+
+    def plan(self, state_dict: dict[str, Any]) -> None:
+        """Plan every quantized key of (flattened) ``state_dict``: planned entries are taken out of
+        it; wrappers and quantized tensors sharded inside are replaced by the plain value DCP writes."""
+        for fqn, value in list(state_dict.items()):
+            placed = place(value)
+            if placed is None:
+                continue
+            adapter = find_adapter(placed.local)
+            if adapter is None:
+                _check_not_half_staged(fqn, placed.local)
+                continue
+            inner = adapter.unwrap(placed.local)
+            if inner is not None:  # a wrapper around a high-precision tensor: DCP writes that tensor
+                state_dict[fqn] = with_local(value, inner)
+                continue
+            dequantize = self.dequantize(fqn, value) if callable(self.dequantize) else self.dequantize
+            if _sharded_inside(fqn, placed, adapter, dequantize):  # its values are a DTensor: DCP writes it
+                state_dict[fqn] = adapter.dequantize(placed.local, self.dequantize_dtype)
+                continue
+            entry = self._plan_dequantized(fqn, placed, adapter) if dequantize \
+                else self._plan_raw(fqn, placed, adapter)
+            self.entries[fqn] = entry
+            del state_dict[fqn]
+
+    def items(self) -> list[WriteItem]:
+        """Every item of every entry, in entry order."""
+        return [item for entry in self.entries.values() for item in entry.items]
+
+    def shared(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(item fqn, chunk offsets)`` of the items other ranks' shards also hold."""
+        return [(qspec.component_fqn(e.fqn, name), offsets)
+                for e in self.entries.values() for name, offsets in e.shared]
+
+    def spec_text(self) -> str:
+        """This rank's spec document: every entry's :class:`~qdcp.spec.EntrySpec`."""
+        return qspec.dumps({fqn: e.spec for fqn, e in self.entries.items()})
+
+    def data(self, item: WriteItem) -> torch.Tensor | None:
+        """What DCP writes for ``item``: a component (a regrouped one as its grid) or the dequantized
+        values; None for an item of no entry (DCP's own)."""
+        source = self._sources.get(item.index.fqn)
+        if source is None:
+            return None
+        entry, component = source
+        t = entry.placed.local
+        if component is None:
+            return entry.adapter.dequantize(t, entry.spec.stored_dtype)
+        # a regrouped component (for_shard) is written as its grid; others have the item's shape
+        return grid_view(entry.adapter.components(t)[component], item.tensor_data.chunk.sizes)
+
+    def _plan_raw(self, fqn: str, placed: Placed, adapter: Adapter) -> SaveEntry:
+        t = placed.local
+        comps = adapter.components(t)
+        raw_attrs, raw_info = adapter.attributes(t), adapter.info(t)
+        key = (type(t), placed.global_shape, placed.chunk, placed.is_dtensor, repr(raw_attrs), repr(raw_info),
+               tuple((n, tuple(v.shape), v.dtype) for n, v in comps.items()))
+        template = self._templates.get(key)
+        if template is None:  # entries of one structure (all layers of a model) share the work
+            template = self._templates[key] = self._raw_template(fqn, placed, adapter, comps)
+        items = [WriteItem(index=MetadataIndex(qspec.component_fqn(fqn, name), data.chunk.offsets),
+                           type=item_type, tensor_data=data) for name, item_type, data in template.writes]
+        entry_spec = qspec.EntrySpec(fqn, qspec.RAW, template.type_name, placed.global_shape, t.dtype,
+                                     template.attrs, template.specs, None, template.info)
+        entry = SaveEntry(fqn, entry_spec, placed, adapter, items, template.shared if placed.is_dtensor else ())
+        for item, (name, _, _) in zip(items, template.writes):
+            self._sources[item.index.fqn] = (entry, name)
+        return entry
+
+    def _raw_template(self, fqn: str, placed: Placed, adapter: Adapter, comps: dict) -> RawTemplate:
+        """What a raw entry of this structure stores: type, JSON attrs and info, component specs,
+        and the (component, item type, TensorWriteData) of each item this rank writes."""
+        t = placed.local
+        try:
+            adapter.component_names(t)  # the adapter refuses what it cannot store raw
+        except UnsupportedTensorError as e:
+            raise UnsupportedTensorError(f"key {fqn!r}: {e}") from None
+        attrs, layouts = describe_tensor(t, adapter, fqn)
+        if set(comps) != set(layouts):
+            raise UnsupportedTensorError(f"key {fqn!r}: adapter gave components {sorted(comps)} "
+                                         f"but layouts for {sorted(layouts)}")
+        declared, layouts = layouts, shard_layouts(adapter, placed, layouts)
+        specs, writes, shared = [], [], []
+        for name, value in comps.items():
+            layout = layouts[name]
+            regrouped = layout is not declared[name]  # stored as a grid, written as a view of its groups
+            try:
+                global_shape = layout.component_shape(placed.global_shape)
+                chunk = layout.map_chunk(placed.global_shape, placed.chunk) \
+                    if not is_empty(placed.chunk) else None
+            except AlignmentError as e:
+                raise AlignmentError(
+                    f"key {fqn!r}: component {name!r}: this rank's shard {placed.chunk} {e}"
+                    f"{_per_shard(adapter, layout, t)}"
+                    f"{_nearest(layouts, placed) or '. Shard on block boundaries, or ' + _DEQUANTIZED}.") from None
+            if chunk is not None and tuple(value.shape) != chunk[1] and not (
+                    regrouped and grid_view(value, chunk[1]) is not None):
+                raise AlignmentError(
+                    f"key {fqn!r}: component {name!r} has local shape {tuple(value.shape)} but the "
+                    f"shard {placed.chunk} of {placed.global_shape} needs {chunk[1]}; the shard does "
+                    f"not own whole blocks{_nearest(layouts, placed) or '. ' + _DEQUANTIZED.capitalize()}.")
+            specs.append(qspec.ComponentSpec(name, tuple(global_shape), value.dtype, layout.to_json()))
+            if chunk is not None:
+                item = _write_item(name, chunk, global_shape, value.dtype, sharded=placed.is_dtensor)
+                writes.append((name, item.type, item.tensor_data))
+                if layout.shared(placed.global_shape, placed.chunk):
+                    shared.append((name, chunk[0]))
+        return RawTemplate(adapter.type_name(t), attrs, _info(adapter, t), tuple(specs), tuple(writes),
+                           tuple(shared))
+
+    def _plan_dequantized(self, fqn: str, placed: Placed, adapter: Adapter) -> SaveEntry:
+        t = placed.local
+        attrs, _ = describe_tensor(t, adapter, fqn)
+        dtype = self.dequantize_dtype or t.dtype
+        entry_spec = qspec.EntrySpec(fqn, qspec.DEQUANTIZED, adapter.type_name(t), placed.global_shape,
+                                     t.dtype, attrs, (), dtype, _info(adapter, t))
+        items = [] if is_empty(placed.chunk) else [
+            _write_item(fqn, placed.chunk, placed.global_shape, dtype, sharded=placed.is_dtensor)]
+        entry = SaveEntry(fqn, entry_spec, placed, adapter, items)
+        if items:
+            self._sources[fqn] = (entry, None)
+        return entry
+
+
+def merge_specs(rank_texts: list[str | None]) -> str:
+    """One spec document from every rank's (None: a rank with no entries; ranks may hold different
+    entries, e.g. pipeline stages). Ranks that disagree on an entry's spec (its type, config, mode or
+    blocks) raise :class:`~qdcp.LoadMismatchError` naming the key."""
+    texts = [t or qspec.dumps({}) for t in rank_texts]
+    if all(t == texts[0] for t in texts):
+        return texts[0]
+    merged: dict[str, qspec.EntrySpec] = {}
+    for text in texts:
+        for fqn, entry in qspec.loads(text).items():
+            other = merged.setdefault(fqn, entry)
+            if other != entry:
+                raise LoadMismatchError(
+                    f"key {fqn!r}: ranks disagree on how it is stored ({other.to_json()} vs "
+                    f"{entry.to_json()}); every rank must hold the same type, config and mode.")
+    return qspec.dumps(merged)
+
+
+_DEQUANTIZED = "save this entry dequantized (QuantizedSavePlanner(dequantize=...))"
+
+
+def _nearest(layouts: dict, placed: Placed) -> str:
+    """The nearest layout whose shards own whole blocks, for a save refused for cutting them."""
+    return nearest_aligned(layouts, placed.global_shape, placed.chunk, otherwise=_DEQUANTIZED)
+
+
+def _per_shard(adapter: Adapter, layout: Layout, t: torch.Tensor) -> str:
+    """Why a shard of state grouped per shard (``groups_per_shard``) cannot be stored as a grid."""
+    if not adapter.groups_per_shard or not isinstance(layout, Flat):
+        return ""
+    return (f"; nor do its blocks of {layout.group} elements of its own (a shard of {tuple(t.shape)}) form a "
+            f"grid of the logical tensor: they do where a shard's columns are a multiple of {layout.group}, "
+            f"or divide it and its rows divide into whole blocks")
+
+
+def _info(adapter: Adapter, t: torch.Tensor) -> dict:
+    """The adapter's descriptive facts, JSON-encoded (dropped, not fatal, if they cannot be)."""
+    try:
+        return {k: qspec.encode_value(v) for k, v in adapter.info(t).items()}
+    except TypeError:
+        return {}
+
+
+def _write_item(fqn: str, chunk: Chunk, global_shape, dtype: torch.dtype, *, sharded: bool) -> WriteItem:
+    offsets, sizes = chunk
+    return WriteItem(
+        index=MetadataIndex(fqn, torch.Size(offsets)),
+        type=WriteItemType.SHARD if sharded else WriteItemType.TENSOR,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+            properties=TensorProperties(dtype=dtype),
+            size=torch.Size(global_shape)))
+
+
+def _sharded_inside(fqn: str, placed: Placed, adapter: Adapter, dequantize: bool) -> bool:
+    """Whether ``placed`` is a quantized tensor whose inner tensors are DTensors (torchao's
+    ``quantize_`` applied to an already sharded model): saved dequantized (its values, a DTensor),
+    refused raw, naming the key."""
+    if not sharded_inside(placed, adapter):
+        return False
+    if not dequantize:
+        raise UnsupportedTensorError(
+            f"key {fqn!r}: a {adapter.type_name(placed.local)} whose inner tensors are DTensors (quantized after "
+            f"the model was sharded, e.g. torchao's quantize_ on FSDP2/TP weights); qdcp stores a quantized "
+            f"tensor raw as a DTensor whose local tensor is quantized. Quantize before sharding, or save this "
+            f"entry dequantized (QuantizedSavePlanner(dequantize=...)).")
+    return True
+
+
+def _check_not_half_staged(fqn: str, t: torch.Tensor) -> None:
+    """Refuse a plain tensor that a stager built from a quantized one without its data. (Tensor
+    subclasses qdcp has no adapter for -- ShardedTensor, DCP's checkpointable protocol, anything
+    else -- go through DCP's default path untouched, as with DCP's own planner.)"""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return
+    inner = getattr(t, "__dict__", {})
+    if any(isinstance(v, torch.Tensor) for v in inner.values()):
+        raise StagingError(
+            f"key {fqn!r}: a plain tensor carries tensor attributes "
+            f"({', '.join(k for k, v in inner.items() if isinstance(v, torch.Tensor))}): it was staged "
+            f"from a quantized tensor by a stager that does not copy its inner buffers, and its "
+            f"storage holds no data. Pass async_stager=qdcp.QuantizedStager() to dcp.async_save.")
