@@ -192,6 +192,60 @@ def test_staged_bytes_equal_component_bytes_no_dequantized_copies():
     stager.close()
 
 
+def _buffer_ptrs(sd) -> dict[str, list[int]]:
+    return {k: [b.data_ptr() for b in (inner(v).values() if find_adapter(v) else [v])]
+            for k, v in leaves(sd) if isinstance(v, torch.Tensor)}
+
+
+def test_prepared_buffers_are_the_ones_the_first_stage_copies_into():
+    """prepare() allocates every buffer a stage() of the state dict uses (the components' bytes,
+    no more), copies nothing, and the first real stage() copies into those very buffers."""
+    state = mixed(0)
+    stager = QuantizedStager()
+    held = stager.prepare(state)
+    prepared = {key: (b, b.data_ptr()) for key, b in stager._buffers.items()}
+    assert held == stager.staged_nbytes == _staged_component_bytes(state)
+    assert sum(b.untyped_storage().nbytes() for b, _ in prepared.values()) == _staged_component_bytes(state)
+    staged = stager.stage(state)
+    assert {k: (b, b.data_ptr()) for k, b in stager._buffers.items()} == prepared  # the same objects
+    assert sorted(p for ptrs in _buffer_ptrs(staged).values() for p in ptrs) == \
+        sorted(ptr for _, ptr in prepared.values())
+    assert_same_state(staged, state)
+    assert stager.staged_nbytes == held
+    stager.close()
+
+
+def test_prepare_never_writes_buffers_an_upload_may_read():
+    state = mixed(0)
+    stager = QuantizedStager()
+    staged = stager.stage(state)
+    before = snapshot(staged)
+    state["extra"] = torch.arange(8.0)
+    assert stager.prepare(state) == _staged_component_bytes(state)  # the new entry's buffer, nothing rewritten
+    assert_same_state(staged, before)
+    del staged
+    state["extra"] += 1
+    assert_same_state(stager.stage(state), state)
+    with pytest.raises(StagingError, match="reuse_buffers=False"):
+        QuantizedStager(reuse_buffers=False).prepare(state)
+    stager.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prepared_buffers_are_pinned_and_reused_on_cuda():
+    state = map_leaves(mixed(0), lambda v: v.to("cuda") if isinstance(v, torch.Tensor) else v)
+    stager = QuantizedStager()
+    stager.prepare(state)
+    prepared = {key: b.data_ptr() for key, b in stager._buffers.items()}
+    assert all(b.is_pinned() for b in stager._buffers.values() if b.numel())
+    staged = stager.stage(state)
+    assert {key: b.data_ptr() for key, b in stager._buffers.items()} == prepared
+    assert sorted(p for ptrs in _buffer_ptrs(staged).values() for p in ptrs) == sorted(prepared.values())
+    assert_same_state(staged, map_leaves(state, lambda v: v.cpu() if isinstance(v, torch.Tensor) else v))
+    stager.close()
+
+
 def test_restage_while_previous_staged_dict_is_in_use_is_refused():
     state = mixed(0)
     stager = QuantizedStager(busy_timeout=0.05)
@@ -275,7 +329,7 @@ def test_stock_writer_as_stager_fails_before_writing(name, tmp_path):
 _PROCESS_IMPORTS = """
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 from dist_helpers import dtensor_from_local
-from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
+from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, find_adapter
 from qdcp.staging.stager import QuantizedStager
 from state_dicts import assert_same_checkpoint, assert_same_state, mixed, mutate, snapshot
 """
@@ -317,7 +371,21 @@ for dequantize in (False, True):
             target["model"] = {k: v._local_tensor for k, v in target["model"].items()}
             expected[i]["model"] = {k: v._local_tensor for k, v in expected[i]["model"].items()}
             assert_same_state(target, expected[i])
-shared = all(b.is_shared() for b in stager._buffers.values())
+def buffers(x):  # every tensor holding a staged state dict's data: plain tensors, quantized inner buffers
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return [b for v in x for b in buffers(v)]
+    if not isinstance(x, torch.Tensor):
+        return []
+    with torch.no_grad():
+        local = x.to_local() if isinstance(x, DTensor) else x
+    adapter = find_adapter(local)
+    return list(adapter.inner_buffers(local).values()) if adapter is not None else [local]
+
+restaged = stager.stage(live)  # views of the buffers the stager keeps (reuse_buffers)
+shared = all(b.is_shared() for b in buffers(restaged))
+del restaged
 stager.close()
 print("OK shared=%s" % shared)
 '''

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from qdcp import checksums as sums
 from qdcp import spec as qspec
@@ -161,9 +161,26 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self._reads_left = len(new_plan.items)
         with planning():
             self._verify.plan(new_plan.items)
+            if self._shadows is not None:
+                self._shadows.fill_unread(self._written_bytes(new_plan.items))
         if not new_plan.items:
             self._all_read()
         return super().finish_plan(new_plan)
+
+    def _written_bytes(self, items: list[ReadItem]) -> dict[int, int]:
+        """Bytes the planned reads write into each storage (by ``data_ptr``) in place: where DCP's
+        reads land and actions' reads into the target's own buffers, not into temporaries."""
+        written: dict[int, int] = {}
+        for item in items:
+            if item.type == LoadItemType.BYTE_IO:
+                continue
+            hit = self._by_item.get(item.dest_index.fqn)
+            if hit is not None and hit.read.component is not None:
+                continue  # a temporary; the action computes the target's buffers at finish
+            dest = self._destination(item)
+            ptr = dest.untyped_storage().data_ptr()
+            written[ptr] = written.get(ptr, 0) + dest.numel() * dest.element_size()
+        return written
 
     def _one_read(self) -> None:
         """Count a read done (checked, and its action finished); after the last, the shadows go in."""

@@ -7,10 +7,12 @@ has arrived and been verified are the shadows copied into the targets' own buffe
 put in place, so a load that fails (a corrupt byte, a truncated file, a mismatched entry) leaves
 every target as it was. The copy-in is plain ``copy_`` of buffers of equal shape and dtype.
 
-Shadows start as copies of their targets, so a target the load fills only in part (a partial load,
-a component the checkpoint does not carry) keeps the rest of its values. Cost: one extra copy of the
-loaded state on each rank, on the targets' devices, for the duration of the load, and two copies of
-its bytes (see docs/benchmarks.md).
+Shadows start empty; once the load's reads are planned, :meth:`Shadows.fill_unread` copies in the
+target's values wherever the reads will not write every byte of a shadow buffer, so a target the
+load fills only in part (a partial load, a component the checkpoint does not carry, a buffer a load
+action computes) keeps the rest of its values. Cost: one extra copy of the loaded state on each
+rank, on the targets' devices, for the duration of the load, and one more copy of its bytes (the
+copy-in; see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -58,6 +60,16 @@ class Shadows:
         self._keep.append(value)
         return shadow
 
+    def fill_unread(self, written: dict[int, int]) -> None:
+        """Copy each target into its shadow unless the planned reads write all of it: ``written``
+        maps a storage's ``data_ptr`` to the bytes the reads write into it (they never overlap).
+        Called once every read is planned, before any is read."""
+        with torch.no_grad():
+            for target, shadow in self._pairs:
+                storage = shadow.untyped_storage()
+                if written.get(storage.data_ptr()) != storage.nbytes() or not storage.nbytes():
+                    shadow.copy_(target)
+
     def defer(self, put: Callable[[], None]) -> None:
         """Run ``put`` (an object read for the state dict) at :meth:`apply` instead of now."""
         with self._lock:
@@ -78,20 +90,21 @@ class Shadows:
 
 
 def _shadow_local(fqn: str, local: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """``(the target's buffers by name, a shadow holding a copy of them)`` for one local tensor."""
+    """``(the target's buffers by name, a shadow over new buffers like them)`` for one local tensor
+    (filled by :meth:`Shadows.fill_unread`)."""
     adapter = find_adapter(local)
     if adapter is None and names_own_chunks(local):  # DCP's _Checkpointable protocol: its chunks
-        return shadow_of(local, fqn)
+        return shadow_of(local, fqn, copy=False)
     if adapter is None:
         if type(local) not in (torch.Tensor, torch.nn.Parameter):
             raise LoadMismatchError(
                 f"key {fqn!r}: an atomic load cannot stage a {type(local).__name__} target (a tensor "
                 f"subclass qdcp has no adapter for). Load with QuantizedLoadPlanner(atomic=False), or "
                 f"register an adapter for it (qdcp.register_adapter).")
-        return {"": local}, local.detach().clone()
+        return {"": local}, torch.empty_like(local.detach())
     real = adapter.inner_buffers(local)
     try:
-        shadow = adapter.from_inner_buffers(local, {n: b.detach().clone() for n, b in real.items()})
+        shadow = adapter.from_inner_buffers(local, {n: torch.empty_like(b.detach()) for n, b in real.items()})
     except NotImplementedError:
         raise LoadMismatchError(
             f"key {fqn!r}: an atomic load cannot stage a {type(local).__name__} target (its adapter "

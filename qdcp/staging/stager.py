@@ -6,6 +6,7 @@ subclasses. This one asks each tensor's adapter for its inner buffers, copies th
 that it keeps and reuses across checkpoints, and rebuilds an instance of the same type over them::
 
     stager = QuantizedStager()
+    stager.prepare(state)   # optional, before training: the first save then blocks as the later ones
     fut = dcp.async_save(state, checkpoint_id=path, planner=QuantizedSavePlanner(), async_stager=stager)
     ...                     # training continues
     fut.result()            # before the next async_save
@@ -98,6 +99,7 @@ class QuantizedStager:
         # Created on the caller's thread, as DCP's DefaultStager does, so it is never the compute stream.
         self._stream = torch.Stream() if accel else None
         self._closed = False
+        self._preparing = False  # prepare(): _copy allocates, copies nothing
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -153,6 +155,32 @@ class QuantizedStager:
             self._buffers.clear()
             self._last_staged = None
             self._closed = True
+
+    def prepare(self, state_dict: dict[str, Any]) -> int:
+        """Allocate (pinned, where an accelerator is) and touch the buffers that :meth:`stage` of
+        ``state_dict`` will copy into, copying nothing: call it once before training starts, so
+        that the first checkpoint of a run blocks no longer than the later ones (allocating pinned
+        memory is what makes a cold save slow). The buffers are exactly those a stage of a state
+        dict of the same entries, shapes and dtypes reuses (the components' bytes, no more);
+        buffers of entries not in ``state_dict`` are dropped and buffers already allocated are
+        kept untouched (an upload may still read them). Returns :attr:`staged_nbytes`.
+        """
+        if self._closed:
+            raise StagingError("this QuantizedStager is closed; create a new one")
+        if not self.reuse_buffers:
+            raise StagingError("prepare() allocates buffers for later stage() calls to reuse: this stager was "
+                               "made with reuse_buffers=False, which allocates new ones every time")
+        self.synchronize_staging()
+        seen: set[tuple] = set()
+        self._preparing = True
+        try:
+            with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                self._walk(state_dict, (), seen, {})
+        finally:
+            self._preparing = False
+        for key in [k for k in self._buffers if k not in seen]:
+            del self._buffers[key]
+        return self.staged_nbytes
 
     # ------------------------------------------------------------------------- staging
 
@@ -246,7 +274,10 @@ class QuantizedStager:
             buf = self._allocate(src, stride)
             if self.reuse_buffers:
                 self._buffers[key] = buf
-        buf.copy_(src, non_blocking=self.non_blocking and src.device.type != "cpu")
+            if self._preparing:
+                _touch(buf)  # its pages now, not in the first stage()
+        if not self._preparing:
+            buf.copy_(src, non_blocking=self.non_blocking and src.device.type != "cpu")
         return buf
 
     def _allocate(self, src: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
@@ -257,6 +288,13 @@ class QuantizedStager:
             return buf
         return torch.empty_strided(src.shape, stride, dtype=src.dtype,
                                    pin_memory=self.pin_memory and src.numel() > 0)
+
+
+def _touch(buf: torch.Tensor) -> None:
+    """Fault in every page of a new buffer (pinned memory is resident already; pageable memory
+    is mapped at its first write, which would otherwise be the first stage's copy)."""
+    if buf.untyped_storage().nbytes() and not buf.is_pinned():
+        torch.empty(0, dtype=torch.uint8).set_(buf.untyped_storage()).zero_()
 
 
 def _cpu_stride(src: torch.Tensor) -> tuple[int, ...]:
