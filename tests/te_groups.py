@@ -19,7 +19,7 @@ te = te_cpu.install()
 from transformer_engine.pytorch.constants import DType  # noqa: E402
 from transformer_engine.pytorch.tensor.storage.grouped_tensor_storage import GroupedTensorStorage  # noqa: E402
 
-from qdcp.adapters import find_adapter, te_grouped  # noqa: E402
+from qdcp.adapters import find_adapter  # noqa: E402
 from quantized_cases import bits, seeded  # noqa: E402
 
 E4M3, E5M2 = DType.kFloat8E4M3, DType.kFloat8E5M2
@@ -124,8 +124,8 @@ SHAPES = {"uniform": UNIFORM, "vary_first": VARY_FIRST, "vary_last": VARY_LAST, 
 
 
 def flat(g) -> dict[str, torch.Tensor]:
-    """The group's flat buffers (TE's ``get_data_tensors``, by field name)."""
-    return te_grouped._buffers(g)
+    """The group's flat buffers (TE's ``get_data_tensors``, by field name): its adapter's ``inner_buffers``."""
+    return find_adapter(g).inner_buffers(g)
 
 
 def assert_same_flat(a, b):
@@ -141,9 +141,8 @@ def reference(g):
     outs = [m if not isinstance(m, torch.Tensor) or find_adapter(m) is None else find_adapter(m).dequantize(m)
             for m in a.members(g)]
     outs = [o.to(torch.bfloat16) for o in outs]
-    shape = a._logical_shape(g)
     if g.first_dims is None and g.last_dims is None:
-        return torch.stack(outs).reshape(shape)
+        return torch.stack(outs)  # [n, M, N]
     if g.first_dims is not None and g.last_dims is not None:
-        return torch.cat([o.reshape(-1) for o in outs]).reshape(shape)
+        return torch.cat([o.reshape(-1) for o in outs]).reshape(tuple(g.logical_shape))  # TE's own
     return torch.cat(outs, dim=1 if g.last_dims is not None else 0)

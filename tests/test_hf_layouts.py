@@ -11,8 +11,8 @@ import torch
 
 import qdcp
 from qdcp.hf import ct_layout
+from qdcp.hf.directory import HFDirectory
 from qdcp.hf.layout import layout_named, layout_of
-from qdcp.hf.reader import HFDirectory
 from qdcp.reading import CheckpointEntries
 from quantized_cases import CASE_BY_NAME, bits, qdcp_save
 

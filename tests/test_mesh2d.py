@@ -1,4 +1,4 @@
-"""Quantized weights under 2-D parallelism (issue 29): FSDP2 x TP and HSDP, saved at one mesh,
+"""Quantized weights under 2-D parallelism: FSDP2 x TP and HSDP, saved at one mesh,
 loaded at any.
 
 ``torchrun`` jobs (gloo, CPU) run ``tests/mesh2d_worker.py``: torchao Int8 / Float8 per-row,

@@ -1,4 +1,4 @@
-"""examples/fsdp2_train.py at one rank, the most common machine (issue 36).
+"""examples/fsdp2_train.py at one rank, the most common machine.
 
 At world size 1 FSDP2 skips the all-gather and gives torchao's NF4 ``fsdp_post_all_gather`` one of
 its three tensors; the example keeps its frozen NF4 weight out of FSDP there (a plain

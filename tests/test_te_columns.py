@@ -1,4 +1,4 @@
-"""TransformerEngine tensors loaded into targets cut by columns (issue 29), on TE's real classes on
+"""TransformerEngine tensors loaded into targets cut by columns (tensor parallelism), on TE's real classes on
 CPU (``te_cpu`` stands in for TE's compiled module).
 
 ``te_columns_worker.py`` saves every format (per-tensor Float8 with data and transpose; MXFP8 1x32 +

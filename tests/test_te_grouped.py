@@ -17,6 +17,7 @@ import te_cpu
 
 if not te_cpu.te_installed():
     pytest.skip("transformer_engine is not installed", allow_module_level=True)
+te_cpu.install()  # before anything imports transformer_engine
 warnings.filterwarnings("ignore", message=".*Transformer Engine PyTorch extension.*")
 
 from transformer_engine.pytorch.tensor.grouped_tensor import GroupedTensor  # noqa: E402

@@ -1,6 +1,7 @@
-"""Issue 36's three defects, at 2 real ranks: a per-row torchao weight cut by columns as torchao's
-tensor-parallel recipes cut it, saved and loaded through ``dcp.save`` / ``dcp.load`` with qdcp's
-planners and through ``qdcp.load`` (see tests/tp_slicing_worker.py)."""
+"""A per-row torchao weight cut by columns as torchao's tensor-parallel recipes cut it, at 2 real
+ranks, saved and loaded through ``dcp.save`` / ``dcp.load`` with qdcp's planners and through
+``qdcp.load``: three loads that once failed (column cuts into row shards and into one process, a
+per-row checkpoint into column cuts; see tests/tp_slicing_worker.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """A per-row torchao weight cut for tensor parallelism as torchao's recipes cut it, through DCP's
-own calls and ``qdcp.load`` (issue 36's defects, at 2 ranks; ``test_tp_slicing.py`` runs it).
+own calls and ``qdcp.load``, at 2 ranks: three loads that once failed, below (``test_tp_slicing.py``
+runs it).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/tp_slicing_worker.py run DIR
 

@@ -45,7 +45,7 @@ import dataclasses
 import json
 import math
 import re
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -53,13 +53,11 @@ from qdcp.adapters import compressed_tensors as ct
 from qdcp.adapters.base import RawInterchangeAdapter, StoredEntry, adapter_for_type
 from qdcp.adapters.formats import MXFP8_FORMS, NVFP4_ROW16, nvfp4_decode_scale, parse_affine_form
 from qdcp.errors import CheckpointFormatError, QdcpError
+from qdcp.hf.directory import HFDirectory
 from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Item, Presented, Source, UnsupportedEntry, presented
 from qdcp.hf.safetensors_files import RowBlocks, TensorOut
 from qdcp.layouts import Blocked, Replicated
 from qdcp.reading.entries import stored_on_meta
-
-if TYPE_CHECKING:
-    from qdcp.hf.reader import HFDirectory
 
 CT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this writes
 _MXFP8 = MXFP8_FORMS[torch.float8_e4m3fn]
@@ -259,7 +257,7 @@ class CompressedTensorsLayout(HFLayout):
         """A directory whose config's ``quantization_config`` says ``quant_method: compressed-tensors``."""
         return _quantization_config(config) is not None
 
-    def entries(self, directory: "HFDirectory") -> list[Presented]:
+    def entries(self, directory: HFDirectory) -> list[Presented]:
         """Each module a config group targets that holds quantization parameters, read as the
         format's codes where ``quantization_status`` is ``compressed`` (or absent and the stored
         dtypes are codes), else left as the dense tensors they are. A module whose stored dtypes
@@ -421,14 +419,14 @@ def _is_dense(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype.itemsize >= 2
 
 
-def _modules(d: "HFDirectory", targets, ignore) -> list[str]:
+def _modules(d: HFDirectory, targets, ignore) -> list[str]:
     """Modules holding quantization parameters (``weight_scale`` or ``weight_packed``) that
     ``targets`` name and ``ignore`` does not."""
     found = {n.rsplit(".", 1)[0] for n in d.tensors if n.endswith((".weight_scale", ".weight_packed"))}
     return sorted(m for m in found if _matches(m, targets) and not _matches(m, ignore))
 
 
-def _compressed(d: "HFDirectory", module: str, status: str | None) -> bool:
+def _compressed(d: HFDirectory, module: str, status: str | None) -> bool:
     """Whether ``module``'s tensors are the format's codes (True) or its dense weight (False), as
     ``quantization_status`` says (absent: as the stored dtypes say); a status the stored dtypes
     contradict is refused."""
@@ -446,7 +444,7 @@ def _compressed(d: "HFDirectory", module: str, status: str | None) -> bool:
                                 f"load it (set quantization_status to {fix})")
 
 
-def _refuse_unread_codes(d: "HFDirectory", consumed: set[str], status: str | None) -> None:
+def _refuse_unread_codes(d: HFDirectory, consumed: set[str], status: str | None) -> None:
     """Refuse codes no entry reads (a module no config group targets): loaded as plain tensors
     they would be wrong values."""
     for name, (_, _, dtype) in d.tensors.items():
@@ -462,7 +460,7 @@ def _refuse_unread_codes(d: "HFDirectory", consumed: set[str], status: str | Non
                 f"qdcp will not load them as plain values")
 
 
-def _check_dtypes(d: "HFDirectory", key: str, module: str, fmt: str, weights: Mapping) -> None:
+def _check_dtypes(d: HFDirectory, key: str, module: str, fmt: str, weights: Mapping) -> None:
     """Every parameter the format needs is there with the dtype its codes or scales must have."""
     for i, (part, allowed) in enumerate(_allowed_dtypes(fmt, weights).items()):
         name = f"{module}.{part}"
@@ -478,7 +476,7 @@ def _check_dtypes(d: "HFDirectory", key: str, module: str, fmt: str, weights: Ma
                 f"what it holds (a model re-saved under a config it no longer matches?); it is not loaded")
 
 
-def _entry(d: "HFDirectory", module: str, fmt: str, weights: Mapping) -> Presented:
+def _entry(d: HFDirectory, module: str, fmt: str, weights: Mapping) -> Presented:
     """One quantized module's entry, its parameters checked against what ``fmt`` stores."""
     key = f"{module}.weight"
     if fmt not in _READ_DTYPES:
@@ -508,7 +506,7 @@ def _entry(d: "HFDirectory", module: str, fmt: str, weights: Mapping) -> Present
     return _packed(d, key, t, weights, asymmetric)
 
 
-def _unpacked(d: "HFDirectory", key: str, t: Mapping[str, str], weights: Mapping, asymmetric: bool) -> Presented:
+def _unpacked(d: HFDirectory, key: str, t: Mapping[str, str], weights: Mapping, asymmetric: bool) -> Presented:
     """naive / float / int-quantized: the codes stored as they are (FP8 E4M3 or int8)."""
     scale = d.meta(t["weight_scale"])
     shape = d.tensors[key][1]
@@ -525,7 +523,7 @@ def _unpacked(d: "HFDirectory", key: str, t: Mapping[str, str], weights: Mapping
     return _presented(d, key, kind, shape, scale.dtype, attrs, comps)
 
 
-def _packed(d: "HFDirectory", key: str, t: Mapping[str, str], weights: Mapping, asymmetric: bool) -> Presented:
+def _packed(d: HFDirectory, key: str, t: Mapping[str, str], weights: Mapping, asymmetric: bool) -> Presented:
     """pack-quantized: int4 / int8 codes packed in int32 words (zero points packed along N)."""
     shape = tuple(int(s) for s in d.tensor(t["weight_shape"]).tolist())
     bits = int(weights.get("num_bits", 4))
@@ -549,7 +547,7 @@ def _scale_layout(block, shape, scale):
     return Replicated(tuple(scale.shape)) if tuple(block) == tuple(shape) else Blocked(tuple(block))
 
 
-def _presented(d: "HFDirectory", key: str, type_name: str, shape, dtype, attrs, comps, built=None,
+def _presented(d: HFDirectory, key: str, type_name: str, shape, dtype, attrs, comps, built=None,
                used=frozenset()) -> Presented:
     """The entry from ``{component: (layout, file tensor name | build function)}``; ``built``: the
     shape and dtype of each built component; ``used``: file tensors consumed besides those named."""

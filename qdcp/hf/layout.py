@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from qdcp import spec as qspec
 from qdcp.adapters.base import StoredEntry
 from qdcp.errors import QdcpError
+from qdcp.hf.directory import HFDirectory
 from qdcp.hf.safetensors_files import RowBlocks, TensorOut
 from qdcp.spec import EntrySpec
-
-if TYPE_CHECKING:
-    from qdcp.hf.reader import HFDirectory
-
 
 #: ``read(names)``: components of one stored entry, whole, by name
 ComponentReader = Callable[[Sequence[str]], Mapping[str, torch.Tensor]]
@@ -107,7 +104,7 @@ class HFLayout:
         """Whether a directory whose ``config.json`` holds ``config`` is in this layout."""
         raise NotImplementedError
 
-    def entries(self, directory: "HFDirectory") -> list[Presented]:
+    def entries(self, directory: HFDirectory) -> list[Presented]:
         """The quantized entries of ``directory`` (every other file tensor is presented plain, as
         it is); a directory the layout cannot read as it says raises :class:`CheckpointFormatError`
         naming the key."""

@@ -11,16 +11,16 @@ they are presented are read by byte range (``safe_open(...).get_slice``: each ra
 needs); the few that are not (swizzled scales, packed integers) are computed from their whole
 tensors. Nothing is unpickled; torchao entries are rebuilt by torchao's own allow-listed decoder.
 
-This module is the part every layout shares: finding the files (the index), listing their
-tensors, reading them by range or whole. What a layout's tensors mean (which make an entry, how
-its components are rebuilt) is the layout's own :meth:`~qdcp.hf.layout.HFLayout.entries`
-(:mod:`qdcp.hf.torchao_layout`, :mod:`qdcp.hf.ct_layout`), chosen by the directory's config.
+This module and :mod:`qdcp.hf.directory` (finding the files, listing their tensors) are the part
+every layout shares: here, presenting the directory to DCP and reading items by range or whole.
+What a layout's tensors mean (which make an entry, how its components are rebuilt) is the layout's
+own :meth:`~qdcp.hf.layout.HFLayout.entries` (:mod:`qdcp.hf.torchao_layout`,
+:mod:`qdcp.hf.ct_layout`), chosen by the directory's config.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from typing import Any
 
@@ -36,52 +36,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from qdcp import spec as qspec
-from qdcp.errors import CheckpointFormatError
-from qdcp.hf import safetensors_files as stf
+from qdcp.hf.directory import HFDirectory
 from qdcp.hf.layout import Item, layout_of
-
-
-@dataclasses.dataclass
-class HFDirectory:
-    """The tensors of a Hugging Face directory: name -> (file, shape, dtype), each file's
-    ``__metadata__``, and its ``config.json`` (``{}`` without one)."""
-
-    path: str
-    tensors: dict[str, tuple[str, tuple[int, ...], torch.dtype]]
-    file_metadata: dict[str, dict[str, str]]
-    config: dict
-
-    @classmethod
-    def scan(cls, path: str) -> "HFDirectory":
-        """List the tensors of the directory's safetensors files (those its index names, else
-        ``model.safetensors``, else every ``*.safetensors``): headers only, no tensor is read."""
-        from safetensors import safe_open
-
-        tensors, metas = {}, {}
-        for name in stf.directory_files(path):
-            file = os.path.join(path, name)
-            with safe_open(file, "pt") as f:
-                metas[name] = f.metadata() or {}
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    dtype = stf.SAFETENSORS_TORCH_DTYPES.get(sl.get_dtype())
-                    if dtype is None:
-                        raise CheckpointFormatError(f"{file}: tensor {key!r} has dtype {sl.get_dtype()}, "
-                                                    f"which qdcp does not read")
-                    tensors[key] = (file, tuple(sl.get_shape()), dtype)
-        return cls(path, tensors, metas, stf.read_config(path))
-
-    def meta(self, name: str) -> torch.Tensor:
-        """File tensor ``name`` as a tensor on the meta device (its shape and dtype, no data)."""
-        _, shape, dtype = self.tensors[name]
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """File tensor ``name``, read whole (for the small tensors a layout reads to present an entry)."""
-        from safetensors import safe_open
-
-        with safe_open(self.tensors[name][0], "pt") as f:
-            return f.get_tensor(name)
 
 
 class QuantizedHFReader(StorageReader):

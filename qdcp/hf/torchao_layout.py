@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -38,6 +38,7 @@ from qdcp.adapters.base import (
 )
 from qdcp.adapters.torchao import granularity_from_block
 from qdcp.errors import CheckpointFormatError, UnsupportedTensorError
+from qdcp.hf.directory import HFDirectory
 from qdcp.hf.layout import (
     ComponentReader,
     EntryPlan,
@@ -51,9 +52,6 @@ from qdcp.hf.layout import (
 )
 from qdcp.hf.safetensors_files import TensorOut
 from qdcp.reading.entries import stored_on_meta
-
-if TYPE_CHECKING:
-    from qdcp.hf.reader import HFDirectory
 
 _SAFETENSORS = "torchao.prototype.safetensors.safetensors_utils"
 _FORM_BUILDERS = ("torchao.MXTensor", "torchao.NVFP4Tensor")
@@ -151,7 +149,7 @@ class TorchAOLayout(HFLayout):
         """Every directory: the files' metadata says which entries are torchao's (none: plain)."""
         return True
 
-    def entries(self, directory: "HFDirectory") -> list[Presented]:
+    def entries(self, directory: HFDirectory) -> list[Presented]:
         """The entries the files' metadata describes with a torchao class, once each
         (transformers and qdcp write the whole directory's metadata into every file; two files
         describing one entry differently are refused)."""
@@ -200,7 +198,7 @@ def ao_config(t: torch.Tensor) -> Any:
     return None
 
 
-def _presented(d: "HFDirectory", key: str, desc: dict) -> Presented:
+def _presented(d: HFDirectory, key: str, desc: dict) -> Presented:
     """Entry ``key`` that torchao's metadata ``desc`` describes: components read from the file
     tensors holding them as they are, the others computed from the whole entry."""
     object_from_dict = _torchao(_SAFETENSORS, "object_from_dict")
