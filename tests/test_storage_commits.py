@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import qdcp
+from cli_in_process import qdcp_cli
 from crash_worker import state
 from qdcp import CheckpointFormatError, QdcpError, QuantizedLoadPlanner, QuantizedSavePlanner
 from qdcp.storage import CheckpointReader, CheckpointWriter, ChecksumError
@@ -48,8 +49,8 @@ def crash(path, version, kill_at, overwrite=False, mode="sync"):
 
 
 def verify(path):
-    return subprocess.run([sys.executable, "-m", "qdcp", "verify", str(path)], capture_output=True,
-                          text=True, timeout=120)
+    """``qdcp verify PATH``, through the CLI's ``main`` in this process (tests/cli_in_process.py)."""
+    return qdcp_cli("verify", path)
 
 
 KILL_POINTS = ["resolve:1", "resolve:4", "resolve:9", "before_commit", "replace", "cleanup"]
