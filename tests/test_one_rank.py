@@ -96,8 +96,10 @@ def test_fsdp2_train_at_one_rank_and_across(tmp_path):
     one_rank = tmp_path / "written-at-1"
     shutil.copytree(tmp_path / "step_4", one_rank)  # step_4 as the 1-rank resume wrote it
     assert qdcp.describe(one_rank)[NF4]["type"] == "torchao.NF4Tensor"
+    written = os.stat(tmp_path / "step_4" / ".metadata").st_mtime_ns
     run(tmp_path, 2, "--resume", "--resume-step", "2")
     assert_resumed_exactly(tmp_path, 2, 2)
+    assert os.stat(tmp_path / "step_4" / ".metadata").st_mtime_ns != written  # written again (overwrite=True)
     assert_same_entries(stored_entries(one_rank), stored_entries(tmp_path / "step_4"))
 
 
