@@ -35,7 +35,10 @@ from quantized_cases import bits_diff
 
 pytestmark = pytest.mark.multiproc
 
-_job = torchrun_jobs.Worker("mesh2d_worker.py", timeout_s=300)  # each (command, ranks) runs once per session
+# each (command, ranks) runs once per session; at 4 ranks, the save with the replicas check, and the
+# three loads of that save, in one launch each
+_job = torchrun_jobs.Worker("mesh2d_worker.py", timeout_s=300,
+                            together={4: [("save", "replicas"), ("load-same", "load-fsdp", "load-other")]})
 _training = torchrun_jobs.Worker("mesh2d_training_worker.py", timeout_s=300)
 LAYOUTS = ["colwise", "rowwise", "hsdp"]
 

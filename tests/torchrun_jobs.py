@@ -84,14 +84,26 @@ def _locked(path: Path):
 
 class Worker:
     """A worker script beside the tests: ``worker(root, command, nproc)`` is :func:`job` of it (each
-    ``(command, nproc)`` run once per session, its files in ``root``, e.g. the module's ``shared_dir``)."""
+    ``(command, nproc)`` run once per session, its files in ``root``, e.g. the module's ``shared_dir``).
 
-    def __init__(self, script: str, timeout_s: int = 240) -> None:
+    ``together`` maps a world size to groups of commands that share one launch there (torchrun and
+    the ranks' imports cost seconds each on the CI's 2 cores): the first test that needs any of them
+    runs them all, in the group's order, in the same processes (worker_results.run), and each test
+    reads its own command's results. Group only commands that read nothing a command of their group
+    writes."""
+
+    def __init__(self, script: str, timeout_s: int = 240,
+                 together: dict[int, list[tuple[str, ...]]] | None = None) -> None:
         self.path = Path(__file__).with_name(script)
         self.timeout_s = timeout_s
+        self.together = together or {}
 
     def __call__(self, root: Path, command: str, nproc: int) -> dict:
-        return job(root, self.path, command, nproc, self.timeout_s)
+        group = next((g for g in self.together.get(nproc, ()) if command in g), None)
+        if group is None:
+            return job(root, self.path, command, nproc, self.timeout_s)
+        record = job(root, self.path, "+".join(group), nproc, self.timeout_s * len(group))
+        return {**record, "results": record["results"][command]}
 
     def recorded(self, root: Path, command: str, nproc: int, name: str) -> dict:
         """The JSON the job wrote to ``root / name`` (what it observed), after checking that it
@@ -108,11 +120,17 @@ def job(root: Path, worker: Path, command: str, nproc: int, timeout_s: int) -> d
     with _locked(root / f"lock-{key}"):
         if not record_path.exists():
             rc, out, elapsed = torchrun(worker, command, nproc, root, timeout_s)
-            results_path = root / f"results-{key}.json"
-            results = json.loads(results_path.read_text()) if results_path.exists() else None
+            results = _results(root, command, nproc)
+            if "+" in command:  # one launch of several commands: each one's results
+                results = {c: _results(root, c, nproc) for c in command.split("+")}
             record = {"rc": rc, "tail": out[-6000:], "seconds": round(elapsed, 1), "results": results}
             record_path.write_text(json.dumps(record))
         return json.loads(record_path.read_text())
+
+
+def _results(root: Path, command: str, nproc: int) -> dict | None:
+    path = root / f"results-{command}-{nproc}.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def explain(record: dict, what: str) -> str:

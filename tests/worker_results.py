@@ -78,13 +78,14 @@ def record_outcome(path: str, data) -> None:
     dist.barrier()
 
 
-def finish(results_path: str, crashed: BaseException | None = None) -> int:
-    """Gather every rank's sections, write them (rank 0), tear down; the process exit status."""
+def _report(results_path: str, crashed: BaseException | None) -> dict[str, list[str]]:
+    """Gather every rank's sections, write them (rank 0) and start afresh; the gathered sections."""
     if crashed is not None:
         section_error("crash", "the job raised", crashed)
         traceback.print_exception(crashed)
     gathered: list = [None] * WORLD
     dist.all_gather_object(gathered, _failures)
+    _failures.clear()
     merged: dict[str, list[str]] = {}
     for part in gathered:
         for k, v in part.items():
@@ -96,19 +97,38 @@ def finish(results_path: str, crashed: BaseException | None = None) -> int:
         for k, v in bad.items():
             print(f"FAILED section {k}:", *v[:20], sep="\n  ", file=sys.stderr)
     dist.barrier()
+    return bad
+
+
+def finish(results_path: str, crashed: BaseException | None = None) -> int:
+    """Gather every rank's sections, write them (rank 0), tear down; the process exit status."""
+    bad = _report(results_path, crashed)
     dist.destroy_process_group()
     return 2 if "crash" in bad else (1 if bad else 0)
 
 
 def run(commands: dict, init) -> int:
     """A worker's ``main``: ``argv = [command, job_dir]``; runs ``commands[command](job_dir, mesh)``
-    on the mesh ``init()`` makes, then :func:`finish`. A hung collective dumps stacks and exits."""
+    on the mesh ``init()`` makes, then :func:`finish`. A hung collective dumps stacks and exits.
+
+    ``command`` may join several with ``+`` (one launch for them: tests/torchrun_jobs.py's
+    ``Worker(together=...)``): they run in order in these processes, each writing its own results
+    file; after one that crashed (on any rank) the rest do not run, and write none."""
     faulthandler.dump_traceback_later(int(os.environ.get("QDCP_WORKER_TIMEOUT", "240")), exit=True)
-    command, root = sys.argv[1], sys.argv[2]
+    names, root = sys.argv[1].split("+"), sys.argv[2]
     mesh = init()
-    crashed = None
-    try:
-        commands[command](root, mesh)
-    except BaseException as e:  # noqa: BLE001
-        crashed = e
-    return finish(os.path.join(root, f"results-{command}-{WORLD}.json"), crashed)
+    status = 0
+    for i, command in enumerate(names):
+        crashed = None
+        try:
+            commands[command](root, mesh)
+        except BaseException as e:  # noqa: BLE001
+            crashed = e
+        path = os.path.join(root, f"results-{command}-{WORLD}.json")
+        if i == len(names) - 1:
+            return max(status, finish(path, crashed))
+        bad = _report(path, crashed)
+        status = max(status, 2 if "crash" in bad else (1 if bad else 0))
+        if "crash" in bad:
+            return max(status, finish(os.devnull, None))
+    return status
