@@ -15,11 +15,11 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from qdcp import checksums
-from qdcp.errors import CheckpointFormatError, ChecksumError, QdcpError
+from qdcp.errors import CheckpointFormatError, QdcpError
 from qdcp.spec import describe_item
 from qdcp.storage.hooks import AdoptingLoadPlanner, verifies_whole_items
 from qdcp.storage.metadata import check_chunk_geometry, safe_load_metadata
-from qdcp.storage.torch_save import ViewReader, archived_tensor, check_zip_crcs
+from qdcp.storage.torch_save import ViewReader, archived_tensor, check_zip_crcs, read_archive_into
 from qdcp.storage.trailer import VerifyingTransforms, checksum_version, verified_view
 
 __all__ = ["SafeReading", "CheckpointReader"]
@@ -131,10 +131,7 @@ class SafeReading:
     @staticmethod
     def _compare(req, got: int | None, expected: int) -> None:
         if got is not None and got != expected:  # None: a subclass whose values cannot be read
-            raise ChecksumError(
-                f"{describe_item(req.storage_index.fqn)}: the stored chunk at "
-                f"{tuple(req.storage_index.offset or ())} does not match the checksum its save recorded "
-                f"(recorded {expected:016x}, read {got:016x}): the data file is corrupt")
+            raise checksums.corrupt(req.storage_index.fqn, req.storage_index.offset, expected, got)
 
     def _verification(self, req, tensor: torch.Tensor, recorded: int | None, planner) -> Callable[[], None]:
         """Start hashing the stored chunk just read (large ones on a background thread, while the
@@ -224,6 +221,19 @@ class SafeReading:
             and (not descriptors or (version is not None and len(descriptors) == 1))
         buffer = self._planner_buffer(planner, req, length) if in_place else None
         adoptable = True  # a view of the reader's own scratch buffer is copied out, never kept
+        if not descriptors and recorded is not None and buffer is None and req.type != LoadItemType.BYTE_IO \
+                and not isinstance(planner, AdoptingLoadPlanner):
+            target = self._whole_chunk_target(req, planner)
+            try:
+                direct = target is not None and read_archive_into(stream, offset, length,
+                                                                  self._read_buffer(length), target)
+            except Exception as e:
+                raise CheckpointFormatError(
+                    f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
+            if direct:  # read straight into the planner's buffer: checked there, then committed
+                return self._commit(req, target, self._verification(req, target, recorded, planner), planner, where)
+            if target is not None:
+                self._resolved = (req, target)  # handed out once: the usual path uses it
         try:
             # read into memory, checked there (trailer, recorded checksum or the zip's CRCs)
             memory = buffer if buffer is not None else self._read_buffer(length)
@@ -246,6 +256,19 @@ class SafeReading:
         self._deliver(req, self._requested_part(tensor, req, where), verified, adoptable, planner, where)
         return None
 
+    def _whole_chunk_target(self, req, planner) -> torch.Tensor | None:
+        """``resolve_tensor``'s buffer for ``req`` where ``req`` reads a whole stored chunk into a
+        contiguous CPU buffer of its dtype and shape (the item can be read straight into it)."""
+        expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        if expected is None or any(req.storage_offsets) or tuple(req.lengths) != expected[0]:
+            return None
+        target = planner.resolve_tensor(req).detach()
+        if target.device.type != "cpu" or target.dtype != expected[1] or tuple(target.shape) != expected[0] \
+                or not target.is_contiguous() or type(target) is not torch.Tensor:
+            self._resolved = (req, target)  # handed out once: the usual path uses it
+            return None
+        return target
+
     def _deliver_bytes(self, req, payload: memoryview, recorded: int | None, zip_crcs: bool, planner,
                        where: str) -> None:
         """An object item, checked (the recorded checksum, else a torch.save archive's CRCs), to the planner."""
@@ -265,11 +288,17 @@ class SafeReading:
             verified()
             if planner.adopt_tensor(req, tensor):
                 return
-        target = planner.resolve_tensor(req).detach()
+        resolved, self._resolved = getattr(self, "_resolved", None), None
+        target = resolved[1] if resolved is not None and resolved[0] is req else planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise CheckpointFormatError(f"{where}: a read of {tuple(tensor.shape)} goes to a buffer of "
                                         f"{tuple(target.shape)}")
         target.copy_(tensor)
+        self._commit(req, target, verified, planner, where)
+
+    @staticmethod
+    def _commit(req, target: torch.Tensor, verified: Callable[[], None], planner, where: str) -> None:
+        """Wait for ``target``'s check, then commit it to the planner."""
         verified()
         try:
             planner.commit_tensor(req, target)

@@ -15,7 +15,7 @@ import torch
 
 from qdcp.errors import ChecksumError
 
-__all__ = ["ViewReader", "check_zip_crcs", "archived_tensor"]
+__all__ = ["ViewReader", "check_zip_crcs", "archived_tensor", "read_archive_into"]
 
 
 class ViewReader(io.RawIOBase):
@@ -96,26 +96,11 @@ def archived_tensor(payload: memoryview, memory: torch.Tensor) -> torch.Tensor |
         with zipfile.ZipFile(io.BufferedReader(ViewReader(payload))) as z:
             infos = z.infolist()
         storage = [i for i in infos if _STORAGE_RECORD.fullmatch(i.filename)]
-        pickled = [i for i in infos if i.filename.endswith("/data.pkl")]
-        order = [i for i in infos if i.filename.endswith("/byteorder")]
-        if len(storage) != 1 or len(pickled) != 1 or len(order) > 1 \
-                or any(i.compress_type != zipfile.ZIP_STORED for i in storage + pickled + order):
+        if len(storage) != 1 or any(i.compress_type != zipfile.ZIP_STORED for i in infos):
             return None
-        if order:
-            at = _record_start(payload, order[0])
-            if bytes(payload[at: at + order[0].file_size]) != sys.byteorder.encode():
-                return None
-        at = _record_start(payload, pickled[0])
-        key = bytes(payload[at: at + pickled[0].file_size])
-        described = _DESCRIBED.get(key)
+        described = _describe(payload, infos)
         if described is None:
-            meta = torch.load(ViewReader(payload), map_location="meta", weights_only=True)
-            if type(meta) is not torch.Tensor or meta.layout != torch.strided or meta.is_quantized:
-                return None
-            described = (meta.dtype, tuple(meta.shape), meta.stride(), meta.storage_offset(),
-                         meta.untyped_storage().nbytes())
-            if len(_DESCRIBED) < _DESCRIBED_MAX:
-                _DESCRIBED[key] = described
+            return None
         start = _record_start(payload, storage[0])
     except Exception:  # unreadable here: the usual load reports it
         return None
@@ -131,3 +116,78 @@ def archived_tensor(payload: memoryview, memory: torch.Tensor) -> torch.Tensor |
         return None
     flat = memory[start: start + nbytes].view(dtype)
     return flat.as_strided(shape, stride, flat.storage_offset() + offset)
+
+
+def read_archive_into(stream, offset: int, length: int, scratch: torch.Tensor, target: torch.Tensor) -> bool:
+    """Read the ``torch.save`` archive stored at ``[offset, offset + length)`` of ``stream`` with
+    its one storage record read straight into ``target`` (a contiguous CPU tensor of the archived
+    tensor's dtype, shape and bytes), its other records (the pickle, the zip directory: a few KiB)
+    into ``scratch`` (a uint8 tensor of at least ``length`` bytes) at their own offsets. No copy
+    of the tensor's bytes is made. False, ``target`` untouched, where the archive is anything else
+    (the caller then reads it whole)."""
+    if not target.is_contiguous() or target.device.type != "cpu" or target.numel() == 0 or length < 22:
+        return False
+    mem = memoryview(scratch.numpy())[:length]
+
+    def fill(start: int, end: int) -> None:
+        if end > start:
+            stream.seek(offset + start)
+            if stream.readinto(mem[start:end]) != end - start:
+                raise EOFError(f"the stored item ended before byte {end} of {length}")
+
+    tail = min(length, 1 << 16)
+    fill(length - tail, length)
+    try:
+        with zipfile.ZipFile(io.BufferedReader(ViewReader(mem))) as z:
+            infos, directory = z.infolist(), z.start_dir
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, struct.error):
+        return False
+    storage = [i for i in infos if _STORAGE_RECORD.fullmatch(i.filename)]
+    if directory < length - tail or len(storage) != 1 or any(i.compress_type != zipfile.ZIP_STORED for i in infos):
+        return False
+    record = storage[0]
+    rest = min([i.header_offset for i in infos if i.header_offset > record.header_offset] + [directory])
+    fill(rest, length - tail)  # the records after the storage record
+    fill(0, record.header_offset + 30)  # the records before it and its local header
+    name_len, extra_len = struct.unpack("<HH", bytes(mem[record.header_offset + 26: record.header_offset + 30]))
+    start = record.header_offset + 30 + name_len + extra_len
+    fill(record.header_offset + 30, start)
+    nbytes = target.numel() * target.element_size()
+    if start + record.file_size > rest or record.file_size != nbytes:
+        return False
+    described = _describe(mem, infos)
+    if described != (target.dtype, tuple(target.shape), target.stride(), 0, nbytes):
+        return False
+    stream.seek(offset + start)
+    if stream.readinto(memoryview(target.view(-1).view(torch.uint8).numpy())) != nbytes:
+        raise EOFError(f"the stored item ended inside its tensor's {nbytes} bytes")
+    return True
+
+
+def _describe(payload: memoryview, infos: list[zipfile.ZipInfo]):
+    """``(dtype, shape, strides, storage offset, storage bytes)`` of the plain tensor the archive's
+    pickle describes (from ``torch.load`` onto the meta device, once per distinct pickle; no
+    storage is read), or None where it holds anything else."""
+    pickled = [i for i in infos if i.filename.endswith("/data.pkl")]
+    order = [i for i in infos if i.filename.endswith("/byteorder")]
+    if len(pickled) != 1 or len(order) > 1:
+        return None
+    if order:
+        at = _record_start(payload, order[0])
+        if bytes(payload[at: at + order[0].file_size]) != sys.byteorder.encode():
+            return None
+    at = _record_start(payload, pickled[0])
+    key = bytes(payload[at: at + pickled[0].file_size])
+    described = _DESCRIBED.get(key)
+    if described is None:
+        try:
+            meta = torch.load(ViewReader(payload), map_location="meta", weights_only=True)
+        except Exception:
+            return None
+        if type(meta) is not torch.Tensor or meta.layout != torch.strided or meta.is_quantized:
+            return None
+        described = (meta.dtype, tuple(meta.shape), meta.stride(), meta.storage_offset(),
+                     meta.untyped_storage().nbytes())
+        if len(_DESCRIBED) < _DESCRIBED_MAX:
+            _DESCRIBED[key] = described
+    return described
