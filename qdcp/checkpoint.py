@@ -51,7 +51,9 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     """:func:`save` in the background with ``dcp.async_save``; returns what it returns (a Future).
 
     ``stager``: a :class:`qdcp.QuantizedStager` kept for the whole run (its buffers are reused
-    from save to save); without one the writer stages through a ``QuantizedStager`` of its own.
+    from save to save; ``stager.prepare(state_dict)`` before training makes the first save as fast as
+    the later ones); without one the writer stages through a ``QuantizedStager`` shared by this
+    process's qdcp writers (its buffers reused too).
     Wait for the previous save's future before the next save.
     """
     kwargs = {"async_stager": stager} if stager is not None else {}

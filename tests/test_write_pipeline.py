@@ -104,3 +104,22 @@ def test_default_threads_split_only_large_saves(tmp_path):
     groups = pipeline.split_items(items, 2)
     assert [[i.index.fqn for i in g] for g in groups] == [["k0", "k3", "k4"], ["k1", "k2"]]
     assert pipeline.split_items(items[:1], 4) == [items[:1]]
+
+
+def test_default_stager_is_shared_and_its_buffers_reused(tmp_path):
+    """dcp.async_save through qdcp's writers without a stager: the second save stages into the
+    buffers the first allocated (one QuantizedStager shared by this process's writers)."""
+    saved = _state(6)
+    stagers = []
+    for n in range(2):
+        writer = CheckpointWriter(tmp_path / f"c{n}")
+        result = dcp.async_save(saved, storage_writer=writer, planner=QuantizedSavePlanner())
+        getattr(result, "upload_completion", result).result()
+        del result
+        stagers.append((writer._stager, {k: b.data_ptr() for k, b in writer._stager._buffers.items()}))
+        writer.close()
+    (first, ptrs), (second, again) = stagers
+    assert second is first and again == ptrs and first.staged_nbytes > 0
+    target = _state(7)
+    qdcp.load(target, tmp_path / "c1")
+    assert all(torch.equal(target[k], saved[k]) for k in saved if k != "step")

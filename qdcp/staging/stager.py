@@ -111,6 +111,13 @@ class QuantizedStager:
         """Bytes held in staging buffers (the components' and plain tensors' bytes, no more)."""
         return sum(b.untyped_storage().nbytes() for b in self._buffers.values())
 
+    @property
+    def in_use(self) -> bool:
+        """Whether the state dict of the last :meth:`stage` is still alive (an upload may read its
+        buffers): a stage() now would wait for it."""
+        ref = self._last_staged
+        return self._staging_future is not None or (ref is not None and ref() is not None)
+
     # ------------------------------------------------------------------------- protocol
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future:

@@ -62,12 +62,35 @@ def refuse_existing_checkpoint(storage_meta: StorageMeta | None, who: str) -> No
 _default_stager: Callable[[], AsyncStager] | None = None
 
 
+_shared_lock = threading.Lock()
+_shared: list[AsyncStager] = []  # default stagers, reused by this process's writers from save to save
+_SHARED_MAX = 2
+
+
 def set_default_stager(factory: Callable[[], AsyncStager] | None) -> None:
     """What a qdcp writer stages through when ``dcp.async_save`` uses it as its stager and it was
-    given none: ``factory()``, made once per writer (``import qdcp`` sets :class:`qdcp.QuantizedStager`);
-    None: DCP's own staging."""
+    given none: a stager from ``factory()`` (``import qdcp`` sets :class:`qdcp.QuantizedStager`),
+    shared by this process's qdcp writers, so that its buffers (pinned where an accelerator is) are
+    allocated once and reused from save to save; a save that starts while the shared ones are still
+    in use by uploads gets another. None: DCP's own staging. Setting it drops the shared stagers."""
     global _default_stager
-    _default_stager = factory
+    with _shared_lock:
+        _default_stager = factory
+        _shared.clear()
+
+
+def _stage_shared(state_dict) -> tuple[AsyncStager, Any, bool]:
+    """``(stager, staged, shared)``: ``state_dict`` staged by an idle shared default stager (one
+    made if none is idle; kept for later saves unless there are already :data:`_SHARED_MAX`)."""
+    with _shared_lock:
+        stager = next((s for s in _shared if not getattr(s, "in_use", True)), None)
+        shared = stager is not None
+        if stager is None:
+            stager = _default_stager()
+            if len(_shared) < _SHARED_MAX and hasattr(stager, "in_use"):
+                _shared.append(stager)
+                shared = True
+        return stager, stager.stage(state_dict), shared
 
 
 class AtomicWriting:
@@ -95,7 +118,9 @@ class AtomicWriting:
         if self._stager is None:
             if _default_stager is None:
                 return super().stage(state_dict)  # DCP's own (FileSystemWriter's) staging
-            self._stager = _default_stager()
+            self._stager, staged, shared = _stage_shared(state_dict)
+            self._owns_stager = not shared
+            return staged
         return self._stager.stage(state_dict)
 
     def synchronize_staging(self) -> None:
@@ -363,7 +388,8 @@ class CheckpointWriter(AtomicWriting, FileSystemWriter):
             verified by :class:`CheckpointReader`. False: no writer checksums.
         stager: what ``dcp.async_save`` stages through when it uses this writer as its stager (no
             ``async_stager`` given); it stays the caller's to close. Default: a
-            :class:`~qdcp.QuantizedStager` this writer makes, and closes in :meth:`close`.
+            :class:`~qdcp.QuantizedStager` shared by this process's qdcp writers (its buffers
+            reused from save to save; :func:`set_default_stager`).
         thread_count: files (and threads) each rank writes into; default
             :func:`~qdcp.storage.pipeline.default_thread_count` (the usable cores, at most 4).
         **kwargs: other ``FileSystemWriter`` options (``sync_files``, ``per_thread_copy_ahead``...).
