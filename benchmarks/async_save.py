@@ -14,7 +14,8 @@ components, then measures, in one run:
 
 The first save of a stager allocates its buffers (cold); later saves reuse them (warm). A stager
 ``prepare()``d before the first save has them already: its cold row is the first save of a run.
-Run: ``python benchmarks/async_save.py [--gib 0.25] [--dir /tmp] [--repeat 3]``.
+Run: ``python benchmarks/async_save.py [--gib 0.25] [--dir /tmp] [--repeat 3] [--device cuda]`` (with
+``--device cuda`` the baseline memcpy is a device-to-host copy into pinned memory).
 """
 
 from __future__ import annotations
@@ -104,12 +105,15 @@ def memcpy_seconds(state: dict, repeat: int) -> float:
     is timed once, so its baseline is a typical copy, not the luckiest of several."""
     srcs = [b for t in _tensors(state)
             for b in (find_adapter(t).inner_buffers(t).values() if find_adapter(t) else [t])]
-    dsts = [torch.empty_like(s) for s in srcs]
+    cuda = srcs[0].device.type == "cuda"
+    dsts = [torch.empty_like(s, device="cpu", pin_memory=cuda) for s in srcs]  # host memory, pinned from a GPU
     times = []
     for _ in range(repeat + 1):
         t0 = time.perf_counter()
         for d, s in zip(dsts, srcs):
-            d.copy_(s)
+            d.copy_(s, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -184,14 +188,17 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0, help="GiB of quantized components (default 1)")
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default: a temp dir)")
     parser.add_argument("--repeat", type=int, default=5, help="saves per configuration (default 5)")
+    parser.add_argument("--device", default="cpu", help="where the state lives: cpu or cuda (default cpu)")
     args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
         # A fixed mmap threshold makes glibc return freed tensors to the OS at once, so RSS
         # growth measures what a save really holds. Re-exec with it set.
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
         os.execv(sys.executable, [sys.executable] + sys.argv)
 
-    state = quantized_state(args.gib)
+    state = {k: v.to(args.device) for k, v in quantized_state(args.gib).items()}
     nbytes = component_bytes(state)
     memcpy = memcpy_seconds(state, 3)
     print(f"{len(state)} Int8Tensor weights {SHAPE}, components {nbytes / 2**30:.3f} GiB; "
@@ -221,7 +228,7 @@ def main() -> None:
         rows.append(("DCP DefaultStager, Int8Tensor", run_saves(state, root, args.repeat, None,
                                                                QuantizedSavePlanner), None))
         del state
-        plain = plain_state(nbytes)
+        plain = {k: v.to(args.device) for k, v in plain_state(nbytes).items()}
         rows.append(("DCP DefaultStager, plain tensors", run_saves(plain, root, args.repeat), None))
         runs = run_saves(plain, root, args.repeat, QuantizedStager)
         rows.append(("QuantizedStager, plain tensors", runs, runs[0]["staged_nbytes"] / nbytes))

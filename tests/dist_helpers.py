@@ -26,7 +26,8 @@ def init_torchrun_mesh(device: torch.device | None = None) -> DeviceMesh:
     device = device or torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    shared = os.environ.get("QDCP_SHARED_GPU") == "1"  # ranks sharing one GPU: gloo carries CUDA tensors
+    dist.init_process_group(("cpu:gloo,cuda:gloo" if shared else "nccl") if device.type == "cuda" else "gloo")
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 

@@ -51,9 +51,11 @@ from worker_results import short as _short  # noqa: E402
 # ----------------------------------------------------------------------------- setup
 
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
-USE_CUDA = torch.cuda.is_available() and torch.cuda.device_count() >= int(
-    os.environ.get("LOCAL_WORLD_SIZE", WORLD))
-DEVICE = torch.device("cuda", LOCAL_RANK) if USE_CUDA else torch.device("cpu")
+# QDCP_SHARED_GPU=1 (scripts/gpu_check.sh): every rank on GPU 0, over gloo (cpu:gloo,cuda:gloo)
+SHARED_GPU = os.environ.get("QDCP_SHARED_GPU") == "1" and torch.cuda.is_available()
+USE_CUDA = SHARED_GPU or (torch.cuda.is_available() and torch.cuda.device_count() >= int(
+    os.environ.get("LOCAL_WORLD_SIZE", WORLD)))
+DEVICE = torch.device("cuda", 0 if SHARED_GPU else LOCAL_RANK) if USE_CUDA else torch.device("cpu")
 
 PER_TENSOR = ("int8_tensor", "float8_tensor_e5m2", "nvfp4_per_tensor", "nvfp4_per_tensor_swizzled")
 NF4 = ("nf4", "nf4_block32")
