@@ -59,7 +59,9 @@ class QuantizedSavePlanner(DefaultSavePlanner):
     document in ``planner_data``, and this save's item hashes riding beside it); on the coordinator
     ``create_global_plan`` (the ranks' hashes compared, DCP's global plan with the specs merged by
     :func:`~qdcp.planning.save_entries.merge_specs`, the checksum record made); ``finish_plan`` (the
-    record joins the metadata); then ``resolve_data`` for each item the writer writes.
+    record joins the metadata; the data kept for hashing is narrowed to the final plan's items);
+    then ``resolve_data`` for each item the writer writes (each entry's data, computed once, is
+    dropped once its last item is given).
     """
 
     def __init__(self, dequantize: DequantizeChoice = False,
@@ -76,7 +78,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         self.check_replicas = bool(check_replicas)
         self._entries = EntryPlanner(dequantize, dequantize_dtype)
         self._hashes = sums.SaveHashes(self.checksums, self.check_replicas)
-        self._ready: dict[MetadataIndex, torch.Tensor | bytes] = {}  # host copies and object bytes, as hashed
+        self._ready: dict[MetadataIndex, torch.Tensor | bytes] = {}  # host copies, object bytes: as hashed, to write
         self._sums_record: dict | None = None  # the checksum record (coordinator), added by finish_plan
 
     @property
@@ -125,13 +127,20 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         # in create_global_plan, which returns (and plan caching keeps) what DCP's would.
         if self._sums_record is not None and getattr(self, "metadata", None) is not None:
             self.metadata.planner_data[sums.PLANNER_DATA_KEY] = self._sums_record
-        return super().finish_plan(new_plan)
+        plan = super().finish_plan(new_plan)
+        # only what the writer will ask for is kept (DCP may have another rank write a replica)
+        keep = {item.index for item in plan.items}
+        self._ready = {index: data for index, data in self._ready.items() if index in keep}
+        self._entries.expect([item for item in plan.items if item.index not in self._ready])
+        return plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        ready = self._ready.get(write_item.index)
+        ready = self._ready.pop(write_item.index, None)
         if ready is not None:
             return io.BytesIO(ready) if isinstance(ready, bytes) else ready
-        return self._item_data(write_item)
+        data = self._item_data(write_item)
+        self._entries.release(write_item)
+        return data
 
     def _item_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         data = self._entries.data(write_item)
@@ -146,6 +155,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             data = self._ready[item.index] = data.getvalue()
         elif data.device.type != "cpu":
             data = self._ready[item.index] = data.detach().cpu()
+            self._entries.release(item)  # the device data is not needed again
         return data
 
 

@@ -11,11 +11,17 @@
 
 Each entry's JSON spec goes into the rank's spec document; :func:`merge_specs` makes one document
 of every rank's.
+
+Each entry's data is produced once: its components (computed at planning) or its dequantized values
+(computed when first asked for: hashed at planning, or written) are kept on the entry until the
+last of its items that needs them is given to the writer (or copied to the host), then dropped
+(:meth:`EntryPlanner.release`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable, Union
 
 import torch
@@ -30,10 +36,12 @@ from qdcp.planning.placement import Placed, is_empty, place, shard_layouts, shar
 
 DequantizeChoice = Union[bool, Callable[[str, torch.Tensor], bool]]
 
+_LOCK = threading.Lock()  # entries' data counts: writers resolve items on several threads (one lock: planners pickle)
+
 __all__ = ["DequantizeChoice", "EntryPlanner", "SaveEntry", "RawTemplate", "merge_specs"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class SaveEntry:
     """One quantized key as this rank saves it: its spec and the items it writes."""
     fqn: str
@@ -42,6 +50,8 @@ class SaveEntry:
     adapter: Adapter
     items: list[WriteItem]
     shared: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (component, chunk offsets) other shards also hold
+    values: Any = None  # its components (raw) or dequantized values, kept while items still need them
+    left: int = 0  # items that still need them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,16 +118,49 @@ class EntryPlanner:
 
     def data(self, item: WriteItem) -> torch.Tensor | None:
         """What DCP writes for ``item``: a component (a regrouped one as its grid) or the dequantized
-        values; None for an item of no entry (DCP's own)."""
+        values; None for an item of no entry (DCP's own). Computed once per entry and kept while
+        its items are left to resolve (recomputed only for an item asked for again after that)."""
         source = self._sources.get(item.index.fqn)
         if source is None:
             return None
         entry, component = source
-        t = entry.placed.local
+        values = entry.values
+        if values is None:
+            values = _compute(entry)
+            with _LOCK:
+                if entry.left > 0:
+                    entry.values = values
         if component is None:
-            return entry.adapter.dequantize(t, entry.spec.stored_dtype)
+            return values
         # a regrouped component (for_shard) is written as its grid; others have the item's shape
-        return grid_view(entry.adapter.components(t)[component], item.tensor_data.chunk.sizes)
+        return grid_view(values[component], item.tensor_data.chunk.sizes)
+
+    def expect(self, items: list[WriteItem]) -> None:
+        """The items the writer will still ask this planner's entries for (this rank's final plan,
+        less those already copied out): each entry's data is kept until the last of them is
+        released, and dropped now where there are none (DCP may have another rank write them)."""
+        left = dict.fromkeys(self.entries.values(), 0)
+        for item in items:
+            source = self._sources.get(item.index.fqn)
+            if source is not None:
+                left[source[0]] += 1
+        with _LOCK:
+            for entry, n in left.items():
+                entry.left = n
+                if n == 0:
+                    entry.values = None
+
+    def release(self, item: WriteItem) -> None:
+        """``item``'s data was given to the writer (or copied out for it): its entry's data is
+        dropped after the last of its items."""
+        source = self._sources.get(item.index.fqn)
+        if source is None:
+            return
+        entry = source[0]
+        with _LOCK:
+            entry.left -= 1
+            if entry.left <= 0:
+                entry.values = None
 
     def _plan_raw(self, fqn: str, placed: Placed, adapter: Adapter) -> SaveEntry:
         t = placed.local
@@ -132,7 +175,8 @@ class EntryPlanner:
                            type=item_type, tensor_data=data) for name, item_type, data in template.writes]
         entry_spec = qspec.EntrySpec(fqn, qspec.RAW, template.type_name, placed.global_shape, t.dtype,
                                      template.attrs, template.specs, None, template.info)
-        entry = SaveEntry(fqn, entry_spec, placed, adapter, items, template.shared if placed.is_dtensor else ())
+        entry = SaveEntry(fqn, entry_spec, placed, adapter, items, template.shared if placed.is_dtensor else (),
+                          comps if items else None, len(items))
         for item, (name, _, _) in zip(items, template.writes):
             self._sources[item.index.fqn] = (entry, name)
         return entry
@@ -186,10 +230,18 @@ class EntryPlanner:
                                      t.dtype, attrs, (), dtype, _info(adapter, t))
         items = [] if is_empty(placed.chunk) else [
             _write_item(fqn, placed.chunk, placed.global_shape, dtype, sharded=placed.is_dtensor)]
-        entry = SaveEntry(fqn, entry_spec, placed, adapter, items)
+        entry = SaveEntry(fqn, entry_spec, placed, adapter, items, left=len(items))
         if items:
             self._sources[fqn] = (entry, None)
         return entry
+
+
+def _compute(entry: SaveEntry) -> Any:
+    """An entry's data: its components (raw), or its values in the stored dtype (dequantized)."""
+    t = entry.placed.local
+    if entry.spec.storage == qspec.DEQUANTIZED:
+        return entry.adapter.dequantize(t, entry.spec.stored_dtype)
+    return entry.adapter.components(t)
 
 
 def merge_specs(rank_texts: list[str | None]) -> str:
