@@ -405,9 +405,18 @@ class ReadVerifier:
         with self._lock:
             filled = sorted(self._filled | ({key} if not untouched else set()))
         listed = ", ".join(repr(k) for k in filled[:20]) + (f" and {len(filled) - 20} more" if len(filled) > 20 else "")
-        raise ChecksumError(
-            f"{describe_item(read_item.storage_index.fqn)}: the bytes read from the checkpoint do not match "
-            f"the checksum its save recorded (recorded {expected:016x}, read {got:016x}): its data file is "
-            f"corrupt. Entries of the target already filled from this checkpoint: "
-            f"{listed or 'none'}{'' if untouched else ' (this one with the corrupt bytes)'}. Load them "
-            f"from another checkpoint.")
+        raise corrupt(read_item.storage_index.fqn, read_item.storage_index.offset, expected, got,
+                      f"Entries of the target already filled from this checkpoint: {listed or 'none'}"
+                      f"{'' if untouched else ' (this one with the corrupt bytes)'}. Load them from another "
+                      f"checkpoint.")
+
+
+def corrupt(item_fqn: str, offsets: Any, recorded: int, read: int, changed: str = "") -> ChecksumError:
+    """The error for a stored chunk (or object) whose bytes do not match the checksum its save
+    recorded, one text for every check (the load planner's, the storage reader's); ``changed``: what
+    the load had already changed, said after it."""
+    chunk = f"its stored chunk at {tuple(offsets)}: " if offsets else ""
+    then = f" {changed}" if changed else ""
+    return ChecksumError(
+        f"{describe_item(item_fqn)}: the bytes read from the checkpoint do not match the checksum its save "
+        f"recorded ({chunk}recorded {recorded:016x}, read {read:016x}): its data file is corrupt.{then}")
