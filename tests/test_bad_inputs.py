@@ -47,6 +47,8 @@ QNAMES = ("int8_group32", "nf4", "mx_fp4_swizzled", "optim8bit_signed", "float8_
 HUGE = 2**40
 SEP = qspec.COMPONENT_SEPARATOR
 ALL_KEYS = QNAMES + ("bias", "step", "opt")
+# a truncated file cuts off whichever items its writer put last (qdcp's writer orders them its own way)
+TENSORS = QNAMES + ("bias",)
 
 
 # ----------------------------------------------------------------------------- pristine checkpoint
@@ -212,13 +214,13 @@ def _first_tensor_item_offset(raw, md):
 
 
 case("truncate_empty", lambda p, r: truncate(p, lambda raw, md: 0), key=ALL_KEYS)
-case("truncate_at_item_boundary", lambda p, r: truncate(p, _first_tensor_item_offset), key=QNAMES)
+case("truncate_at_item_boundary", lambda p, r: truncate(p, _first_tensor_item_offset), key=TENSORS)
 case("truncate_mid_int8_qdata", lambda p, r: truncate(
-    p, lambda raw, md: info_of(md, comp("int8_group32", "qdata")).offset + 20000), key=QNAMES)
+    p, lambda raw, md: info_of(md, comp("int8_group32", "qdata")).offset + 20000), key=TENSORS)
 case("truncate_mid_nf4_data", lambda p, r: truncate(
-    p, lambda raw, md: info_of(md, comp("nf4", "quantized_data")).offset + 5000), key=QNAMES[1:])
-case("truncate_last_byte", lambda p, r: truncate(p, lambda raw, md: len(raw) - 1), key="float8_row")
-case("truncate_half", lambda p, r: truncate(p, lambda raw, md: len(raw) // 2), key=QNAMES)
+    p, lambda raw, md: info_of(md, comp("nf4", "quantized_data")).offset + 5000), key=TENSORS)
+case("truncate_last_byte", lambda p, r: truncate(p, lambda raw, md: len(raw) - 1), key=TENSORS)
+case("truncate_half", lambda p, r: truncate(p, lambda raw, md: len(raw) // 2), key=TENSORS)
 
 # --- flipped bytes (several positions, with and without checksums)
 for _key, _comp, _rec, _frac in [

@@ -103,10 +103,11 @@ class PathClaim:
         self.data = record.dumps()
         self.ended = False  #: its save can no longer commit (a write failed): the next save here clears it
         stop = threading.Event()
-        threading.Thread(target=_heartbeat, args=(store, record.token, self.data, stop),
-                         name=f"qdcp-claim-{record.token}", daemon=True).start()
+        beats = threading.Thread(target=_heartbeat, args=(store, record.token, self.data, stop),
+                                 name=f"qdcp-claim-{record.token}", daemon=True)
+        beats.start()
         # released when the save ends, or when its writer is dropped without ending it
-        self._release = weakref.finalize(self, _release, store, record.token, self.data, stop)
+        self._release = weakref.finalize(self, _release, store, record.token, self.data, stop, beats)
         _live[record.token] = self
 
     @property
@@ -143,8 +144,10 @@ def _heartbeat(store: ClaimStore, token: str, data: bytes, stop: threading.Event
             pass
 
 
-def _release(store: ClaimStore, token: str, data: bytes, stop: threading.Event) -> None:
+def _release(store: ClaimStore, token: str, data: bytes, stop: threading.Event, beats: threading.Thread) -> None:
     stop.set()
+    if beats is not threading.current_thread():
+        beats.join(timeout=30)  # a beat in flight would write the heartbeat file again after it is dropped
     try:
         store.drop_beat(token)
         store.remove_if_same(CLAIM_FILE, data, f"{CLAIM_FILE}.{token}.release")
