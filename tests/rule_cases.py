@@ -1,12 +1,15 @@
 """Generated checkpoint cases checked against the load rule of docs/api.md (tests/rule_oracle.py).
 
-A case: a torchao type and config; a source layout (1 to 8 ranks, 1-D or 2-D mesh, ``Shard(0)``,
-``Shard(1)``, ``_StridedShard`` x ``Shard(0)`` as torchtitan's column-parallel FSDP2 x TP,
-``Replicate`` and HSDP, uneven shards, one rank holding a plain tensor); each rank's local
-tensor either cut from the whole quantized tensor by torchao's own slicing (tensor parallelism as
-torchao's recipes shard a quantized weight) or quantized from its own block of the high-precision
-tensor; and one to three targets, each a layout and a kind (the same config, another config or
-family, plain). Every rank of a job is planned and stored in this process
+A case: a type and config (torchao's affine types per row and per group, MXFP8, NVFP4, NF4, the
+``torchao.optim`` 8-bit, 4-bit and FP8 states, torchao.float8's training weight; TransformerEngine's
+Float8 and MXFP8 tensors, tests/rule_te.py, where TE is installed); a source layout (1 to 8 ranks,
+1-D or 2-D mesh, ``Shard(0)``, ``Shard(1)``, ``_StridedShard`` x ``Shard(0)`` as torchtitan's
+column-parallel FSDP2 x TP, ``Replicate`` and HSDP, uneven shards, one rank holding a plain tensor);
+each rank's local tensor either cut from the whole quantized tensor by torchao's own slicing (tensor
+parallelism as torchao's recipes shard a quantized weight) or quantized from its own block of the
+high-precision tensor; and one to three targets, each a layout and a kind (the same config, another
+config or family, plain; a TE target that TE would have to quantize is refused at load, TE needing a
+GPU to quantize). Every rank of a job is planned and stored in this process
 (tests/dcp_in_process.py) through qdcp's real planners.
 
 Each target is checked against the rule, never against qdcp's own choice: the source's bits where
@@ -27,6 +30,8 @@ import sys
 import time
 import warnings
 
+# the tests' helpers, and this checkout's qdcp before any installed one
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
@@ -36,12 +41,17 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
+from torchao.float8 import LinearMMConfig  # noqa: E402
+from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: E402
+from torchao.quantization import to_nf4  # noqa: E402
 
 import dcp_in_process as job  # noqa: E402
 import rule_oracle as rule  # noqa: E402
+import rule_te  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
 from qdcp.errors import QdcpError  # noqa: E402
-from quantized_cases import CASE_BY_NAME, bits_diff, components_diff  # noqa: E402
+from quantized_cases import CASE_BY_NAME, Case, bits_diff, components_diff  # noqa: E402
+from training_cases import values as training_values  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -54,7 +64,28 @@ FAMILIES = {
     "nvfp4": (True, "mx_fp8"),
     "mx_fp8": (False, "nvfp4"),
     "optim8bit_signed": (False, "optimfp8"),
+    "optim4bit": (False, "optim8bit_signed"),
+    "optimfp8": (False, "optim4bit"),
+    "nf4_b16": (True, "nf4_b32"),   # torchao cuts NF4 only into equal row chunks (torch.chunk)
+    "float8_training": (False, "int8_row"),  # torchao.float8's FSDP2 weight: bf16 in a wrapper
+    # TransformerEngine (its classes on CPU; TE cannot quantize here: a target whose values it
+    # would have to quantize is refused), where TE is installed
+    **({"te_float8": (True, "te_mxfp8"), "te_mxfp8": (True, "mx_fp8")} if rule_te.FAMILIES else {}),
 }
+# NF4 with blocks small enough for the generator's shapes (torchao's default needs 16,384 elements)
+CASE_BY_NAME = {**CASE_BY_NAME, **{
+    name: Case(name, lambda hp, b=b, s=s: to_nf4(hp.contiguous(), b, s), dequantize=lambda t: t.get_original_weight())
+    for name, b, s in (("nf4_b16", 16, 16), ("nf4_b32", 32, 8))},
+    "float8_training": Case("float8_training", lambda hp: WeightWithDynamicFloat8CastTensor(
+        hp.clone(), LinearMMConfig(), torch.float8_e4m3fn), dequantize=training_values),
+}
+
+
+def wraps_values(t: torch.Tensor) -> bool:
+    """A training weight that holds its values in one high-precision tensor (stored as that tensor)."""
+    return isinstance(t, WeightWithDynamicFloat8CastTensor)
+
+
 KINDS = ("same", "other", "plain")
 OUTCOMES = collections.Counter()
 
@@ -96,8 +127,12 @@ def chunk_of(spec: DTensorSpec, shape) -> tuple[tuple[int, ...], tuple[int, ...]
     return tuple(c.offsets), tuple(c.sizes)
 
 
-def cut(t: torch.Tensor, chunk) -> torch.Tensor:
+def cut(t: torch.Tensor, chunk) -> torch.Tensor | None:
     (r, c), (nr, nc) = chunk
+    if type(t).__name__ == "NF4Tensor":  # torchao's NF4 splits only into equal chunks of rows (FSDP2's)
+        whole_rows = (c, nc) == (0, t.shape[1])
+        return torch.chunk(t, t.shape[0] // nr, dim=0)[r // nr] if whole_rows and nr and t.shape[0] % nr == 0 \
+            and r % nr == 0 else None
     return t[r:r + nr, c:c + nc]
 
 
@@ -107,6 +142,8 @@ def build_local(name: str, hp: torch.Tensor, whole: torch.Tensor | None, chunk) 
     try:
         case = CASE_BY_NAME[name]
         local = cut(whole, chunk) if whole is not None else case.from_hp(cut(hp, chunk).contiguous())
+        if local is None:
+            return None
         case.dequantize(local)  # torchao's slicing keeps blocks a cut splits: such a shard is none
         return local if tuple(local.shape) == tuple(chunk[1]) and local.numel() else None
     except Exception:  # noqa: BLE001 (torchao refuses the shard: not a case)
@@ -132,43 +169,118 @@ class Source:
     config: tuple
 
 
-def make_source(name: str, shape, seed: int, layout: Layout, sliced: bool) -> Source | None:
+def make_local(name: str, seed: int, shape, sliced: bool):
+    """A maker of each rank's local tensor of ``chunk``: cut from one whole tensor (``sliced``) or
+    quantized on its own; it returns None where the library cannot make it."""
+    te = rule_te.FAMILIES.get(name)
+    if te is not None:
+        whole = te.draw(tuple(shape), seed) if sliced else None
+
+        def make(chunk, rank):
+            if not chunk[1][0] * chunk[1][1]:
+                return None
+            if whole is None:
+                return te.make(chunk[1], seed + 101 * (1 + chunk[0][0] * 997 + chunk[0][1]))  # replicas alike
+            part = te.cut(whole, chunk)
+            with rule_te.context():
+                return None if part is None else te.build(part, chunk[1])
+        return make
     case = CASE_BY_NAME[name]
     hp = case.hp(seed, shape)
     whole = case.from_hp(hp) if sliced else None
-    locals_, maps, values = [], {}, torch.zeros(shape, dtype=case.dtype)
+    return lambda chunk, rank: build_local(name, hp, whole, chunk)
+
+
+def maps_of(t: torch.Tensor) -> dict:
+    if rule_te.is_te(t):
+        return rule_te.family_of(t).element_maps(t)
+    return {} if wraps_values(t) else rule.element_maps(t)
+
+
+def values_of(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as its library gives them (its ``dequantize()``)."""
+    return rule_te.family_of(t).values(t) if rule_te.is_te(t) else CASE_BY_NAME[name].dequantize(t)
+
+
+def config_of(t: torch.Tensor):
+    if rule_te.is_te(t):
+        return rule_te.config(t)
+    return None if wraps_values(t) else rule.config(t)
+
+
+def make_source(name: str, shape, seed: int, layout: Layout, sliced: bool) -> Source | None:
+    make = make_local(name, seed, shape, sliced)
+    dtype = CASE_BY_NAME[name].dtype if name in CASE_BY_NAME else torch.bfloat16
+    locals_, maps, values = [], {}, torch.zeros(shape, dtype=dtype)
     group_ids = torch.zeros(shape, dtype=torch.int64)
     for rank in range(layout.world):
         with job.as_rank(rank, layout.world):
-            chunk = chunk_of(spec_of(layout, shape, case.dtype), shape) if layout.mesh else ((0, 0), shape)
-        local = build_local(name, hp, whole, chunk)
+            chunk = chunk_of(spec_of(layout, shape, dtype), shape) if layout.mesh else ((0, 0), shape)
+        local = make(chunk, rank)
         if local is None:
             return None
         locals_.append((chunk, local))
         region = (slice(chunk[0][0], chunk[0][0] + chunk[1][0]), slice(chunk[0][1], chunk[0][1] + chunk[1][1]))
-        values[region] = case.dequantize(local)
-        for k, v in rule.element_maps(local).items():
+        values[region] = values_of(name, local)
+        for k, v in maps_of(local).items():
             maps.setdefault(k, torch.zeros(shape, dtype=v.dtype))[region] = v
-        if name.startswith("optim"):
+        if flat_blocks(name):
             group_ids[region] = rank * shape[0] * shape[1] + rule.target_blocks(local)
     groups = None
-    if name.startswith("optim"):
+    if flat_blocks(name):
         _, dense = torch.unique(group_ids, return_inverse=True)
         groups = (dense, torch.bincount(dense.reshape(-1)))
-    return Source(name, shape, locals_, values, maps, groups, rule.config(locals_[0][1]))
+    return Source(name, shape, locals_, values, maps, groups, config_of(locals_[0][1]))
+
+
+def flat_blocks(name: str) -> bool:
+    """Blocks over runs of the flattened elements of a shard (torchao's optimizer states, NF4)."""
+    return name.startswith(("optim", "nf4"))
+
+
+def whole_rows(source: Source) -> bool:
+    """The docs' whole-row case: a 2-D blocked tensor cut by columns, every shard's blocks spanning
+    its own columns, its block values one per row across the shards (torchao's tensor-parallel
+    slicing of a per-row weight): stored as whole rows, even where the cuts are uneven."""
+    if flat_blocks(source.name) or rule_te.is_te(source.locals[0][1]) or wraps_values(source.locals[0][1]):
+        return False
+    if len({rule.config(t) for _, t in source.locals}) > 1:
+        return False
+    for (_, (rows, cols)), t in source.locals:  # (MX / NVFP4 blocks are fixed: an int)
+        if not isinstance(t.block_size, (list, tuple)):
+            return False
+        if t.block_size[1] != cols or t.block_size[0] != source.locals[0][1].block_size[0]:
+            return False
+    if all(cols == source.shape[1] for (_, (_, cols)), _ in source.locals):
+        return False  # no column cut
+    return all(torch.equal(m, m[:, :1].expand_as(m)) for k, m in source.maps.items()
+               if k not in ("code", *rule.per_tensor(source.locals[0][1])))
 
 
 def save_refused_by_rule(source: Source) -> bool:
-    """The docs' save rule: every shard of an entry has one configuration, blocks included, and
-    owns whole blocks (its first element starts one); torchao optimizer states (blocks over a
-    shard's own elements) of a shard that is no row range form a grid (columns a multiple of the
-    block, or dividing it with whole blocks of rows)."""
+    """The docs' save rule: every shard of an entry has one configuration, blocks included, one value
+    of what the tensor holds once (per-tensor scale, NF4's scaler mean), and owns whole blocks
+    (its first element starts one); NF4 is cut into runs of its flattened elements (row ranges);
+    torchao optimizer states (blocks over a shard's own elements) of a shard that is no row
+    range form a grid (columns a multiple of the block, or dividing it with whole blocks of
+    rows)."""
+    if wraps_values(source.locals[0][1]):  # values: any layout
+        return False
+    if rule_te.is_te(source.locals[0][1]):  # whole blocks (the cut makes no other); one per-tensor scale
+        return len({maps_of(t).get("per_tensor_scale", torch.zeros(1, 1))[0, 0].item() for _, t in source.locals}) > 1
     configs = {(rule.config(t), repr(getattr(t, "block_size", None))) for _, t in source.locals}
+    if whole_rows(source):  # a per-row weight cut by columns (its shards' blocks span their columns)
+        return False
     if len(configs) > 1:
         return True
+    for comp in rule.per_tensor(source.locals[0][1]):  # held once for the whole tensor: one value
+        if len({rule.element_maps(t)[comp][0, 0].item() for _, t in source.locals}) > 1:
+            return True
     for (offsets, sizes), t in source.locals:
-        if source.name.startswith("optim"):
-            g, (rows, cols) = t.block_size, sizes
+        if source.name.startswith("nf4") and sizes[1] != source.shape[1] and sizes[0] > 1:
+            return True  # NF4: runs of the flattened tensor only (row ranges), as torchao shards it
+        if flat_blocks(source.name):
+            g, (rows, cols) = t.block_size * getattr(t, "scaler_block_size", 1), sizes
             if cols != source.shape[1] and not (cols % g == 0 or (g % cols == 0 and rows % (g // cols) == 0)):
                 return True
             if cols != source.shape[1] and len({tuple(x.shape) for _, x in source.locals}) > 1:
@@ -194,8 +306,8 @@ def check_target(source: Source, saved, layout: Layout, kind: str, seed: int) ->
     """Load ``saved`` into a ``kind`` target at ``layout``, rank by rank; the rule's outcome."""
     name = source.name if kind == "same" else FAMILIES[source.name][1]
     case = CASE_BY_NAME.get(name)
-    other_hp = case.hp(seed + 1, source.shape) if kind != "plain" else None
-    whole = case.from_hp(other_hp) if kind != "plain" and FAMILIES.get(name, (False,))[0] and seed % 2 else None
+    make = make_local(name, seed + 1, source.shape, FAMILIES.get(name, (False,))[0] and seed % 2) \
+        if kind != "plain" else None
     outcomes = set()
     for rank in range(layout.world):
         with job.as_rank(rank, layout.world):
@@ -204,7 +316,7 @@ def check_target(source: Source, saved, layout: Layout, kind: str, seed: int) ->
             if kind == "plain":
                 target = torch.zeros(chunk[1], dtype=source.values.dtype)
             else:
-                target = build_local(name, other_hp, whole, chunk)
+                target = make(chunk, rank)
                 if target is None:
                     return "no target"
             outcomes.add(_load_and_check(source, saved, layout, rank, chunk, target, case))
@@ -214,20 +326,34 @@ def check_target(source: Source, saved, layout: Layout, kind: str, seed: int) ->
 def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, target, case) -> str:
     region = (slice(chunk[0][0], chunk[0][0] + chunk[1][0]), slice(chunk[0][1], chunk[0][1] + chunk[1][1]))
     values = source.values[region]
-    if type(target) is torch.Tensor:
+    if type(target) is torch.Tensor or wraps_values(target):
         expect, outcome = values.to(target.dtype), "plain"
     else:
         maps = {k: v[region] for k, v in source.maps.items()}
         groups = (source.groups[0][region], source.groups[1]) if source.groups is not None else None
-        if rule.gets_source_bits(maps, groups, target, source.config):
+        te_view = rule_te.is_te(target) or source.name in rule_te.FAMILIES
+        view = rule_te.view(target) if te_view else rule.view(target)
+        if rule.gets_source_bits(maps, groups, view, source.config):
             expect, outcome = maps, "bits"
+        elif rule_te.is_te(target):  # TE cannot quantize here
+            expect, outcome = maps_of(target), "refused at load"
         else:
             expect, outcome = case.from_hp(values.to(case.dtype).contiguous()), "quantized"
     metadata, store = saved
-    job.load(placed_state(layout, target, source.shape), rank, layout.world, metadata, store,
-             QuantizedLoadPlanner())
-    if outcome == "bits":
-        assert rule.maps_equal(rule.element_maps(target), expect), f"rank {rank}: not the source's bits"
+    with rule_te.context():
+        try:
+            job.load(placed_state(layout, target, source.shape), rank, layout.world, metadata, store,
+                     QuantizedLoadPlanner())
+            assert outcome != "refused at load", f"rank {rank}: TE would have to quantize, the load was accepted"
+        except QdcpError as e:
+            assert outcome == "refused at load", f"rank {rank}: the load was refused, the rule accepts it: {e}"
+            assert "'w'" in str(e), f"the error names no key: {e}"
+    if outcome == "refused at load":
+        assert rule.maps_equal(maps_of(target), expect), f"rank {rank}: a refused load changed the target"
+    elif wraps_values(target):
+        assert bits_diff(training_values(target), expect) is None, f"rank {rank}: not the source's values"
+    elif outcome == "bits":
+        assert rule.maps_equal(maps_of(target), expect), f"rank {rank}: not the source's bits"
     elif outcome == "plain":
         assert bits_diff(target, expect) is None, f"rank {rank}: {bits_diff(target, expect)}"
     else:
@@ -264,9 +390,26 @@ def case_strategy(families: st.SearchStrategy[str] = st.sampled_from(sorted(FAMI
 CASE = case_strategy()
 
 
+CASES_RUN = collections.Counter()
+
+
 def check(drawn) -> None:
     for outcome in run_case(*drawn):
         OUTCOMES[outcome] += 1
+    CASES_RUN[drawn[0]] += 1
+    if PROGRESS_EVERY and sum(CASES_RUN.values()) % PROGRESS_EVERY == 0:
+        report(f"after {sum(CASES_RUN.values())} cases")
+
+
+def report(title: str) -> None:
+    print(f"{title}, {time.perf_counter() - T0:.0f} s: {sum(OUTCOMES.values())} targets:", flush=True)
+    for outcome, n in OUTCOMES.most_common():
+        print(f"  {outcome:<24} {n}")
+    print("  cases by family: " + ", ".join(f"{k} {n}" for k, n in sorted(CASES_RUN.items())), flush=True)
+
+
+PROGRESS_EVERY = 0
+T0 = time.perf_counter()
 
 
 def settings_for(cases: int) -> settings:
@@ -278,13 +421,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--progress", type=int, default=1000, help="print the counts every N cases (0: at the end)")
     args = ap.parse_args()
-    t0 = time.perf_counter()
+    global PROGRESS_EVERY, T0
+    PROGRESS_EVERY, T0 = args.progress, time.perf_counter()
     test = hypothesis_seed(args.seed)(settings_for(args.cases)(given(CASE)(check)))
     test()
-    print(f"{sum(OUTCOMES.values())} targets in {time.perf_counter() - t0:.0f} s:")
-    for outcome, n in OUTCOMES.most_common():
-        print(f"  {outcome:<24} {n}")
+    report(f"{sum(CASES_RUN.values())} cases from seed {args.seed}")
 
 
 if __name__ == "__main__":

@@ -8,14 +8,19 @@ component that applies to it (scale, zero point, per-tensor scale). The rule the
   source's bits where every one of its blocks covers elements whose source block values are all one
   value, bit for bit (inside one source block, or over source blocks that share it): its codes are
   the source's and its block values that one value;
-- torchao's optimizer states (blocks over runs of a shard's own elements) get the source's bits
-  where the target's blocks are the source's blocks;
+- torchao's optimizer states and NF4 (blocks over runs of a shard's own elements) get the source's
+  bits where the target's blocks are the source's blocks (NF4: its groups of double-quantized
+  scalers);
+- a value the target holds once for the whole tensor (a per-tensor scale, NF4's scaler mean) must be
+  one value over the elements it covers;
 - otherwise a quantized target holds torchao's own quantization of the source's values (the
   source's ``dequantize()``), quantized like the target;
 - a plain target holds the source's values, bitwise.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -42,7 +47,13 @@ def element_maps(t: torch.Tensor) -> dict[str, torch.Tensor]:
     if name.startswith("OptimState"):
         group = t.block_size
         flat = t.scale.repeat_interleave(group)[: t.numel()]
-        return {"code": as_ints(t.codes).reshape(shape), "scale": as_ints(flat).reshape(shape)}
+        return {"code": _codes(as_ints(t.codes), shape), "scale": as_ints(flat).reshape(shape)}
+    if name == "NF4Tensor":  # blocks over the flattened elements; scalers double-quantized in groups
+        n, block, group = t.numel(), t.block_size, t.block_size * t.scaler_block_size
+        return {"code": _codes(as_ints(t.quantized_data), shape),
+                "scaler": as_ints(t.quantized_scalers).repeat_interleave(block)[:n].reshape(shape),
+                "quantization_factor": as_ints(t.quantization_factor).repeat_interleave(group)[:n].reshape(shape),
+                "scaler_mean": as_ints(t.scaler_mean.reshape(1, 1)).expand(shape)}
     codes = as_ints(t.qdata)
     if codes.shape[-1] * 2 == shape[-1]:  # two fp4 codes a byte
         codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(shape)
@@ -59,11 +70,30 @@ def element_maps(t: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
+def _codes(codes: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Element codes of a flat code buffer: one a byte, or two 4-bit codes a byte."""
+    n = int(torch.Size(shape).numel())
+    if codes.numel() * 2 == n:
+        codes = torch.stack([codes >> 4, codes & 0xF], dim=-1)
+    return codes.reshape(shape)
+
+
+def per_tensor(t: torch.Tensor) -> tuple[str, ...]:
+    """The element maps of ``t`` that its library holds once for the whole tensor (NVFP4's
+    ``per_tensor_scale``, NF4's scaler mean): a target holds one such value, so the elements it
+    covers must share it, and the shards of a save must agree on it. (A block scale of a shard
+    that happens to hold one block is not one: blocks are the configuration's.)"""
+    if type(t).__name__ == "NF4Tensor":
+        return ("scaler_mean",)
+    return ("per_tensor_scale",) if getattr(t, "per_tensor_scale", None) is not None else ()
+
+
 def config(t: torch.Tensor) -> tuple:
     """Everything of a tensor's configuration but its blocks: class, attributes, component dtypes."""
     names, attrs = t.__tensor_flatten__()
     attrs = attrs if isinstance(attrs, dict) else dict(enumerate(attrs))
-    rest = tuple(sorted((k, repr(v)) for k, v in attrs.items() if k != "block_size"))
+    skip = ("block_size", "n_blocks", "tensor_meta")  # blocks, and the shard's own shape
+    rest = tuple(sorted((k, repr(v)) for k, v in attrs.items() if k not in skip and v != tuple(t.shape)))
     return type(t), rest, tuple((n, getattr(t, n).dtype) for n in names)
 
 
@@ -72,6 +102,8 @@ def target_blocks(t: torch.Tensor) -> torch.Tensor:
     rows, cols = t.shape
     if type(t).__name__.startswith("OptimState"):
         return (torch.arange(rows * cols) // t.block_size).reshape(rows, cols)
+    if type(t).__name__ == "NF4Tensor":  # a scaler group: block_size x scaler_block_size elements
+        return (torch.arange(rows * cols) // (t.block_size * t.scaler_block_size)).reshape(rows, cols)
     block = tuple(t.block_size) if isinstance(t.block_size, (list, tuple)) else (1, int(t.block_size))
     r = torch.arange(rows) // block[0]
     c = torch.arange(cols) // block[1]
@@ -86,14 +118,33 @@ def constant_within(blocks: torch.Tensor, values: torch.Tensor) -> bool:
     return bool(torch.equal(first[b], v))
 
 
-def gets_source_bits(source_maps: dict, source_groups: tuple | None, target: torch.Tensor,
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What the rule reads of a target: its configuration but for its blocks, the block of each
+    of its elements, and the element maps it holds once for the whole tensor."""
+
+    config: tuple
+    blocks: torch.Tensor
+    per_tensor: tuple[str, ...]
+
+
+def view(t: torch.Tensor) -> Target:
+    """A torchao target as the rule reads it."""
+    return Target(config(t), target_blocks(t), per_tensor(t))
+
+
+def gets_source_bits(source_maps: dict, source_groups: tuple | None, target: torch.Tensor | Target,
                      source_config: tuple) -> bool:
-    """Whether the rule gives ``target`` (a local tensor over the maps' region) the source's bits.
-    ``source_groups`` (optimizer states): the region's map of source group ids and every source
-    group's size."""
-    if config(target) != source_config:
+    """Whether the rule gives ``target`` (a local tensor over the maps' region, or its view) the
+    source's bits. ``source_groups`` (optimizer states): the region's map of source group ids and
+    every source group's size."""
+    target = target if isinstance(target, Target) else view(target)
+    if target.config != source_config:
         return False
-    blocks = target_blocks(target)
+    blocks = target.blocks
+    one = torch.zeros_like(blocks)
+    if not all(constant_within(one, source_maps[c]) for c in target.per_tensor):
+        return False
     if source_groups is not None:  # the target's blocks must be the source's, whole
         ids, sizes = source_groups
         inside = torch.bincount(ids.reshape(-1), minlength=len(sizes))

@@ -1,6 +1,8 @@
 """The load rule of docs/api.md (*When a target gets the source's bits*), on generated cases.
 
-Each case (tests/rule_cases.py) is a torchao type and config saved at a generated layout and loaded
+Each case (tests/rule_cases.py) is a type and config (torchao's affine, MX/NVFP4, NF4, low-bit
+optimizer states, float8 training weights; TransformerEngine's Float8 and MXFP8 where TE is
+installed) saved at a generated layout and loaded
 at up to three generated layouts and target kinds, every rank planned and stored in this process
 through qdcp's real planners, and checked against tests/rule_oracle.py, which is written from the
 docs, not from qdcp's decisions: the source's bits, torchao's quantization of the values, the
@@ -19,25 +21,31 @@ from hypothesis import strategies as st
 
 import rule_cases
 
-CASES_PER_TEST = 1100
-# two halves of the families, so two workers share the cases
-HALVES = {"affine": ["float8_row", "int8_group32", "int8_row", "intx_int4_group32"],
-          "block_scaled_and_optimizer": ["mx_fp8", "nvfp4", "optim8bit_signed"]}
+# the families in three parts (cases each), so two workers share them; NF4 is slow to quantize
+# (torchao's to_nf4 on CPU), so its part is smaller. TE's families run where TE is installed.
+PARTS = {
+    "affine": (["float8_row", "int8_group32", "int8_row", "intx_int4_group32"], 950),
+    "block_scaled_and_optimizer": (["mx_fp8", "nvfp4", "optim4bit", "optim8bit_signed", "optimfp8"], 950),
+    "nf4_training_te": (["float8_training", "nf4_b16", *sorted(rule_cases.rule_te.FAMILIES)], 400),
+}
 
 
-@pytest.mark.parametrize("half", sorted(HALVES))
-def test_every_generated_case_follows_the_rule(half, record_property):
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_every_generated_case_follows_the_rule(part, record_property):
     outcomes = collections.Counter()
+    families, cases = PARTS[part]
 
-    @settings(rule_cases.settings_for(CASES_PER_TEST), derandomize=True)
-    @given(rule_cases.case_strategy(st.sampled_from(HALVES[half])))
+    @settings(rule_cases.settings_for(cases), derandomize=True)
+    @given(rule_cases.case_strategy(st.sampled_from(families)))
     def check(case):
         outcomes.update(rule_cases.run_case(*case))
 
     check()
     print(dict(outcomes))
     record_property("outcomes", dict(outcomes))
-    # the generator reaches every outcome the rule has, in each half
+    # the generator reaches every outcome the rule has, in each part
     for outcome in ("bits", "quantized", "plain", "refused at save"):
         assert outcomes[outcome] > 0, (outcome, dict(outcomes))
-    assert sum(n for k, n in outcomes.items() if not k.startswith("no ")) >= 900, dict(outcomes)
+    if rule_cases.rule_te.FAMILIES and part == "nf4_training_te":
+        assert outcomes["refused at load"] > 0, dict(outcomes)
+    assert sum(n for k, n in outcomes.items() if not k.startswith("no ")) >= 0.8 * cases, dict(outcomes)

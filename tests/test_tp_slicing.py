@@ -1,7 +1,7 @@
-"""A per-row torchao weight cut by columns as torchao's tensor-parallel recipes cut it, at 2 real
-ranks, saved and loaded through ``dcp.save`` / ``dcp.load`` with qdcp's planners and through
-``qdcp.load``: three loads that once failed (column cuts into row shards and into one process, a
-per-row checkpoint into column cuts; see tests/tp_slicing_worker.py)."""
+"""A per-row torchao weight cut by columns as torchao's tensor-parallel recipes cut it (evenly and
+unevenly), at 2 real ranks, saved and loaded through ``dcp.save`` / ``dcp.load`` with qdcp's
+planners and through ``qdcp.load``: the source's bits everywhere, its scales written once (see
+tests/tp_slicing_worker.py)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from qdcp import checksums as sums
 from qdcp import dcp_copies
 from qdcp import spec as qspec
 from qdcp.planning.placement import planning
-from qdcp.planning.save_entries import DequantizeChoice, EntryPlanner, merge_specs
+from qdcp.planning.save_entries import DequantizeChoice, EntryPlanner, fall_back, merge_specs
 from qdcp.staging.new_empty import register_new_empty
 from qdcp.storage import refuse_existing_checkpoint
 
@@ -57,7 +57,9 @@ class QuantizedSavePlanner(DefaultSavePlanner):
     DCP calls, in order: ``set_up_planner`` on every rank (the quantized entries planned and taken
     out of ``state_dict``); ``create_local_plan`` (DCP's items plus the entries', the rank's spec
     document in ``planner_data``, and this save's item hashes riding beside it); on the coordinator
-    ``create_global_plan`` (the ranks' hashes compared, DCP's global plan with the specs merged by
+    ``create_global_plan`` (column cuts stored as whole rows whose rows' scales differ between
+    shards put back per shard, :func:`~qdcp.planning.save_entries.fall_back`; the ranks' hashes
+    compared, DCP's global plan with the specs merged by
     :func:`~qdcp.planning.save_entries.merge_specs`, the checksum record made); ``finish_plan`` (the
     record joins the metadata; the data kept for hashing is narrowed to the final plan's items);
     then ``resolve_data`` for each item the writer writes (each entry's data, computed once, is
@@ -108,11 +110,14 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             planner_data[qspec.PLANNER_DATA_KEY] = self._entries.spec_text()
             self.plan = SavePlan([*plan.items, *entry_items], planner_data=planner_data)
             mine = self._hashes.local(self.plan.items, self._entries.shared(), self._written)
+            mine["per_shard"] = self._entries.per_shard()  # column cuts stored whole, and their fallback
             return dcp_copies.local_save_plan(self, self.plan, _SUMS_KEY, mine)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         with planning():
-            per_rank = self._hashes.check(dcp_copies.take_riders(all_plans, _SUMS_KEY))
+            riders = dcp_copies.take_riders(all_plans, _SUMS_KEY)
+            all_plans = fall_back(all_plans, riders)  # a column cut whose rows' scales differ: per shard
+            per_rank = self._hashes.check(riders)
             plans, metadata = super().create_global_plan(all_plans)
             self._sums_record = self._hashes.record(self.global_plan, per_rank, metadata)
             return plans, metadata

@@ -26,19 +26,19 @@ from typing import Any, Callable, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from qdcp import spec as qspec
 from qdcp.adapters.base import Adapter, describe_tensor, find_adapter
 from qdcp.errors import AlignmentError, LoadMismatchError, StagingError, UnsupportedTensorError
-from qdcp.layouts import Chunk, Flat, Layout, grid_view, nearest_aligned
+from qdcp.layouts import Blocked, Chunk, Flat, Layout, grid_view, nearest_aligned
 from qdcp.planning.placement import Placed, is_empty, place, shard_layouts, sharded_inside, with_local
 
 DequantizeChoice = Union[bool, Callable[[str, torch.Tensor], bool]]
 
 _LOCK = threading.Lock()  # entries' data counts: writers resolve items on several threads (one lock: planners pickle)
 
-__all__ = ["DequantizeChoice", "EntryPlanner", "SaveEntry", "RawTemplate", "merge_specs"]
+__all__ = ["DequantizeChoice", "EntryPlanner", "SaveEntry", "RawTemplate", "fall_back", "merge_specs"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -52,6 +52,9 @@ class SaveEntry:
     shared: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (component, chunk offsets) other shards also hold
     values: Any = None  # its components (raw) or dequantized values, kept while items still need them
     left: int = 0  # items that still need them
+    # a column cut stored as whole rows (:func:`_whole_rows`): how it is stored per shard instead,
+    # (spec, {item key: item}) for the coordinator to fall back to (:func:`fall_back`), or why it cannot be
+    per_shard: tuple[qspec.EntrySpec, dict] | str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,7 @@ class RawTemplate:
     specs: tuple[qspec.ComponentSpec, ...]
     writes: tuple[tuple[str, WriteItemType, TensorWriteData], ...]  # (component, item type, data) per item
     shared: tuple[tuple[str, tuple[int, ...]], ...]  # (component, chunk offsets) other shards also hold
+    per_shard: RawTemplate | str | None = None  # whole rows' fallback (see SaveEntry.per_shard)
 
 
 class EntryPlanner:
@@ -111,6 +115,11 @@ class EntryPlanner:
         """``(item fqn, chunk offsets)`` of the items other ranks' shards also hold."""
         return [(qspec.component_fqn(e.fqn, name), offsets)
                 for e in self.entries.values() for name, offsets in e.shared]
+
+    def per_shard(self) -> dict[str, tuple[qspec.EntrySpec, dict] | str]:
+        """The entries stored as whole rows, each with how it is stored per shard instead (for
+        :func:`fall_back`, on the coordinator)."""
+        return {fqn: e.per_shard for fqn, e in self.entries.items() if e.per_shard is not None}
 
     def spec_text(self) -> str:
         """This rank's spec document: every entry's :class:`~qdcp.spec.EntrySpec`."""
@@ -171,12 +180,13 @@ class EntryPlanner:
         template = self._templates.get(key)
         if template is None:  # entries of one structure (all layers of a model) share the work
             template = self._templates[key] = self._raw_template(fqn, placed, adapter, comps)
-        items = [WriteItem(index=MetadataIndex(qspec.component_fqn(fqn, name), data.chunk.offsets),
-                           type=item_type, tensor_data=data) for name, item_type, data in template.writes]
-        entry_spec = qspec.EntrySpec(fqn, qspec.RAW, template.type_name, placed.global_shape, t.dtype,
-                                     template.attrs, template.specs, None, template.info)
+        items, entry_spec = _entry_of(fqn, placed, template)
+        per_shard = template.per_shard
+        if isinstance(per_shard, RawTemplate):
+            alt_items, alt_spec = _entry_of(fqn, placed, per_shard)
+            per_shard = (alt_spec, {_item_key(old): new for old, new in zip(items, alt_items)})
         entry = SaveEntry(fqn, entry_spec, placed, adapter, items, template.shared if placed.is_dtensor else (),
-                          comps if items else None, len(items))
+                          comps if items else None, len(items), per_shard)
         for item, (name, _, _) in zip(items, template.writes):
             self._sources[item.index.fqn] = (entry, name)
         return entry
@@ -194,33 +204,16 @@ class EntryPlanner:
             raise UnsupportedTensorError(f"key {fqn!r}: adapter gave components {sorted(comps)} "
                                          f"but layouts for {sorted(layouts)}")
         declared, layouts = layouts, shard_layouts(adapter, placed, layouts)
-        specs, writes, shared = [], [], []
-        for name, value in comps.items():
-            layout = layouts[name]
-            regrouped = layout is not declared[name]  # stored as a grid, written as a view of its groups
-            try:
-                global_shape = layout.component_shape(placed.global_shape)
-                chunk = layout.map_chunk(placed.global_shape, placed.chunk) \
-                    if not is_empty(placed.chunk) else None
-            except AlignmentError as e:
-                raise AlignmentError(
-                    f"key {fqn!r}: component {name!r}: this rank's shard {placed.chunk} {e}"
-                    f"{_per_shard(adapter, layout, t)}"
-                    f"{_nearest(layouts, placed) or '. Shard on block boundaries, or ' + _DEQUANTIZED}.") from None
-            if chunk is not None and tuple(value.shape) != chunk[1] and not (
-                    regrouped and grid_view(value, chunk[1]) is not None):
-                raise AlignmentError(
-                    f"key {fqn!r}: component {name!r} has local shape {tuple(value.shape)} but the "
-                    f"shard {placed.chunk} of {placed.global_shape} needs {chunk[1]}; the shard does "
-                    f"not own whole blocks{_nearest(layouts, placed) or '. ' + _DEQUANTIZED.capitalize()}.")
-            specs.append(qspec.ComponentSpec(name, tuple(global_shape), value.dtype, layout.to_json()))
-            if chunk is not None:
-                item = _write_item(name, chunk, global_shape, value.dtype, sharded=placed.is_dtensor)
-                writes.append((name, item.type, item.tensor_data))
-                if layout.shared(placed.global_shape, placed.chunk):
-                    shared.append((name, chunk[0]))
-        return RawTemplate(adapter.type_name(t), attrs, _info(adapter, t), tuple(specs), tuple(writes),
-                           tuple(shared))
+        rows = _whole_rows(adapter, placed, attrs, layouts)
+        if rows is None:
+            return _template_of(fqn, placed, adapter, comps, attrs, declared, layouts, layouts)
+        try:
+            per_shard = _template_of(fqn, placed, adapter, comps, attrs, declared, layouts, layouts)
+        except AlignmentError as e:
+            per_shard = str(e)
+        wide_attrs, spec_layouts, item_layouts = rows
+        template = _template_of(fqn, placed, adapter, comps, wide_attrs, declared, spec_layouts, item_layouts)
+        return dataclasses.replace(template, per_shard=per_shard)
 
     def _plan_dequantized(self, fqn: str, placed: Placed, adapter: Adapter) -> SaveEntry:
         t = placed.local
@@ -242,6 +235,143 @@ def _compute(entry: SaveEntry) -> Any:
     if entry.spec.storage == qspec.DEQUANTIZED:
         return entry.adapter.dequantize(t, entry.spec.stored_dtype)
     return entry.adapter.components(t)
+
+
+def _template_of(fqn: str, placed: Placed, adapter: Adapter, comps: dict, attrs: dict, declared: dict,
+                 spec_layouts: dict[str, Layout], item_layouts: dict[str, Layout]) -> RawTemplate:
+    """The template of a raw entry whose components ``spec_layouts`` describe and whose items this
+    shard writes ``item_layouts`` cut (the same, but for a column cut stored as whole rows)."""
+    t = placed.local
+    specs, writes, shared = [], [], []
+    for name, value in comps.items():
+        layout = item_layouts[name]
+        regrouped = layout is not declared[name] and layout is spec_layouts[name]  # a grid of its groups
+        try:
+            global_shape = layout.component_shape(placed.global_shape)
+            chunk = layout.map_chunk(placed.global_shape, placed.chunk) \
+                if not is_empty(placed.chunk) else None
+        except AlignmentError as e:
+            raise AlignmentError(
+                f"key {fqn!r}: component {name!r}: this rank's shard {placed.chunk} {e}"
+                f"{_per_shard(adapter, layout, t)}"
+                f"{_nearest(item_layouts, placed) or '. Shard on block boundaries, or ' + _DEQUANTIZED}.") from None
+        if chunk is not None and tuple(value.shape) != chunk[1] and not (
+                regrouped and grid_view(value, chunk[1]) is not None):
+            raise AlignmentError(
+                f"key {fqn!r}: component {name!r} has local shape {tuple(value.shape)} but the "
+                f"shard {placed.chunk} of {placed.global_shape} needs {chunk[1]}; the shard does "
+                f"not own whole blocks{_nearest(item_layouts, placed) or '. ' + _DEQUANTIZED.capitalize()}.")
+        specs.append(qspec.ComponentSpec(name, tuple(global_shape), value.dtype, spec_layouts[name].to_json()))
+        if chunk is not None:
+            item = _write_item(name, chunk, global_shape, value.dtype, sharded=placed.is_dtensor)
+            writes.append((name, item.type, item.tensor_data))
+            if layout.shared(placed.global_shape, placed.chunk):
+                shared.append((name, chunk[0]))
+    return RawTemplate(adapter.type_name(t), attrs, _info(adapter, t), tuple(specs), tuple(writes),
+                       tuple(shared))
+
+
+def _entry_of(fqn: str, placed: Placed, template: RawTemplate) -> tuple[list[WriteItem], qspec.EntrySpec]:
+    items = [WriteItem(index=MetadataIndex(qspec.component_fqn(fqn, name), data.chunk.offsets),
+                       type=item_type, tensor_data=data) for name, item_type, data in template.writes]
+    entry_spec = qspec.EntrySpec(fqn, qspec.RAW, template.type_name, placed.global_shape, placed.local.dtype,
+                                 template.attrs, template.specs, None, template.info)
+    return items, entry_spec
+
+
+def _item_key(item: WriteItem) -> tuple[str, tuple[int, ...]]:
+    return item.index.fqn, tuple(item.index.offset or ())
+
+
+def _whole_rows(adapter: Adapter, placed: Placed, attrs: dict, layouts: dict[str, Layout]):
+    """A shard cut by columns whose blocks span its columns -- a per-row weight as torchao's
+    tensor-parallel slicing cuts it: each shard keeps its rows' scales and reports
+    ``block_size [1, shard columns]`` -- described as the whole tensor's: blocks of whole rows,
+    each row's scale shared by the shards that cut it (written once; every rank's copy compared
+    before anything is written). ``(attrs, spec layouts, item layouts)``, or None where the shard
+    is no such cut. Where the shards' scales of a row differ (each shard quantized on its own),
+    the coordinator falls back to blocks of the shards' own columns (:func:`fall_back`)."""
+    names = [a for a in adapter.block_attributes if a in attrs]
+    if not placed.is_dtensor or len(names) != 1 or is_empty(placed.chunk):
+        return None
+    encoded = attrs[names[0]]
+    block = list(encoded["tuple"]) if isinstance(encoded, dict) and "tuple" in encoded else encoded
+    if not isinstance(block, list) or len(block) != len(placed.global_shape) or len(block) < 2:
+        return None
+    d = len(block) - 1
+    if not block[d] == placed.chunk[1][d] < placed.global_shape[d]:
+        return None
+    wide = [*block[:d], int(placed.global_shape[d])]
+    spec_layouts, item_layouts = {}, {}
+    for name, layout in layouts.items():
+        if isinstance(layout, Blocked) and list(layout.block) == block:
+            spec_layouts[name], item_layouts[name] = Blocked(tuple(wide)), Blocked((*block[:d], 0))
+        else:
+            spec_layouts[name] = item_layouts[name] = layout
+    if spec_layouts == layouts:
+        return None
+    wide_attr = {"tuple": wide} if isinstance(encoded, dict) else wide
+    return {**attrs, names[0]: wide_attr}, spec_layouts, item_layouts
+
+
+def fall_back(plans: list[SavePlan], per_rank: list[dict | None]) -> list[SavePlan]:
+    """On the coordinator: column cuts stored as whole rows (:func:`_whole_rows`) whose shards hold
+    different scales for a row (each shard quantized on its own) are stored per shard instead:
+    each rank's items and spec of that entry replaced by the ones it sent for this case
+    (``per_rank[r]["per_shard"]``; its hashes and shared items follow). Where a rank's shard cannot
+    be stored per shard (uneven cuts: no one block fits every shard), the save is refused naming
+    the key. ``per_rank``: the ranks' riders (:meth:`~qdcp.checksums.SaveHashes.local` plus
+    ``per_shard``), updated in place."""
+    alts = [(part or {}).get("per_shard", {}) for part in per_rank]
+    diverged = _diverged_entries(per_rank, {fqn for alt in alts for fqn in alt})
+    if not diverged:
+        return plans
+    plans = list(plans)
+    for fqn, ranks in sorted(diverged.items()):
+        mine = {rank: alt[fqn] for rank, alt in enumerate(alts) if fqn in alt}
+        specs = [alt[0] for alt in mine.values() if not isinstance(alt, str)]
+        if len(specs) < len(mine) or any(spec != specs[0] for spec in specs):
+            raise AlignmentError(
+                f"key {fqn!r}: its shards are cut by columns, each with its own scales for its rows, and "
+                f"they differ between the shards of a row (ranks {ranks[0]} and {ranks[1]}: each shard was "
+                f"quantized on its own), so its rows cannot be stored whole; nor can its shards be stored "
+                f"each with blocks of its own columns, which are not one size (uneven cuts). Cut the columns "
+                f"evenly, quantize the whole weight before cutting it (torchao's slicing keeps the rows' "
+                f"scales), or {_DEQUANTIZED}.")
+        for rank, (spec, replaced) in mine.items():
+            plans[rank] = _swapped(plans[rank], per_rank[rank], fqn, spec, replaced)
+    return plans
+
+
+def _diverged_entries(per_rank: list[dict | None], fqns: set[str]) -> dict[str, list[int]]:
+    """``{entry: [two ranks]}`` for the entries of ``fqns`` whose shared items' hashes differ."""
+    first: dict[tuple, tuple[int, Any]] = {}
+    out: dict[str, list[int]] = {}
+    for rank, part in enumerate(per_rank):
+        for key in (part or {}).get("shared", ()):
+            fqn = key[0].rsplit(qspec.COMPONENT_SEPARATOR, 1)[0]
+            if fqn not in fqns:
+                continue
+            seen = first.setdefault(key, (rank, part["hashes"][key]))
+            if seen[1] != part["hashes"][key]:
+                out.setdefault(fqn, [seen[0], rank])
+    return out
+
+
+def _swapped(plan: SavePlan, part: dict, fqn: str, spec: qspec.EntrySpec, replaced: dict) -> SavePlan:
+    """``plan`` with the entry ``fqn`` stored per shard: its items, hashes, shared items and spec."""
+    for old, new in replaced.items():
+        if old in part["hashes"]:
+            part["hashes"][_item_key(new)] = part["hashes"].pop(old)
+    part["shared"] = [key for key in part["shared"] if key[0].rsplit(qspec.COMPONENT_SEPARATOR, 1)[0] != fqn]
+    planner_data = dict(plan.planner_data or {})
+    text = planner_data.get(qspec.PLANNER_DATA_KEY)
+    if text is not None:
+        entries = qspec.loads(text)
+        entries[fqn] = spec
+        planner_data[qspec.PLANNER_DATA_KEY] = qspec.dumps(entries)
+    return dataclasses.replace(plan, items=[replaced.get(_item_key(i), i) for i in plan.items],
+                               planner_data=planner_data)
 
 
 def merge_specs(rank_texts: list[str | None]) -> str:
