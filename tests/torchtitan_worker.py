@@ -50,11 +50,15 @@ from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: 
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter  # noqa: E402
 
 from dist_helpers import all_rows, init_torchrun_mesh  # noqa: E402
-from qdcp.frameworks.torchtitan import QuantizedCheckpointManager, QuantizedModelWrapper  # noqa: E402
 from quantized_cases import bits, differences  # noqa: E402
 from training_cases import values  # noqa: E402
 from training_dist_worker import build  # noqa: E402
 from worker_results import RANK, WORLD, check, record_outcome, run, short  # noqa: E402
+
+# isort: split
+# qdcp last: its import registers new_empty for the torchao classes already imported, which the
+# stock (recipe-less) async case below relies on for its float8 weights
+from qdcp.frameworks.torchtitan import QuantizedCheckpointManager, QuantizedModelWrapper  # noqa: E402
 
 MODES = ("disabled", "async", "async_with_pinned_mem")
 
