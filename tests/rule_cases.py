@@ -263,7 +263,7 @@ def save_refused_by_rule(source: Source) -> bool:
     (its first element starts one); NF4 is cut into runs of its flattened elements (row ranges);
     torchao optimizer states (blocks over a shard's own elements) of a shard that is no row
     range form a grid (columns a multiple of the block, or dividing it with whole blocks of
-    rows)."""
+    rows), the same grid for every such shard, each shard starting a block of it."""
     if wraps_values(source.locals[0][1]):  # values: any layout
         return False
     if rule_te.is_te(source.locals[0][1]):  # whole blocks (the cut makes no other); one per-tensor scale
@@ -276,20 +276,24 @@ def save_refused_by_rule(source: Source) -> bool:
     for comp in rule.per_tensor(source.locals[0][1]):  # held once for the whole tensor: one value
         if len({rule.element_maps(t)[comp][0, 0].item() for _, t in source.locals}) > 1:
             return True
+    grids = set()
     for (offsets, sizes), t in source.locals:
         if source.name.startswith("nf4") and sizes[1] != source.shape[1] and sizes[0] > 1:
             return True  # NF4: runs of the flattened tensor only (row ranges), as torchao shards it
         if flat_blocks(source.name):
             g, (rows, cols) = t.block_size * getattr(t, "scaler_block_size", 1), sizes
-            if cols != source.shape[1] and not (cols % g == 0 or (g % cols == 0 and rows % (g // cols) == 0)):
-                return True
-            if cols != source.shape[1] and len({tuple(x.shape) for _, x in source.locals}) > 1:
-                return True
+            if cols == source.shape[1]:
+                continue
+            grid = (1, g) if cols % g == 0 else (g // cols, cols) if g % cols == 0 and rows % (g // cols) == 0 \
+                else None
+            if grid is None or offsets[0] % grid[0] or offsets[1] % grid[1]:
+                return True  # its blocks form no grid of the tensor, or not the tensor's
+            grids.add(grid)
             continue
         block = t.block_size if isinstance(t.block_size, (list, tuple)) else (1, t.block_size)
         if any(o % b for o, b in zip(offsets, block)):
             return True
-    return False
+    return len(grids) > 1  # the shards' blocks form one grid
 
 
 def save_source(source: Source, layout: Layout):
