@@ -206,24 +206,25 @@ class SaveHashes:
         return builder.record()
 
 
-def _diverged(per_rank: list[dict], shared_only: bool) -> dict[tuple, list[int]]:
+def diverged(per_rank: list[dict], shared_only: bool) -> dict[tuple, list[int]]:
     """``{item key: [first rank, ranks whose hash differs from its]}`` over the items several ranks
-    hash (each rank's ``hashes``; with ``shared_only``, only the keys it lists as ``shared``)."""
+    hash (each rank's ``hashes``; with ``shared_only``, only the keys it lists as ``shared``).
+    Also the save planner's test for its whole-row fallback (:func:`qdcp.planning.save_entries.fall_back`)."""
     first: dict[tuple, tuple[int, int]] = {}
-    diverged: dict[tuple, list[int]] = {}
+    out: dict[tuple, list[int]] = {}
     for rank, part in enumerate(per_rank):
         hashes = part["hashes"]
         for key in (part["shared"] if shared_only else hashes):
             seen = first.setdefault(key, (rank, hashes[key]))
             if seen[1] != hashes[key]:
-                diverged.setdefault(key, [seen[0]]).append(rank)
-    return diverged
+                out.setdefault(key, [seen[0]]).append(rank)
+    return out
 
 
 def _check_shared(per_rank: list[dict]) -> None:
     """Items of a component that several ranks' shards hold (replicated, or constant along a dim
     the shards cut) must be equal: DCP keeps one rank's copy. Refuse them when they differ."""
-    for key, ranks in _diverged(per_rank, shared_only=True).items():
+    for key, ranks in diverged(per_rank, shared_only=True).items():
         fqn, name = key[0].rsplit(COMPONENT_SEPARATOR, 1)
         raise AlignmentError(
             f"key {fqn!r}: component {name!r} holds values shared by the shards of ranks "
@@ -235,13 +236,13 @@ def _check_shared(per_rank: list[dict]) -> None:
 
 def _check_replicas(per_rank: list[dict]) -> None:
     """Every chunk several ranks hold must have one hash; the diverged ones are named."""
-    diverged = _diverged(per_rank, shared_only=False)
-    if diverged:
+    differ = diverged(per_rank, shared_only=False)
+    if differ:
         lines = [f"{describe_item(fqn)}: the chunk at {list(offsets)} of rank(s) {ranks[1:]} differs from rank "
-                 f"{ranks[0]}'s" for (fqn, offsets), ranks in sorted(diverged.items())[:10]]
-        more = f" (and {len(diverged) - 10} more)" if len(diverged) > 10 else ""
+                 f"{ranks[0]}'s" for (fqn, offsets), ranks in sorted(differ.items())[:10]]
+        more = f" (and {len(differ) - 10} more)" if len(differ) > 10 else ""
         raise ReplicaMismatchError(
-            f"{len(diverged)} replicated chunk(s) differ between the ranks that hold them{more}; nothing was "
+            f"{len(differ)} replicated chunk(s) differ between the ranks that hold them{more}; nothing was "
             f"written:\n  " + "\n  ".join(lines) + "\nThe replicas diverged in training (check that "
             "every replica group ran the same updates), or save from one replica group.")
 

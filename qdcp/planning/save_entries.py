@@ -28,6 +28,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from qdcp import checksums as sums
 from qdcp import spec as qspec
 from qdcp.adapters.base import Adapter, describe_tensor, find_adapter
 from qdcp.errors import AlignmentError, LoadMismatchError, StagingError, UnsupportedTensorError
@@ -184,7 +185,7 @@ class EntryPlanner:
         per_shard = template.per_shard
         if isinstance(per_shard, RawTemplate):
             alt_items, alt_spec = _entry_of(fqn, placed, per_shard)
-            per_shard = (alt_spec, {_item_key(old): new for old, new in zip(items, alt_items)})
+            per_shard = (alt_spec, {sums.item_key(old): new for old, new in zip(items, alt_items)})
         entry = SaveEntry(fqn, entry_spec, placed, adapter, items, template.shared if placed.is_dtensor else (),
                           comps if items else None, len(items), per_shard)
         for item, (name, _, _) in zip(items, template.writes):
@@ -279,10 +280,6 @@ def _entry_of(fqn: str, placed: Placed, template: RawTemplate) -> tuple[list[Wri
     return items, entry_spec
 
 
-def _item_key(item: WriteItem) -> tuple[str, tuple[int, ...]]:
-    return item.index.fqn, tuple(item.index.offset or ())
-
-
 def _whole_rows(adapter: Adapter, placed: Placed, attrs: dict, layouts: dict[str, Layout]):
     """A shard cut by columns whose blocks span its columns -- a per-row weight as torchao's
     tensor-parallel slicing cuts it: each shard keeps its rows' scales and reports
@@ -323,7 +320,12 @@ def fall_back(plans: list[SavePlan], per_rank: list[dict | None]) -> list[SavePl
     the key. ``per_rank``: the ranks' riders (:meth:`~qdcp.checksums.SaveHashes.local` plus
     ``per_shard``), updated in place."""
     alts = [(part or {}).get("per_shard", {}) for part in per_rank]
-    diverged = _diverged_entries(per_rank, {fqn for alt in alts for fqn in alt})
+    whole = {fqn for alt in alts for fqn in alt}
+    diverged = {}
+    for key, ranks in sums.diverged([part or {"hashes": {}, "shared": []} for part in per_rank], True).items():
+        fqn = key[0].rsplit(qspec.COMPONENT_SEPARATOR, 1)[0]
+        if fqn in whole:
+            diverged.setdefault(fqn, ranks)
     if not diverged:
         return plans
     plans = list(plans)
@@ -343,26 +345,11 @@ def fall_back(plans: list[SavePlan], per_rank: list[dict | None]) -> list[SavePl
     return plans
 
 
-def _diverged_entries(per_rank: list[dict | None], fqns: set[str]) -> dict[str, list[int]]:
-    """``{entry: [two ranks]}`` for the entries of ``fqns`` whose shared items' hashes differ."""
-    first: dict[tuple, tuple[int, Any]] = {}
-    out: dict[str, list[int]] = {}
-    for rank, part in enumerate(per_rank):
-        for key in (part or {}).get("shared", ()):
-            fqn = key[0].rsplit(qspec.COMPONENT_SEPARATOR, 1)[0]
-            if fqn not in fqns:
-                continue
-            seen = first.setdefault(key, (rank, part["hashes"][key]))
-            if seen[1] != part["hashes"][key]:
-                out.setdefault(fqn, [seen[0], rank])
-    return out
-
-
 def _swapped(plan: SavePlan, part: dict, fqn: str, spec: qspec.EntrySpec, replaced: dict) -> SavePlan:
     """``plan`` with the entry ``fqn`` stored per shard: its items, hashes, shared items and spec."""
     for old, new in replaced.items():
         if old in part["hashes"]:
-            part["hashes"][_item_key(new)] = part["hashes"].pop(old)
+            part["hashes"][sums.item_key(new)] = part["hashes"].pop(old)
     part["shared"] = [key for key in part["shared"] if key[0].rsplit(qspec.COMPONENT_SEPARATOR, 1)[0] != fqn]
     planner_data = dict(plan.planner_data or {})
     text = planner_data.get(qspec.PLANNER_DATA_KEY)
@@ -370,7 +357,7 @@ def _swapped(plan: SavePlan, part: dict, fqn: str, spec: qspec.EntrySpec, replac
         entries = qspec.loads(text)
         entries[fqn] = spec
         planner_data[qspec.PLANNER_DATA_KEY] = qspec.dumps(entries)
-    return dataclasses.replace(plan, items=[replaced.get(_item_key(i), i) for i in plan.items],
+    return dataclasses.replace(plan, items=[replaced.get(sums.item_key(i), i) for i in plan.items],
                                planner_data=planner_data)
 
 
