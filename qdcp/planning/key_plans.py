@@ -203,7 +203,7 @@ class KeyPlanner:
         if not adapter.groups_per_shard or not isinstance(stored, Flat) or len(source.shape) != 2:
             return None
         target = shard_layouts(adapter, placed, adapter.layouts(placed.local)).get(name)
-        if not isinstance(target, Blocked) or stored.on_shard(source.shape) != target or target.block[0] != 1:
+        if not isinstance(target, Blocked) or not _same_groups(target, stored, source.shape) or target.block[0] != 1:
             return None
         try:
             grid = target.map_chunk(source.shape, placed.chunk)
