@@ -191,3 +191,22 @@ def test_a_second_process_is_refused_on_s3(tmp_path, workers, s3_bucket):
 
     names = sorted(p.rsplit("/", 1)[-1] for p in s3fs.S3FileSystem(**opts).ls(url, detail=False))
     assert names == [".metadata"] + referenced(url, **opts)
+
+
+def test_the_directory_is_removed_whichever_rank_made_it(tmp_path):
+    """Every rank makes the directory and which one does first is a race: a failed save removes
+    it also where a rank other than the coordinator made it (DCP's writer protocol, rank by rank)."""
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    path = tmp_path / "ckpt"
+    (tmp_path / "alias").symlink_to(tmp_path)  # rank 1 names the path through a link: two processes'
+    ranks = [qdcp.storage_writer(path), qdcp.storage_writer(tmp_path / "alias" / "ckpt")]  # holds, not one's
+    for rank, w in enumerate(ranks):
+        w.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+    p1 = ranks[1].prepare_local_plan(SavePlan([]))  # rank 1 first: it makes the directory
+    p0 = ranks[0].prepare_local_plan(SavePlan([]))
+    ranks[0].prepare_global_plan([p0, p1])
+    assert os.listdir(path) == [".qdcp-save.claim"]
+    for w in ranks:
+        w.abandon()  # the save failed on some rank: qdcp.save's cleanup
+    assert not path.exists()

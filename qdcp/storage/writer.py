@@ -93,6 +93,13 @@ def _stage_shared(state_dict) -> tuple[AsyncStager, Any, bool]:
         return stager, stager.stage(state_dict), shared
 
 
+@dataclasses.dataclass(frozen=True)
+class _MadeDir:
+    """A rank's local plan says whether that rank's ``mkdir`` made the checkpoint's directory."""
+
+    made: bool
+
+
 class AtomicWriting:
     """Mixin for DCP's file-system writers: no silent overwrite, atomic commit, one save per path."""
 
@@ -144,7 +151,9 @@ class AtomicWriting:
         return os.path.abspath(os.fspath(self.path)) if not is_url(self.path) else os.fspath(self.path)
 
     def prepare_local_plan(self, plan):
-        self._made_dir = not is_url(self.path) and not os.path.isdir(self.path)
+        # every rank makes the directory (as DCP's writer does); which rank made it is a race, so
+        # each says in its plan whether it did and the coordinator's abandon() asks all of them
+        made = not is_url(self.path) and not os.path.isdir(self.path)
         self.fs.mkdir(self.path)
         if self.fs.exists(self._get_metadata_path()) and not self.qdcp_overwrite:
             raise QdcpError(
@@ -158,7 +167,7 @@ class AtomicWriting:
                     f"for it (call .result() on its future) before saving there again")
             _in_flight.add(self._key())
             self._holds_path = True
-        return plan
+        return dataclasses.replace(plan, storage_data=_MadeDir(made)) if plan.storage_data is None else plan
 
     def _release_path(self) -> None:
         if self._holds_path:
@@ -176,6 +185,7 @@ class AtomicWriting:
         """On the coordinator only, once per save: claim the path (:mod:`qdcp.storage.claims`), then
         check again that no checkpoint appeared there; every file name carries the claim's token."""
         what = f"a qdcp save of {len(plans)} rank{'s' if len(plans) != 1 else ''} ({_command()})"
+        self._made_dir = any(isinstance(p.storage_data, _MadeDir) and p.storage_data.made for p in plans)
         try:
             self._claim = claims.take(self._claim_store(), what)
         except BaseException:
@@ -247,7 +257,7 @@ class AtomicWriting:
             self._files.remove_prefixed(commit.save_prefix(claim.token))
             self._files.remove(commit.metadata_tmp(claim.token))
         self._release()
-        if claim is not None and getattr(self, "_made_dir", False):
+        if claim is not None and getattr(self, "_made_dir", False):  # by any rank of this save
             try:
                 os.rmdir(self.path)  # the directory this save made, if nothing else is in it
             except OSError:
