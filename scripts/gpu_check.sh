@@ -12,7 +12,9 @@
 #   2. examples/fsdp2_train.py at one rank on the GPU, then resumed;
 #   3. the multi-rank torchrun workers (tests/dist_worker.py reshard-save/-load, fsdp-save/-load) at
 #      2 ranks with CUDA tensors on that one GPU, over gloo (QDCP_SHARED_GPU=1: cpu:gloo,cuda:gloo);
-#   4. benchmarks/write_path.py, load_path.py and async_save.py with --device cuda.
+#   4. benchmarks/write_path.py, load_path.py and async_save.py with --device cuda;
+#   5. generated cases of the load rule (tests/rule_cases.py, four seeds in parallel) whose targets
+#      are drawn on the CPU and on CUDA (the source saved from the CPU): "another device".
 #
 # Environment:
 #   TORCHAO_WHEEL  a torchao wheel to install first (pip install --no-deps; the GPU machine has no
@@ -44,9 +46,9 @@ fi
 if [[ $DRY == 0 ]]; then
   "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
     || die "no CUDA device here (torch $("$PY" -c 'import torch; print(torch.__version__)')): run it on the GPU machine, or pass --cpu-dry-run"
-  DEVICE=cuda; GIB_W=2; GIB_A=0.5; GIB_L=0.1875; REPEAT=2; SCALE=1
+  DEVICE=cuda; GIB_W=2; GIB_A=0.5; GIB_L=0.1875; REPEAT=2; SCALE=1; RULE_CASES=300
 else  # the CPU is slower at everything: longer limits
-  DEVICE=cpu; GIB_W=0.05; GIB_A=0.03; GIB_L=0.02; REPEAT=1; SCALE=6
+  DEVICE=cpu; GIB_W=0.05; GIB_A=0.03; GIB_L=0.02; REPEAT=1; SCALE=6; RULE_CASES=20
 fi
 
 OUT="${GPU_CHECK_DIR:-$(mktemp -d /tmp/qdcp-gpu-check.XXXXXX)}"
@@ -76,6 +78,8 @@ step dist-2ranks-1gpu 75 env QDCP_SHARED_GPU=1 bash -c "for c in reshard-save re
 step bench-write 45 "$PY" benchmarks/write_path.py --device "$DEVICE" --gib "$GIB_W" --repeat "$REPEAT" --dir "$OUT"
 step bench-load 25 "$PY" benchmarks/load_path.py --device "$DEVICE" --gib "$GIB_L" --repeat $((REPEAT * 3)) --dir "$OUT"
 step bench-async 35 "$PY" benchmarks/async_save.py --device "$DEVICE" --gib "$GIB_A" --repeat $((REPEAT + 1)) --dir "$OUT"
+step rule-cases-cuda 60 bash -c "printf '%s\n' 1 2 3 4 | xargs -P 4 -I{} sh -c \
+  '$PY tests/rule_cases.py --cases $RULE_CASES --seed {} --progress 100 > $OUT/rule-{}.log 2>&1'"
 
 echo
 echo "qdcp gpu_check ($([[ $DRY == 1 ]] && echo 'CPU dry run' || echo "$DEVICE")), logs in $OUT"
@@ -84,5 +88,10 @@ for row in "${TABLE[@]}"; do echo "$row"; done
 for b in write load async; do
   echo; echo "-- bench-$b"
   sed -n '/^case\|^configuration/,$p' "$OUT/bench-$b.log" 2>/dev/null | grep -v '^$' | head -n 30
+done
+echo; echo "-- rule-cases-cuda (targets by outcome; '... on cuda': a CUDA target of a CPU save)"
+for s in 1 2 3 4; do
+  if grep -q 'cases from seed' "$OUT/rule-$s.log" 2>/dev/null; then sed -n '/cases from seed/,$p' "$OUT/rule-$s.log"
+  else echo "seed $s did not finish:"; tail -n 25 "$OUT/rule-$s.log" 2>/dev/null; fi
 done
 exit $FAILED

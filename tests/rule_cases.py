@@ -87,6 +87,8 @@ def wraps_values(t: torch.Tensor) -> bool:
 
 
 KINDS = ("same", "other", "plain")
+# the target's device: another device than the source's (saved from the CPU) where one is here
+DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 OUTCOMES = collections.Counter()
 
 
@@ -306,8 +308,9 @@ def save_source(source: Source, layout: Layout):
         return e
 
 
-def check_target(source: Source, saved, layout: Layout, kind: str, seed: int) -> str:
-    """Load ``saved`` into a ``kind`` target at ``layout``, rank by rank; the rule's outcome."""
+def check_target(source: Source, saved, layout: Layout, kind: str, seed: int, device: str = "cpu") -> str:
+    """Load ``saved`` into a ``kind`` target on ``device`` at ``layout``, rank by rank; the rule's
+    outcome (``"... on cuda"`` for a target on another device than the source's)."""
     name = source.name if kind == "same" else FAMILIES[source.name][1]
     case = CASE_BY_NAME.get(name)
     make = make_local(name, seed + 1, source.shape, FAMILIES.get(name, (False,))[0] and seed % 2) \
@@ -318,13 +321,18 @@ def check_target(source: Source, saved, layout: Layout, kind: str, seed: int) ->
             chunk = chunk_of(spec_of(layout, source.shape, torch.bfloat16), source.shape) if layout.mesh \
                 else ((0, 0), source.shape)
             if kind == "plain":
-                target = torch.zeros(chunk[1], dtype=source.values.dtype)
+                target = torch.zeros(chunk[1], dtype=source.values.dtype, device=device)
             else:
                 target = make(chunk, rank)
                 if target is None:
                     return "no target"
+                if device != "cpu":
+                    try:
+                        target = target.to(device)
+                    except Exception:  # noqa: BLE001 (the library cannot move it: not a case)
+                        return f"no target on {device}"
             outcomes.add(_load_and_check(source, saved, layout, rank, chunk, target, case))
-    return "+".join(sorted(outcomes))
+    return "+".join(sorted(outcomes)) + ("" if device == "cpu" else f" on {device}")
 
 
 def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, target, case) -> str:
@@ -336,13 +344,13 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
         maps = {k: v[region] for k, v in source.maps.items()}
         groups = (source.groups[0][region], source.groups[1]) if source.groups is not None else None
         te_view = rule_te.is_te(target) or source.name in rule_te.FAMILIES
-        view = rule_te.view(target) if te_view else rule.view(target)
+        view = rule_te.view(target) if te_view else rule.view(_on_cpu(target))  # its layout, on any device
         if rule.gets_source_bits(maps, groups, view, source.config):
             expect, outcome = maps, "bits"
         elif rule_te.is_te(target):  # TE cannot quantize here
             expect, outcome = maps_of(target), "refused at load"
-        else:
-            expect, outcome = case.from_hp(values.to(case.dtype).contiguous()), "quantized"
+        else:  # the library's quantization on the target's device
+            expect, outcome = case.from_hp(values.to(target.device, case.dtype).contiguous()), "quantized"
     metadata, store = saved
     with rule_te.context():
         try:
@@ -352,6 +360,8 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
         except QdcpError as e:
             assert outcome == "refused at load", f"rank {rank}: the load was refused, the rule accepts it: {e}"
             assert "'w'" in str(e), f"the error names no key: {e}"
+    assert _devices(target) <= {target.device.type}, f"rank {rank}: inner buffers left {target.device}"
+    target, expect = _on_cpu(target), _on_cpu(expect)  # compared on the host
     if outcome == "refused at load":
         assert rule.maps_equal(maps_of(target), expect), f"rank {rank}: a refused load changed the target"
     elif wraps_values(target):
@@ -366,8 +376,22 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
     return outcome
 
 
+def _devices(t: torch.Tensor) -> set[str]:
+    """The device types of ``t``'s storage: its own, or its inner buffers' for a wrapper subclass."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return {t.device.type}
+    names, _ = t.__tensor_flatten__()
+    return {getattr(t, n).device.type for n in names if isinstance(getattr(t, n), torch.Tensor)}
+
+
+def _on_cpu(x):
+    if isinstance(x, dict):
+        return {k: _on_cpu(v) for k, v in x.items()}
+    return x.to("cpu") if isinstance(x, torch.Tensor) and x.device.type != "cpu" else x
+
+
 def run_case(name: str, rows: int, cols: int, seed: int, source_layout: Layout, sliced: bool,
-             targets: list[tuple[Layout, str]]) -> list[str]:
+             targets: list[tuple]) -> list[str]:
     """One generated case: the outcomes of its targets (or of its save)."""
     sliced = sliced and FAMILIES[name][0]
     source = make_source(name, (rows, cols), seed, source_layout, sliced)
@@ -380,15 +404,15 @@ def run_case(name: str, rows: int, cols: int, seed: int, source_layout: Layout, 
         assert "'w'" in str(saved), f"the error names no key: {saved}"
         return ["refused at save"]
     assert not refused, "the rule refuses this save, qdcp saved it"
-    return [check_target(source, saved, layout, kind, seed) for layout, kind in targets]
+    return [check_target(source, saved, layout, kind, seed, *device) for layout, kind, *device in targets]
 
 
 def case_strategy(families: st.SearchStrategy[str] = st.sampled_from(sorted(FAMILIES))) -> st.SearchStrategy:
-    """A case: family, rows, columns, seed, source layout, sliced?, targets (layout, kind)."""
+    """A case: family, rows, columns, seed, source layout, sliced?, targets (layout, kind, device)."""
     return st.tuples(
         families, st.sampled_from([8, 16, 24, 32]), st.sampled_from([64, 96, 128, 256]),
         st.integers(0, 2**16), layouts(), st.booleans(),
-        st.lists(st.tuples(layouts(), st.sampled_from(KINDS)), min_size=1, max_size=3))
+        st.lists(st.tuples(layouts(), st.sampled_from(KINDS), st.sampled_from(DEVICES)), min_size=1, max_size=3))
 
 
 CASE = case_strategy()
