@@ -17,6 +17,17 @@ warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 
 
+def profile(name: str, fn: Callable[[], object], top: int = 25) -> None:
+    """Run ``fn`` once under cProfile and print its ``top`` functions by own time (``--profile``)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    print(f"\n-- profile of {name!r} (own time, top {top})", flush=True)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def timed(fn: Callable[[], object], repeat: int = 3, setup: Callable[[], object] | None = None) -> float:
     """Median wall time of ``fn`` over ``repeat`` runs (``setup`` runs untimed before each)."""
     return compare({"x": (fn, setup)}, repeat)["x"]

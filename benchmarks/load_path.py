@@ -28,7 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import qdcp
-from common import plain_twin, quantized_state
+from common import plain_twin, profile, quantized_state
 from qdcp import QuantizedLoadPlanner
 
 
@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where the targets live: cpu or cuda (default cpu)")
     ap.add_argument("--repeat", type=int, default=7, help="interleaved runs of each case (default 7)")
     ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
+    ap.add_argument("--profile", action="append", default=[], metavar="CASE",
+                    help="after timing, run CASE once under cProfile and print where its time goes")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -75,6 +77,8 @@ def main() -> None:
                 cases[name]()
                 _sync(device)
                 times[name].append(time.perf_counter() - t0)
+        for name in args.profile:
+            profile(name, cases[name])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{len(state)} Int8Tensor weights, {nbytes / 2**20:.0f} MiB of components, targets on {device}; "

@@ -36,7 +36,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import qdcp
-from common import plain_twin, quantized_state
+from common import plain_twin, profile, quantized_state
 from qdcp import QuantizedSavePlanner, QuantizedStager
 from qdcp.adapters.base import find_adapter
 
@@ -97,6 +97,7 @@ def best(cases: dict[str, tuple[Callable[[], object], Callable[[], object]]], re
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            print(f"  {name}: {times[name][-1]:.3f} s", flush=True)  # as it goes (a run cut short still tells)
             cleanup()
     return {k: min(v) for k, v in times.items()}
 
@@ -110,6 +111,10 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
     ap.add_argument("--fsspec", action=argparse.BooleanOptionalAction, default=True,
                     help="also the fsspec storage (file:// URL) and its anchor (default on)")
+    ap.add_argument("--only", action="append", default=[], metavar="CASE",
+                    help="time only these cases (and the anchors: storage, vanilla thread_count=1)")
+    ap.add_argument("--profile", action="append", default=[], metavar="CASE",
+                    help="after timing, run CASE once under cProfile and print where its time goes")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -148,10 +153,18 @@ def main() -> None:
             lambda: (fs.makedirs(url, exist_ok=True), write_files(raw, url, files, lambda p: fs.open(p, "wb"))),
             clean(url[len("file://"):]))
         cases["qdcp.save (fsspec file://)"] = (lambda: qdcp.save(state, url), clean(url[len("file://"):]))
+    if args.only:
+        keep = {f"storage, {files} files", "vanilla dcp.save (thread_count=1)", *args.only}
+        cases = {k: v for k, v in cases.items() if k in keep or (args.fsspec and k.startswith("storage via"))}
     print(f"{len(state)} Int8Tensor weights on {device}, {nbytes / 2**30:.3f} GiB of components; "
           f"{os.cpu_count()} CPUs; writing under {root}; best of {args.repeat}")
     try:
         times = best(cases, args.repeat)
+        for name in args.profile:
+            fn, cleanup = cases[name]
+            cleanup()
+            profile(name, fn)
+            cleanup()
     finally:
         kept.close()
         shutil.rmtree(root, ignore_errors=True)

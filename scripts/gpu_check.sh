@@ -21,6 +21,7 @@
 #                  network and no torchao): e.g. TORCHAO_WHEEL=shared/torchao-0.18.0-cp312-*.whl
 #   PYTHON         the interpreter (default: .venv/bin/python if present, else python3)
 #   GPU_CHECK_DIR  scratch directory (default: a new one under /tmp; removed at the end)
+#   GPU_CHECK_STEPS  run only these steps (names as in the table, space-separated; default: all)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -46,7 +47,7 @@ fi
 if [[ $DRY == 0 ]]; then
   "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
     || die "no CUDA device here (torch $("$PY" -c 'import torch; print(torch.__version__)')): run it on the GPU machine, or pass --cpu-dry-run"
-  DEVICE=cuda; GIB_W=2; GIB_A=0.5; GIB_L=0.1875; REPEAT=2; SCALE=1; RULE_CASES=300
+  DEVICE=cuda; GIB_W=1; GIB_A=0.5; GIB_L=0.1875; REPEAT=2; SCALE=1; RULE_CASES=300
 else  # the CPU is slower at everything: longer limits
   DEVICE=cpu; GIB_W=0.05; GIB_A=0.03; GIB_L=0.02; REPEAT=1; SCALE=6; RULE_CASES=20
 fi
@@ -60,6 +61,7 @@ TABLE=()
 FAILED=0
 step() {  # step NAME SECONDS COMMAND...: run it with a time limit (5 minutes in all on a GPU), output in $OUT/NAME.log
   local name=$1 limit=$2; shift 2
+  [[ -n "${GPU_CHECK_STEPS:-}" && " $GPU_CHECK_STEPS " != *" $name "* ]] && return 0
   local t0=$SECONDS status
   echo "== $name: $*"
   if (cd "$ROOT" && timeout $((limit * SCALE)) "$@") >"$OUT/$name.log" 2>&1; then status=ok
@@ -75,9 +77,9 @@ step fsdp2-1rank 45 bash -c "${TORCHRUN[*]} --nproc-per-node 1 examples/fsdp2_tr
   --steps 6 --ckpt-every 2 --resume --resume-step 4"
 step dist-2ranks-1gpu 75 env QDCP_SHARED_GPU=1 bash -c "for c in reshard-save reshard-load fsdp-save fsdp-load; do \
   ${TORCHRUN[*]} --nproc-per-node 2 tests/dist_worker.py \$c $OUT/dist || exit 1; done"
-step bench-write 45 "$PY" benchmarks/write_path.py --device "$DEVICE" --gib "$GIB_W" --repeat "$REPEAT" --dir "$OUT"
+step bench-write 120 "$PY" benchmarks/write_path.py --device "$DEVICE" --gib "$GIB_W" --repeat "$REPEAT" --dir "$OUT"
 step bench-load 25 "$PY" benchmarks/load_path.py --device "$DEVICE" --gib "$GIB_L" --repeat $((REPEAT * 3)) --dir "$OUT"
-step bench-async 35 "$PY" benchmarks/async_save.py --device "$DEVICE" --gib "$GIB_A" --repeat $((REPEAT + 1)) --dir "$OUT"
+step bench-async 90 "$PY" benchmarks/async_save.py --device "$DEVICE" --gib "$GIB_A" --repeat $((REPEAT + 1)) --dir "$OUT"
 step rule-cases-cuda 60 bash -c "printf '%s\n' 1 2 3 4 | xargs -P 4 -I{} sh -c \
   '$PY tests/rule_cases.py --cases $RULE_CASES --seed {} --progress 100 > $OUT/rule-{}.log 2>&1'"
 

@@ -50,7 +50,7 @@ class Case:
 
 def _optim(cls, **kw):
     def make(hp):
-        t = cls.zeros(tuple(hp.shape), **kw, dtype=torch.float32)
+        t = cls.zeros(tuple(hp.shape), **kw, dtype=torch.float32, device=hp.device)
         t.copy_(hp.float())
         return t
     return make
