@@ -167,18 +167,23 @@ class SaveHashes:
     on the coordinator, :meth:`check` compares the ranks' hashes of the items several ranks hold
     (shared items always, every replica with ``check_replicas``) and :meth:`record` builds the
     checksum record of the hashes of the copies DCP writes.
+
+    ``by_writer``: the save's writer hashes every item as it writes it and makes the record
+    (:func:`written_record`; qdcp's writers): only the items the checks compare are hashed here.
     """
 
-    def __init__(self, checksums: bool, check_replicas: bool) -> None:
+    def __init__(self, checksums: bool, check_replicas: bool, by_writer: bool = False) -> None:
         self.checksums = checksums
         self.check_replicas = check_replicas
+        self.by_writer = by_writer
 
     def local(self, items: list[WriteItem], shared: list[tuple[str, tuple[int, ...]]],
               data: Callable[[WriteItem], Any]) -> dict:
         """This rank's part: ``{"hashes": {item key: hash}, "shared": [item key, ...]}`` for ``items``,
         whose data ``data(item)`` gives; ``shared``: the item keys other ranks' shards also hold."""
         shared_keys = set(shared)
-        hashed = items if self.checksums or self.check_replicas else [i for i in items if item_key(i) in shared_keys]
+        every = (self.checksums and not self.by_writer) or self.check_replicas
+        hashed = items if every else [i for i in items if item_key(i) in shared_keys]
         return {"hashes": hash_many((item_key(i), data(i)) for i in hashed), "shared": shared}
 
     def check(self, per_rank: list[dict | None]) -> list[dict]:
@@ -193,8 +198,9 @@ class SaveHashes:
     def record(self, global_plan: list[SavePlan], per_rank: list[dict], metadata: Metadata) -> dict | None:
         """The metadata's checksum record (None without ``checksums``): for each item, the hash of
         the copy the rank that writes it computed (DCP writes one rank's copy of a replicated item),
-        in the metadata's chunk order (DCP's global plan gives each item's chunk index)."""
-        if not self.checksums:
+        in the metadata's chunk order (DCP's global plan gives each item's chunk index); None
+        without ``checksums`` or where the writer makes it."""
+        if not self.checksums or self.by_writer:
             return None
         builder = RecordBuilder()
         for fqn, md in metadata.state_dict_metadata.items():
@@ -204,6 +210,17 @@ class SaveHashes:
             for item in plan.items:
                 builder.set(item.index.fqn, item.index.index or 0, hashes.get(item_key(item)))
         return builder.record()
+
+
+def written_record(metadata: Metadata, hashes: dict) -> dict:
+    """The metadata's checksum record from the hashes a writer computed as it wrote each item
+    (``{MetadataIndex: hash}``, the index as DCP's global plan set it)."""
+    builder = RecordBuilder()
+    for fqn, md in metadata.state_dict_metadata.items():
+        builder.item(fqn, len(md.chunks) if isinstance(md, TensorStorageMetadata) else 1)
+    for index, h in hashes.items():
+        builder.set(index.fqn, index.index or 0, h)
+    return builder.record()
 
 
 def diverged(per_rank: list[dict], shared_only: bool) -> dict[tuple, list[int]]:

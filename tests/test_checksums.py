@@ -99,6 +99,68 @@ def test_plan_caching_records_fresh_checksums_every_save(tmp_path):
         assert _hashes(tmp_path / f"c{i}") == _hashes(_save_sync(state, tmp_path / f"s{i}"))
 
 
+def _save_rank_by_rank(path, world: int, writer) -> None:
+    """``dcp.save``'s calls for a ``world``-rank job, rank by rank in this process (ranks hold
+    ``w`` and ``bias`` alike, which DCP has one rank write, and an entry of their own)."""
+    states = [{"w": INT8.make(0), f"own{r}": INT8.make(r + 1), "bias": torch.arange(8.0), "step": 7}
+              for r in range(world)]
+    writers = [writer(path, r) for r in range(world)]
+    planners = [QuantizedSavePlanner() for _ in range(world)]
+    plans = []
+    for r, (w, p) in enumerate(zip(writers, planners)):
+        w.set_up_storage_writer(r == 0, rank=r, use_collectives=True)
+        p.set_up_planner(states[r], storage_meta=w.storage_meta(), is_coordinator=r == 0)
+        plans.append(w.prepare_local_plan(p.create_local_plan()))
+    central, metadata = planners[0].create_global_plan(plans)
+    central = writers[0].prepare_global_plan(central)
+    results = []
+    for w, p, plan in zip(writers, planners, central):
+        fut = w.write_data(p.finish_plan(plan), p)
+        fut.wait()
+        results.append(fut.value())
+    writers[0].finish(metadata, results)
+
+
+def _qdcp_writer(path, rank):
+    alias = path.parent / f"rank{rank}"  # one process holding the path once per rank, as ranks do
+    if not alias.exists():
+        alias.symlink_to(path.parent)
+    return qdcp.storage_writer(alias / path.name)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_qdcps_writer_records_the_hashes_the_planner_would(tmp_path, world):
+    """With qdcp's writer each item is hashed as it is written (no pass before): the record is the
+    one the planner makes with DCP's own writer, every item of every rank in it."""
+    _save_rank_by_rank(tmp_path / "qdcp", world, _qdcp_writer)
+    _save_rank_by_rank(tmp_path / "dcp", world, lambda path, rank: dcp.FileSystemWriter(path))
+    md = qdcp.read_metadata(tmp_path / "qdcp")
+    assert set(_hashes(tmp_path / "qdcp")) == set(md.state_dict_metadata)
+    assert _hashes(tmp_path / "qdcp") == _hashes(tmp_path / "dcp")
+    assert {type(info).__name__ for info in md.storage_data.values()} == {"_StorageInfo"}  # no hash left there
+    target = {"w": INT8.make(9), **{f"own{r}": INT8.make(9) for r in range(world)}, "bias": torch.zeros(8), "step": 0}
+    qdcp.load(target, tmp_path / "qdcp")
+    assert_same_buffers(target["w"], INT8.make(0))
+    assert_same_buffers(target[f"own{world - 1}"], INT8.make(world))
+
+
+def test_qdcps_writer_hashes_each_item_once_as_it_writes(tmp_path, monkeypatch):
+    """No item is hashed at planning (nothing several ranks hold here): each once, by the writer."""
+    hashed, writing = [], threading.Event()
+
+    class Planner(QuantizedSavePlanner):
+        def resolve_data(self, write_item):
+            writing.set()
+            return super().resolve_data(write_item)
+
+    real = checksums.of_data
+    monkeypatch.setattr(checksums, "of_data", lambda data: hashed.append(writing.is_set()) or real(data))
+    dcp.save(_state(), storage_writer=qdcp.storage_writer(tmp_path), planner=Planner())
+    assert hashed and all(hashed)  # every hash taken once writing began
+    assert len(hashed) == len(qdcp.read_metadata(tmp_path).storage_data)  # each item once
+    assert_same_buffers(_load(tmp_path, _targets())["w"], _state()["w"])
+
+
 # ----------------------------------------------------------------------------- load side
 
 @pytest.mark.parametrize("where", ["component", "plain", "object"])

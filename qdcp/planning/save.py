@@ -25,7 +25,7 @@ from qdcp import spec as qspec
 from qdcp.planning.placement import planning
 from qdcp.planning.save_entries import DequantizeChoice, EntryPlanner, fall_back, merge_specs
 from qdcp.staging.new_empty import register_new_empty
-from qdcp.storage import refuse_existing_checkpoint
+from qdcp.storage import refuse_existing_checkpoint, writer_hashes_items
 
 __all__ = ["QuantizedSavePlanner", "DequantizeChoice"]
 
@@ -41,8 +41,10 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         dequantize_dtype: dtype of dequantized entries (default: each entry's logical dtype).
         checksums: hash every item written (XXH3-64 of the bytes being written, the staged copy in
             an async save) into the checkpoint's metadata; :class:`QuantizedLoadPlanner` verifies
-            them (default True). Device tensors of a synchronous save are copied to the host at
-            planning (the one copy the writer would make) and kept until written.
+            them (default True). qdcp's writers hash each item as they write it and make the record
+            (:func:`qdcp.storage.writer_hashes_items`); with another writer the items are hashed
+            here, at planning, device tensors copied to the host then (the one copy the writer
+            would make) and kept until written.
         overwrite: with a storage writer of DCP's own (``checkpoint_id=path``), a checkpoint already
             at that local path is refused (``FileExistsError``, before anything is written) unless
             True; DCP itself writes over it in place. qdcp's writers (``qdcp.save``,
@@ -95,7 +97,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             refuse_existing_checkpoint(storage_meta, type(self).__name__)
         super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
         self._entries = EntryPlanner(self.dequantize, self.dequantize_dtype)
-        self._hashes = sums.SaveHashes(self.checksums, self.check_replicas)
+        # qdcp's writers hash each item as they write it (no pass over the data, no device copy, here)
+        self._hashes = sums.SaveHashes(self.checksums, self.check_replicas, writer_hashes_items(storage_meta))
         self._ready, self._sums_record = {}, None
         with planning():
             self._entries.plan(self.state_dict)

@@ -37,10 +37,10 @@ from qdcp.storage.factories import storage_reader, storage_writer
 from qdcp.storage.metadata import MAX_METADATA_BYTES, METADATA_FILE, check_chunk_geometry, safe_load_metadata
 from qdcp.storage.reader import CheckpointReader
 from qdcp.storage.trailer import ChecksumExtension
-from qdcp.storage.writer import CheckpointWriter, refuse_existing_checkpoint, set_default_stager
+from qdcp.storage.writer import CheckpointWriter, refuse_existing_checkpoint, set_default_stager, writer_hashes_items
 
 __all__ = [
     "CheckpointReader", "CheckpointWriter", "storage_reader", "storage_writer", "safe_load_metadata",
-    "check_chunk_geometry", "refuse_existing_checkpoint", "set_default_stager", "ChecksumExtension",
-    "ChecksumError", "CheckpointFormatError", "MAX_METADATA_BYTES", "METADATA_FILE",
+    "check_chunk_geometry", "refuse_existing_checkpoint", "set_default_stager", "writer_hashes_items",
+    "ChecksumExtension", "ChecksumError", "CheckpointFormatError", "MAX_METADATA_BYTES", "METADATA_FILE",
 ]

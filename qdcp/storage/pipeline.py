@@ -13,10 +13,15 @@
 - Device-to-host copies and writes overlap: where an accelerator is present, the next items are
   resolved and copied to the host by a helper thread while one is written (at least one item
   ahead, at most ``per_thread_copy_ahead`` bytes beyond it).
+- Checksums as written: with ``hash_items`` each item's host bytes are hashed (XXH3-64, on a
+  background thread) while they are written, and the hash rides in its result
+  (:class:`HashedStorageInfo`) to the coordinator, which makes the metadata's checksum record from
+  them: no pass over the data before writing, no device copy at planning.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -29,6 +34,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+
+from qdcp import checksums
 
 __all__ = ["default_thread_count", "write_items", "serialize_tensor"]
 
@@ -122,10 +129,23 @@ def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
     return [g for g in groups if g]
 
 
-def write_items(writer: Any, items: list[WriteItem], prefix: str, planner: Any, crc: bool) -> list[WriteResult]:
+@dataclasses.dataclass
+class HashedStorageInfo(_StorageInfo):
+    """DCP's per-item storage info with the hash of the item's bytes as written (``hash_items``);
+    the coordinator takes the hash out (:meth:`stored`) before the metadata is written."""
+
+    qdcp_hash: int | None = None
+
+    def stored(self) -> _StorageInfo:
+        return _StorageInfo(self.relative_path, self.offset, self.length, self.transform_descriptors)
+
+
+def write_items(writer: Any, items: list[WriteItem], prefix: str, planner: Any, crc: bool,
+                hash_items: bool = False) -> list[WriteResult]:
     """Write ``items`` into files named ``<prefix><n>.distcp`` in ``writer``'s directory (one per
     thread, or one per item where ``writer.single_file_per_rank`` is False), each fsync'd where
-    ``writer.sync_files``; the results of every item, as DCP's writer returns them."""
+    ``writer.sync_files``; the results of every item, as DCP's writer returns them (with each
+    item's hash where ``hash_items``)."""
     if getattr(writer, "single_file_per_rank", True):
         files = int(writer.thread_count or 1)
         if getattr(writer, "qdcp_auto_threads", False):  # the default: no file smaller than MIN_FILE_BYTES
@@ -137,7 +157,7 @@ def write_items(writer: Any, items: list[WriteItem], prefix: str, planner: Any, 
     threads = max(1, min(int(writer.thread_count or 1), len(jobs)))
     ahead = max(0, int(getattr(writer, "per_thread_copy_ahead", 0) or 0))
     if threads == 1:
-        return [r for name, group in jobs for r in _write_file(writer, name, group, planner, crc, ahead)]
+        return [r for name, group in jobs for r in _write_file(writer, name, group, planner, crc, ahead, hash_items)]
     todo: queue.SimpleQueue = queue.SimpleQueue()
     for job in jobs:
         todo.put(job)
@@ -151,7 +171,7 @@ def write_items(writer: Any, items: list[WriteItem], prefix: str, planner: Any, 
             except queue.Empty:
                 return out
             try:
-                out.extend(_write_file(writer, name, group, planner, crc, ahead))
+                out.extend(_write_file(writer, name, group, planner, crc, ahead, hash_items))
             except BaseException:
                 failed.set()  # the other threads stop after their current file
                 raise
@@ -176,18 +196,19 @@ def write_items(writer: Any, items: list[WriteItem], prefix: str, planner: Any, 
 
 
 def _write_file(writer: Any, name: str, items: list[WriteItem], planner: Any, crc: bool,
-                ahead: int) -> list[WriteResult]:
+                ahead: int, hash_items: bool) -> list[WriteResult]:
     path = writer.fs.concat_path(writer.path, name)
     results = []
     with writer.fs.create_stream(path, "wb") as stream:
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
-                results.append(_write_one(writer.transforms, stream, planner.resolve_data(item), item, name, crc))
+                results.append(_write_one(writer.transforms, stream, planner.resolve_data(item), item, name, crc,
+                                          hash_items))
         tensors = [i for i in items if i.type != WriteItemType.BYTE_IO]
         resolved = _prefetched(tensors, planner, ahead) if _accelerator() else \
             ((item, _host_tensor(planner, item)) for item in tensors)
         for item, tensor in resolved:
-            results.append(_write_one(writer.transforms, stream, tensor, item, name, crc))
+            results.append(_write_one(writer.transforms, stream, tensor, item, name, crc, hash_items))
             del tensor
         if writer.sync_files:
             stream.flush()
@@ -198,7 +219,11 @@ def _write_file(writer: Any, name: str, items: list[WriteItem], planner: Any, cr
     return results
 
 
-def _write_one(transforms: Any, stream: Any, data: Any, item: WriteItem, name: str, crc: bool) -> WriteResult:
+def _write_one(transforms: Any, stream: Any, data: Any, item: WriteItem, name: str, crc: bool,
+               hash_items: bool) -> WriteResult:
+    hashed = None
+    if hash_items:
+        hashed = checksums.hash_later(data.getvalue() if item.type == WriteItemType.BYTE_IO else data)
     offset = stream.tell()
     out, descriptors = transforms.transform_save_stream(item, stream)
     if item.type == WriteItemType.BYTE_IO:
@@ -207,8 +232,9 @@ def _write_one(transforms: Any, stream: Any, data: Any, item: WriteItem, name: s
         serialize_tensor(data, out, crc)
     out.close()
     length = stream.tell() - offset
-    return WriteResult(index=item.index, size_in_bytes=length,
-                       storage_data=_StorageInfo(name, offset, length, transform_descriptors=descriptors or None))
+    info = _StorageInfo(name, offset, length, transform_descriptors=descriptors or None) if hashed is None else \
+        HashedStorageInfo(name, offset, length, transform_descriptors=descriptors or None, qdcp_hash=hashed())
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=info)
 
 
 # ----------------------------------------------------------------------------- device to host

@@ -21,13 +21,14 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.futures import Future
 
+from qdcp import checksums
 from qdcp.errors import QdcpError
 from qdcp.storage import claims, commit
 from qdcp.storage.causes import raise_with_cause
 from qdcp.storage.claim_stores import FsspecStore, LocalStore
 from qdcp.storage.hooks import records_checksums
 from qdcp.storage.metadata import METADATA_FILE
-from qdcp.storage.pipeline import default_thread_count, write_items
+from qdcp.storage.pipeline import HashedStorageInfo, default_thread_count, write_items
 from qdcp.storage.trailer import ChecksumExtension
 from qdcp.storage.urls import is_url
 
@@ -42,6 +43,15 @@ _in_flight: set[str] = set()
 # the StorageMeta objects qdcp's writers gave to this process's saves (by id): those writers
 # guard their path themselves (refusing an existing checkpoint unless overwrite=True)
 _guarded_metas: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# ... and those whose writer hashes every item as it writes it, making the checksum record itself
+# when the planner records checksums (qdcp.storage.pipeline): the planner need not hash them first
+_hashing_metas: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def writer_hashes_items(storage_meta: StorageMeta | None) -> bool:
+    """Whether the save that ``storage_meta`` came from has a writer that hashes every item as it
+    writes it and records the checksums (a :class:`CheckpointWriter` writing torch.save archives)."""
+    return storage_meta is not None and _hashing_metas.get(id(storage_meta)) is storage_meta
 
 
 def refuse_existing_checkpoint(storage_meta: StorageMeta | None, who: str) -> None:
@@ -107,7 +117,13 @@ class AtomicWriting:
         meta = super().storage_meta()
         if meta is not None:
             _guarded_metas[id(meta)] = meta  # this writer refuses an existing checkpoint itself
+            if self._own_pipeline():
+                _hashing_metas[id(meta)] = meta
         return meta
+
+    def _own_pipeline(self) -> bool:
+        """Whether items are written by qdcp's pipeline (torch.save archives), not DCP's own."""
+        return getattr(self, "serialization_format", SerializationFormat.TORCH_SAVE) == SerializationFormat.TORCH_SAVE
 
     def _setup_atomic(self, overwrite: bool, stager: AsyncStager | None = None) -> None:
         self.qdcp_overwrite = overwrite
@@ -208,16 +224,20 @@ class AtomicWriting:
         # qdcp-checksum trailers redundant: leave them out (the files stay stock-DCP readable)
         checked = records_checksums(planner)
         self.transforms.extensions = () if checked else self._qdcp_extensions
+        # the planner records checksums and left the hashing to this writer (writer_hashes_items):
+        # each item hashed as written, the record made in finish() from the ranks' results
+        self._records_hashes = checked and self._own_pipeline()
         try:
             # qdcp's pipeline (qdcp.storage.pipeline): files on threads, no zip CRC-32 where every
             # item is checksummed otherwise, device copies ahead of the writes
-            if getattr(self, "serialization_format", SerializationFormat.TORCH_SAVE) != SerializationFormat.TORCH_SAVE:
+            if not self._own_pipeline():
                 fut = super().write_data(plan, planner)  # DCP's own (safetensors files)
                 fut.wait()
             else:
                 fut = Future()
                 fut.set_result(write_items(self, plan.items, plan.storage_data.prefix, planner,
-                                           crc=not (checked or self.transforms.extensions)))
+                                           crc=not (checked or self.transforms.extensions),
+                                           hash_items=self._records_hashes))
         except BaseException as e:
             self._files.remove_prefixed(plan.storage_data.prefix)  # this rank's own, partly written
             if self._claim is not None:
@@ -278,10 +298,18 @@ class AtomicWriting:
         from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
         metadata.version = CURRENT_DCP_VERSION
-        storage_md = {}
+        storage_md, hashes = {}, {}
         for wr_list in results:
-            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+            for wr in wr_list:
+                info = wr.storage_data
+                if isinstance(info, HashedStorageInfo):  # the hash goes to the record, not the storage data
+                    hashes[wr.index], info = info.qdcp_hash, info.stored()
+                storage_md[wr.index] = info
         metadata.storage_data = storage_md
+        if getattr(self, "_records_hashes", False):
+            if metadata.planner_data is None:
+                metadata.planner_data = {}
+            metadata.planner_data[checksums.PLANNER_DATA_KEY] = checksums.written_record(metadata, hashes)
         metadata.storage_meta = self.storage_meta()
         token, files = self._claim.token, self._files
         replaced = commit.referenced(commit.read_metadata_bytes(files.read(METADATA_FILE))) \
