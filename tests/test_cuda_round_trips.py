@@ -66,3 +66,31 @@ def test_cuda_round_trips(case, tmp_path):
         qdcp.load(loaded, path)
         assert_same_buffers(_cpu(loaded["w"]), want)
     stager.close()
+
+
+def test_cuda_targets_read_through_pinned_buffers_every_item_checked(tmp_path):
+    """Many items into CUDA targets (the reader alternates two pinned buffers, each item committed
+    once the next is read): every one bit-exact, in place and all-or-nothing; a flipped byte in any
+    of them is a ChecksumError naming its key, the all-or-nothing load leaving the targets as they were."""
+    from qdcp import ChecksumError
+    from quantized_cases import CASE_BY_NAME
+    from stored_bytes import flip_stored_bytes, tensor_bytes
+
+    case = CASE_BY_NAME["int8_row"]
+    state = {f"w{i}": case.make(i).to("cuda") for i in range(7)}
+    state["bias"] = torch.randn(3000, device="cuda")
+    qdcp.save(state, tmp_path / "c")
+    for atomic in (True, False):
+        target = {k: (case.make(99).to("cuda") if k != "bias" else torch.zeros(3000, device="cuda")) for k in state}
+        qdcp.load(target, tmp_path / "c", atomic=atomic)
+        for k in state:
+            assert_same_buffers(_cpu(target[k]), _cpu(state[k])) if k != "bias" else \
+                assert_bitwise_equal(_cpu(target[k]), _cpu(state[k]))
+    flip_stored_bytes(tmp_path / "c", tensor_bytes(_cpu(state["w3"]).qdata[5:9]), at=3)
+    target = {k: (case.make(99).to("cuda") if k != "bias" else torch.zeros(3000, device="cuda")) for k in state}
+    before = {k: _cpu(v) for k, v in target.items()}
+    with pytest.raises(ChecksumError, match=r"key 'w3'"):
+        qdcp.load(target, tmp_path / "c")
+    for k in state:
+        assert_same_buffers(_cpu(target[k]), before[k]) if k != "bias" else \
+            assert_bitwise_equal(_cpu(target[k]), before[k])

@@ -28,6 +28,10 @@ __all__ = ["SafeReading", "CheckpointReader"]
 # read_metadata(rank=...) and then says only "metadata is None" (2.12 on quote them).
 _DCP_HIDES_METADATA_ERRORS = torch.__version__ < "2.12"
 
+# a whole stored chunk bound for a CUDA buffer, up to this size, is read into one of two reused
+# pinned buffers and copied without blocking: the next item is read while it is copied and hashed
+_PINNED_MAX = 256 << 20
+
 
 class _MetadataUnreadable(BaseException):
     """Carries qdcp's ``.metadata`` error (its ``__cause__``) past torch 2.11's ``except Exception``
@@ -86,6 +90,7 @@ class SafeReading:
         CRCs. Any failure is a :class:`CheckpointFormatError` naming the state-dict key. A planner
         may offer memory for an item (``buffer_for(req, nbytes)``, a uint8 CPU tensor): the item is
         read there and offered back as a view of it (``adopt_tensor(req, tensor)``), no copy made."""
+        self._pending: Callable[[], None] | None = None
         per_file: dict[str, list] = {}
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
@@ -110,8 +115,12 @@ class SafeReading:
                 size = stream.seek(0, io.SEEK_END)
                 for req in reqs:
                     self._read_item(stream, size, rel, req, planner=planner)
+            except BaseException:
+                self._pending = None  # the load failed: the item copied last is not committed
+                raise
             finally:
                 stream_cm.__exit__(None, None, None)
+        self._finish_pending()
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -151,7 +160,18 @@ class SafeReading:
         if self._planner_checks(req, planner):
             planner.note_verified(req)
 
-    def _read_buffer(self, length: int) -> torch.Tensor:
+    def _read_buffer(self, length: int, pinned: bool = False) -> torch.Tensor:
+        if pinned:  # the other of two pinned buffers, once the copy from it has ended
+            self._qdcp_slot = 1 - getattr(self, "_qdcp_slot", 1)
+            if getattr(self, "_qdcp_pinned", None) is None:
+                self._qdcp_pinned, self._qdcp_copied = [None, None], [None, None]
+            if self._qdcp_copied[self._qdcp_slot] is not None:
+                self._qdcp_copied[self._qdcp_slot].synchronize()
+            buf = self._qdcp_pinned[self._qdcp_slot]
+            if buf is None or buf.numel() < length:
+                buf = self._qdcp_pinned[self._qdcp_slot] = torch.empty(max(length, 1 << 20), dtype=torch.uint8,
+                                                                        pin_memory=True)
+            return buf[:length]
         buf = getattr(self, "_qdcp_buffer", None)
         if buf is None or buf.numel() < length:
             self._qdcp_buffer = None
@@ -234,9 +254,12 @@ class SafeReading:
                 return self._commit(req, target, self._verification(req, target, recorded, planner), planner, where)
             if target is not None:
                 self._resolved = (req, target)  # handed out once: the usual path uses it
+        resolved = getattr(self, "_resolved", None)
+        pinned = buffer is None and resolved is not None and resolved[0] is req and length <= _PINNED_MAX \
+            and resolved[1].device.type == "cuda" and torch.cuda.is_available()
         try:
             # read into memory, checked there (trailer, recorded checksum or the zip's CRCs)
-            memory = buffer if buffer is not None else self._read_buffer(length)
+            memory = buffer if buffer is not None else self._read_buffer(length, pinned)
             payload = self._payload(stream, offset, length, rel, where=where, descriptors=descriptors,
                                     version=version, req=req, memory=memory)
             if req.type == LoadItemType.BYTE_IO:
@@ -253,7 +276,8 @@ class SafeReading:
             raise
         except Exception as e:
             raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
-        self._deliver(req, self._requested_part(tensor, req, where), verified, adoptable, planner, where)
+        self._deliver(req, self._requested_part(tensor, req, where), verified, adoptable, planner, where,
+                      pinned and in_place)
         return None
 
     def _whole_chunk_target(self, req, planner) -> torch.Tensor | None:
@@ -280,7 +304,7 @@ class SafeReading:
         planner.load_bytes(req, io.BytesIO(payload))
 
     def _deliver(self, req, tensor: torch.Tensor, verified: Callable[[], None], adoptable: bool, planner,
-                 where: str) -> None:
+                 where: str, pinned: bool = False) -> None:
         """The part of a stored chunk ``req`` reads, to the planner: adopted as it is (qdcp's entry
         reader keeps a whole chunk as loaded), else copied into ``resolve_tensor``'s buffer while
         the bytes just read are hashed on another core, then committed."""
@@ -293,8 +317,22 @@ class SafeReading:
         if target.size() != tensor.size():
             raise CheckpointFormatError(f"{where}: a read of {tuple(tensor.shape)} goes to a buffer of "
                                         f"{tuple(target.shape)}")
+        if pinned and tensor.is_pinned():  # copied while the next item is read; committed after it
+            target.copy_(tensor, non_blocking=True)
+            with torch.cuda.device(target.device):
+                copied = self._qdcp_copied[self._qdcp_slot] = torch.cuda.Event()
+                copied.record()
+            self._finish_pending()
+            self._pending = lambda: self._commit(req, target, verified, planner, where)
+            return
         target.copy_(tensor)
         self._commit(req, target, verified, planner, where)
+
+    def _finish_pending(self) -> None:
+        """Commit the item whose copy was left running (its check waited for first)."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is not None:
+            pending()
 
     @staticmethod
     def _commit(req, target: torch.Tensor, verified: Callable[[], None], planner, where: str) -> None:
