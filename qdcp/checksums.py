@@ -365,7 +365,8 @@ class ReadVerifier:
                 self._whole[item] = (h, md[item.storage_index.fqn].properties.dtype if sizes is not None else None)
 
     def note_verified(self, read_item) -> None:
-        """The storage reader checked ``read_item`` against its recorded hash: not hashed again."""
+        """The storage reader checks ``read_item`` against its recorded hash before it is committed
+        (told before ``resolve_tensor``): not hashed here, nor staged in a host buffer to hash."""
         with self._lock:
             found = self._whole.get(read_item)
             if found is not None and found[0] is not None:
@@ -375,8 +376,8 @@ class ReadVerifier:
     def buffer(self, read_item, dest: torch.Tensor) -> torch.Tensor:
         """Where DCP should copy ``read_item``'s data: ``dest``, or a host buffer to check first."""
         found = self._whole.get(read_item)
-        if found is None or (dest.device.type == "cpu" and dest.dtype == found[1]):
-            return dest
+        if found is None or found[0] is None or (dest.device.type == "cpu" and dest.dtype == found[1]):
+            return dest  # found[0] None: the storage reader checks it (note_verified)
         with self._lock:
             self._temps.add(id(read_item))
         return torch.empty(tuple(read_item.lengths), dtype=found[1])

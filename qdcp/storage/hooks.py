@@ -29,7 +29,8 @@ class VerifyingLoadPlanner(Protocol):
         """Whether it checks them in this load (it has the checkpoint's checksums)."""
 
     def note_verified(self, read_item: ReadItem) -> None:
-        """The reader checked ``read_item`` against its recorded checksum: not to be hashed again."""
+        """The reader checks ``read_item`` against its recorded checksum before it commits it (it
+        says so before asking ``resolve_tensor``): not to be hashed again."""
 
 
 @runtime_checkable

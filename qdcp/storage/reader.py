@@ -237,6 +237,10 @@ class SafeReading:
         # would check it (it is told, and skips its own pass over them)
         recorded = self._recorded(req) if version is None else None
         zip_crcs = version is None and recorded is None  # nothing else checks it
+        if recorded is not None and req.type != LoadItemType.BYTE_IO:
+            # told before resolve_tensor: the planner then gives its real destination (a CUDA
+            # buffer, another dtype) instead of a host buffer to hash the item in itself
+            self._note_verified(req, planner)
         in_place = req.type != LoadItemType.BYTE_IO \
             and (not descriptors or (version is not None and len(descriptors) == 1))
         buffer = self._planner_buffer(planner, req, length) if in_place else None
