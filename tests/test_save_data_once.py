@@ -82,7 +82,7 @@ def test_raw_save_asks_for_each_entrys_components_once(tmp_path, counted, checks
     dcp.save(state, storage_writer=FileSystemWriter(tmp_path, thread_count=2),
              planner=QuantizedSavePlanner(checksums=checksums))
     assert _per_entry(calls, state, "components") == [1, 1, 1]  # was 7 (4 unhashed): planned, hashed, written
-    assert _per_entry(calls, state, "inner_buffers") == [1, 1, 1]  # the sharded-inside check (placement)
+    assert _per_entry(calls, state, "inner_buffers") == [0, 0, 0]  # the sharded-inside check uses those components
     assert _per_entry(calls, state, "dequantize") == [0, 0, 0]
     target = {**{k: INT8.make(10 + i) for i, k in enumerate(KEYS)}, "bias": torch.zeros(5), "step": 0}
     dcp.load(target, checkpoint_id=tmp_path, planner=QuantizedLoadPlanner())

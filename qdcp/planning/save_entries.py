@@ -27,6 +27,7 @@ from typing import Any, Callable, Union
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from qdcp import checksums as sums
 from qdcp import spec as qspec
@@ -100,7 +101,7 @@ class EntryPlanner:
                 state_dict[fqn] = with_local(value, inner)
                 continue
             dequantize = self.dequantize(fqn, value) if callable(self.dequantize) else self.dequantize
-            if _sharded_inside(fqn, placed, adapter, dequantize):  # its values are a DTensor: DCP writes it
+            if dequantize and sharded_inside(placed, adapter):  # its values are a DTensor: DCP writes it
                 state_dict[fqn] = adapter.dequantize(placed.local, self.dequantize_dtype)
                 continue
             entry = self._plan_dequantized(fqn, placed, adapter) if dequantize \
@@ -175,6 +176,8 @@ class EntryPlanner:
     def _plan_raw(self, fqn: str, placed: Placed, adapter: Adapter) -> SaveEntry:
         t = placed.local
         comps = adapter.components(t)
+        if not placed.is_dtensor and any(isinstance(c, DTensor) for c in comps.values()):
+            raise _sharded_inside_error(fqn, adapter, t)  # (the components asked for once: checked here)
         raw_attrs, raw_info = adapter.attributes(t), adapter.info(t)
         key = (type(t), placed.global_shape, placed.chunk, placed.is_dtensor, repr(raw_attrs), repr(raw_info),
                tuple((n, tuple(v.shape), v.dtype) for n, v in comps.items()))
@@ -415,19 +418,14 @@ def _write_item(fqn: str, chunk: Chunk, global_shape, dtype: torch.dtype, *, sha
             size=torch.Size(global_shape)))
 
 
-def _sharded_inside(fqn: str, placed: Placed, adapter: Adapter, dequantize: bool) -> bool:
-    """Whether ``placed`` is a quantized tensor whose inner tensors are DTensors (torchao's
-    ``quantize_`` applied to an already sharded model): saved dequantized (its values, a DTensor),
-    refused raw, naming the key."""
-    if not sharded_inside(placed, adapter):
-        return False
-    if not dequantize:
-        raise UnsupportedTensorError(
-            f"key {fqn!r}: a {adapter.type_name(placed.local)} whose inner tensors are DTensors (quantized after "
-            f"the model was sharded, e.g. torchao's quantize_ on FSDP2/TP weights); qdcp stores a quantized "
-            f"tensor raw as a DTensor whose local tensor is quantized. Quantize before sharding, or save this "
-            f"entry dequantized (QuantizedSavePlanner(dequantize=...)).")
-    return True
+def _sharded_inside_error(fqn: str, adapter: Adapter, t: torch.Tensor) -> UnsupportedTensorError:
+    """A quantized tensor whose inner tensors are DTensors (torchao's ``quantize_`` applied to an
+    already sharded model) is refused raw, naming the key (saved dequantized, its values a DTensor)."""
+    return UnsupportedTensorError(
+        f"key {fqn!r}: a {adapter.type_name(t)} whose inner tensors are DTensors (quantized after "
+        f"the model was sharded, e.g. torchao's quantize_ on FSDP2/TP weights); qdcp stores a quantized "
+        f"tensor raw as a DTensor whose local tensor is quantized. Quantize before sharding, or save this "
+        f"entry dequantized (QuantizedSavePlanner(dequantize=...)).")
 
 
 def _check_not_half_staged(fqn: str, t: torch.Tensor) -> None:
