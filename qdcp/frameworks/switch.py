@@ -32,7 +32,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
+from torch.distributed.checkpoint import format_utils, state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 
@@ -111,8 +111,6 @@ def _empty_planner_modules() -> tuple:
     """The modules whose ``_EmptyStateDictLoadPlanner`` callers look up: ``format_utils`` (its
     ``dcp_to_torch_save``; accelerate and Lightning import it from there) and ``state_dict_loader``
     (its ``_load_state_dict_from_keys``). Where a torch lacks the name, the module is skipped."""
-    from torch.distributed.checkpoint import format_utils
-
     return tuple(m for m in (format_utils, state_dict_loader) if hasattr(m, _EMPTY))
 
 

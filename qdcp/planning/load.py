@@ -286,7 +286,7 @@ def _report_partial(loaded: list[str], missing: list[str], metadata: Metadata, s
     the checkpoint) is most likely not the one meant."""
     if loaded or not missing:
         return
-    stored = sorted({k for k in metadata.state_dict_metadata if qspec.COMPONENT_SEPARATOR not in k} | set(specs))
+    stored = sorted(qspec.entry_keys(metadata.state_dict_metadata, specs))
     warnings.warn(
         f"QuantizedLoadPlanner(allow_partial_load=True) matched 0 of the {len(missing)} target keys "
         f"(e.g. {missing[:3]}) in the checkpoint, which holds {len(stored)} keys (e.g. {stored[:3]}): "
