@@ -18,6 +18,7 @@ import math
 from typing import Any, Mapping
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from qdcp.errors import AlignmentError, CheckpointFormatError
 from qdcp.layouts import layout_from_json
@@ -414,8 +415,6 @@ def check_items(entry: EntrySpec, state_dict_metadata: Mapping[str, Any], stored
     """Every component item the spec lists exists with exactly its shape and dtype, and no item
     is stored that it does not list (``stored``: the names :func:`stored_components` found for
     the entry). ``key`` names the target in errors when it is not the entry's own key."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     key = key if key is not None else entry.fqn
     for c in entry.components:
         item = state_dict_metadata.get(component_fqn(entry.fqn, c.name))

@@ -21,6 +21,7 @@ import sys
 from typing import Iterator, NamedTuple, Sequence
 
 import torch
+from safetensors import safe_open
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
@@ -79,8 +80,6 @@ class UnwritableDtype(QdcpError):
 
 def written_by_qdcp(path: str) -> bool:
     """Whether ``path`` is a safetensors file qdcp wrote (its header says ``producer: qdcp``)."""
-    from safetensors import safe_open
-
     try:
         with safe_open(path, "pt") as f:
             return (f.metadata() or {}).get("producer") == "qdcp"

@@ -56,7 +56,7 @@ from qdcp.errors import CheckpointFormatError, QdcpError
 from qdcp.hf.directory import HFDirectory
 from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Item, Presented, Source, UnsupportedEntry, presented
 from qdcp.hf.safetensors_files import RowBlocks, TensorOut
-from qdcp.layouts import Blocked, Replicated
+from qdcp.layouts import Blocked, Replicated, ceil_div
 from qdcp.reading.entries import stored_on_meta
 
 CT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this writes
@@ -137,7 +137,7 @@ def packed_rows(values: torch.Tensor, bits: int) -> RowBlocks:
     """:func:`pack_int32` of 2-D ``values``, made a block of rows at a time in one reused buffer
     as it is written (about 1 MiB a block): exporting holds the entry and that buffer, not a packed copy."""
     n, k = values.shape
-    words = -(-k // (32 // bits))
+    words = ceil_div(k, 32 // bits)
     rows = max(1, (1 << 20) // max(1, words * 4))
     buffer = torch.empty(min(rows, n) * words * 4, dtype=torch.uint8)
     return RowBlocks((n, words), torch.int32, lambda a, b: pack_int32(values[a:b], bits, buffer), rows)
@@ -316,13 +316,13 @@ def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape, inputs: str) -> 
             tensors.append(("weight_zero_point", scale_shape, zero.dtype))
         return Scheme("int-quantized", weights, inputs), tensors
     per = 32 // bits
-    tensors = [("weight_packed", (n, -(-k // per)), torch.int32), ("weight_scale", scale_shape, scale.dtype),
+    tensors = [("weight_packed", (n, ceil_div(k, per)), torch.int32), ("weight_scale", scale_shape, scale.dtype),
                ("weight_shape", (2,), torch.int64)]
     if zero is not None:
         if strategy["strategy"] == "tensor":
             raise UnsupportedEntry("compressed-tensors packs the zero points of channel and group ints; this "
                                    "entry is asymmetric per tensor")
-        tensors.append(("weight_zero_point", (-(-zero.shape[0] // per), zero.shape[1]), torch.int32))
+        tensors.append(("weight_zero_point", (ceil_div(zero.shape[0], per), zero.shape[1]), torch.int32))
     return Scheme("pack-quantized", weights), tensors
 
 

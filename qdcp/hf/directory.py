@@ -8,6 +8,7 @@ import dataclasses
 import os
 
 import torch
+from safetensors import safe_open
 
 from qdcp.errors import CheckpointFormatError
 from qdcp.hf import safetensors_files as stf
@@ -29,8 +30,6 @@ class HFDirectory:
     def scan(cls, path: str) -> "HFDirectory":
         """List the tensors of the directory's safetensors files (those its index names, else
         ``model.safetensors``, else every ``*.safetensors``): headers only, no tensor is read."""
-        from safetensors import safe_open
-
         tensors, metas = {}, {}
         for name in stf.directory_files(path):
             file = os.path.join(path, name)
@@ -52,7 +51,5 @@ class HFDirectory:
 
     def tensor(self, name: str) -> torch.Tensor:
         """File tensor ``name``, read whole (for the small tensors a layout reads to present an entry)."""
-        from safetensors import safe_open
-
         with safe_open(self.tensors[name][0], "pt") as f:
             return f.get_tensor(name)

@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -94,8 +95,6 @@ class QuantizedHFReader(StorageReader):
         """Read each requested part into the planner's buffer: by byte range where the item is a
         file tensor, else from the item computed whole (straight into the buffer when the part is
         the item, else once per plan)."""
-        from safetensors import safe_open
-
         handles: dict[str, Any] = {}
         built: dict[str, torch.Tensor] = {}
         with contextlib.ExitStack() as files:

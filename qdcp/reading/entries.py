@@ -19,7 +19,7 @@ from qdcp import spec as qspec
 from qdcp.adapters.base import StoredEntry, adapter_for_type
 from qdcp.dcp_copies import read_items
 from qdcp.errors import CheckpointFormatError
-from qdcp.layouts import narrow
+from qdcp.layouts import ceil_div, narrow
 from qdcp.storage import storage_reader
 from qdcp.storage.metadata import load_object
 
@@ -159,7 +159,7 @@ class _Arena:
         self._used = 0
 
     def reset(self, sizes: Sequence[int]) -> None:
-        need = sum(-(-n // self.ALIGN) * self.ALIGN for n in sizes)
+        need = sum(ceil_div(n, self.ALIGN) * self.ALIGN for n in sizes)
         if self._buffer.numel() < need:
             self._buffer = torch.empty(0, dtype=torch.uint8)  # the old one freed first
             self._buffer = torch.empty(need, dtype=torch.uint8)
@@ -169,7 +169,7 @@ class _Arena:
         start = self._used
         if start + nbytes > self._buffer.numel():
             return None
-        self._used = start + -(-nbytes // self.ALIGN) * self.ALIGN
+        self._used = start + ceil_div(nbytes, self.ALIGN) * self.ALIGN
         return self._buffer[start: start + nbytes]
 
 

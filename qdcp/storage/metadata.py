@@ -49,8 +49,6 @@ class _AnyVersionTensorProperties(TensorProperties):
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        import torch
-
         if (module, name) == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
             return _AnyVersionTensorProperties
         if (module, name) in _ALLOWED_GLOBALS:

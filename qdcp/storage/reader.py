@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from qdcp import checksums
+from qdcp.adapters import find_adapter
 from qdcp.errors import CheckpointFormatError, QdcpError
 from qdcp.spec import describe_item
 from qdcp.storage.hooks import AdoptingLoadPlanner, verifies_whole_items
@@ -356,8 +357,6 @@ def _stored_values(tensor: torch.Tensor, dtype: torch.dtype, where: str) -> torc
     pickles a quantized tensor whole: its values are computed by its adapter (as torchao's
     ``dequantize()``), in the dtype the metadata records; a subclass qdcp has no adapter for is
     left as it is (DCP's behaviour)."""
-    from qdcp.adapters import find_adapter
-
     adapter = find_adapter(tensor)
     if adapter is None:
         return tensor

@@ -15,8 +15,9 @@ import threading
 import weakref
 from typing import Any, Callable
 
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import SerializationFormat, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, SerializationFormat, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.futures import Future
@@ -295,8 +296,6 @@ class AtomicWriting:
     def _commit(self, metadata: Metadata, results) -> None:
         """Write ``.metadata`` and publish it (the claim checked first); then remove what the
         replaced checkpoint and dead saves left (``_published`` set in between)."""
-        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-
         metadata.version = CURRENT_DCP_VERSION
         storage_md, hashes = {}, {}
         for wr_list in results:
@@ -341,8 +340,6 @@ class AtomicWriting:
 
 
 def _world_size() -> int:
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
