@@ -107,7 +107,10 @@ def wait_for(path: str | os.PathLike, timeout: float = 120) -> None:
 
 
 def assert_loads_as(path, seed: int, n: int, world: int = 1, **storage_options) -> None:
-    """The checkpoint at ``path`` loads bit-exact as the save ``seed`` (every rank's entries)."""
+    """The checkpoint at ``path`` loads bit-exact as the save ``seed`` (every rank's entries), and
+    its metadata records a checksum of every item (made by the writer from every rank's writes)."""
+    md = qdcp.read_metadata(path, **storage_options)
+    assert set(qdcp.checksums.record(md).items) == set(md.state_dict_metadata)
     want = full_state(seed, n, world)
     got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in want.items()}
     qdcp.load(got, path, storage_options=storage_options or None)
