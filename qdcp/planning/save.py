@@ -53,7 +53,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             tensor-parallel-replicated scale, a ``Replicate()`` DTensor) is hashed and compared
             before anything is written; diverged replicas raise :class:`~qdcp.ReplicaMismatchError`
             naming the keys, chunks and ranks, instead of DCP silently writing one rank's copy.
-            Costs a hash of each replica on its rank (free where ``checksums`` hashes them anyway).
+            Costs a hash of every item at planning on its rank (besides the one qdcp's writers take
+            as they write; with another writer and ``checksums`` the same hash serves both).
         **kwargs: passed to ``DefaultSavePlanner`` (``flatten_state_dict``, ``enable_plan_caching``...).
 
     DCP calls, in order: ``set_up_planner`` on every rank (the quantized entries planned and taken
