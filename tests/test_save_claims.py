@@ -194,8 +194,9 @@ def test_a_second_process_is_refused_on_s3(tmp_path, workers, s3_bucket):
 
 
 def test_the_directory_is_removed_whichever_rank_made_it(tmp_path):
-    """Every rank makes the directory and which one does first is a race: a failed save removes
-    it also where a rank other than the coordinator made it (DCP's writer protocol, rank by rank)."""
+    """A failed save removes the directory it made also where another rank reached
+    ``prepare_local_plan`` before the coordinator (DCP's writer protocol, rank by rank; it was left
+    when rank 1's mkdir made it: a race CI hit)."""
     from torch.distributed.checkpoint.planner import SavePlan
 
     path = tmp_path / "ckpt"

@@ -104,13 +104,6 @@ def _stage_shared(state_dict) -> tuple[AsyncStager, Any, bool]:
         return stager, stager.stage(state_dict), shared
 
 
-@dataclasses.dataclass(frozen=True)
-class _MadeDir:
-    """A rank's local plan says whether that rank's ``mkdir`` made the checkpoint's directory."""
-
-    made: bool
-
-
 class AtomicWriting:
     """Mixin for DCP's file-system writers: no silent overwrite, atomic commit, one save per path."""
 
@@ -168,10 +161,12 @@ class AtomicWriting:
         return os.path.abspath(os.fspath(self.path)) if not is_url(self.path) else os.fspath(self.path)
 
     def prepare_local_plan(self, plan):
-        # every rank makes the directory (as DCP's writer does); which rank made it is a race, so
-        # each says in its plan whether it did and the coordinator's abandon() asks all of them
-        made = not is_url(self.path) and not os.path.isdir(self.path)
-        self.fs.mkdir(self.path)
+        if getattr(self, "_is_coordinator", True):
+            # the coordinator makes the directory: the other ranks write into it only once the
+            # global plan (made after this) reaches them, so whether this save made it is known
+            # here, with no race between ranks (abandon() removes it only then)
+            self._made_dir = not is_url(self.path) and not os.path.isdir(self.path)
+            self.fs.mkdir(self.path)
         if self.fs.exists(self._get_metadata_path()) and not self.qdcp_overwrite:
             raise QdcpError(
                 f"a checkpoint already exists at {os.fspath(self.path)!r}; pass overwrite=True to "
@@ -184,7 +179,7 @@ class AtomicWriting:
                     f"for it (call .result() on its future) before saving there again")
             _in_flight.add(self._key())
             self._holds_path = True
-        return dataclasses.replace(plan, storage_data=_MadeDir(made)) if plan.storage_data is None else plan
+        return plan
 
     def _release_path(self) -> None:
         if self._holds_path:
@@ -202,7 +197,6 @@ class AtomicWriting:
         """On the coordinator only, once per save: claim the path (:mod:`qdcp.storage.claims`), then
         check again that no checkpoint appeared there; every file name carries the claim's token."""
         what = f"a qdcp save of {len(plans)} rank{'s' if len(plans) != 1 else ''} ({_command()})"
-        self._made_dir = any(isinstance(p.storage_data, _MadeDir) and p.storage_data.made for p in plans)
         try:
             self._claim = claims.take(self._claim_store(), what)
         except BaseException:
@@ -229,6 +223,8 @@ class AtomicWriting:
         # each item hashed as written, the record made in finish() from the ranks' results
         self._records_hashes = checked and self._own_pipeline()
         try:
+            if not getattr(self, "_is_coordinator", True):
+                self.fs.mkdir(self.path)  # made by the coordinator, unless this host does not share its disk
             # qdcp's pipeline (qdcp.storage.pipeline): files on threads, no zip CRC-32 where every
             # item is checksummed otherwise, device copies ahead of the writes
             if not self._own_pipeline():
@@ -278,7 +274,7 @@ class AtomicWriting:
             self._files.remove_prefixed(commit.save_prefix(claim.token))
             self._files.remove(commit.metadata_tmp(claim.token))
         self._release()
-        if claim is not None and getattr(self, "_made_dir", False):  # by any rank of this save
+        if claim is not None and getattr(self, "_made_dir", False):
             try:
                 os.rmdir(self.path)  # the directory this save made, if nothing else is in it
             except OSError:
