@@ -394,12 +394,28 @@ def buffers(x):  # every tensor holding a staged state dict's data: plain tensor
 restaged = stager.stage(live)  # views of the buffers the stager keeps (reuse_buffers)
 shared = all(b.is_shared() for b in buffers(restaged))
 del restaged
+
+# qdcp's writer in the checkpointer's process: it hashes each item as it writes and makes the record
+import qdcp
+from qdcp import checksums
+before = snapshot(live)
+path = os.path.join(root, "qdcp_writer")
+fut = dcp.async_save(live, storage_writer=qdcp.storage_writer(path), planner=QuantizedSavePlanner(),
+                     async_stager=stager, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+mutate(live)
+fut.result()
+md = qdcp.read_metadata(path)
+assert set(checksums.record(md).items) == set(md.state_dict_metadata), "items without a recorded checksum"
+dcp.save(before, checkpoint_id=path + "_sync", planner=QuantizedSavePlanner())
+assert checksums.record(md).items == checksums.record(qdcp.read_metadata(path + "_sync")).items
 stager.close()
 print("OK shared=%s" % shared)
 '''
 
 
 def test_process_checkpointer_with_dtensors_raw_and_dequantized(tmp_path):
+    """Also qdcp's writer in the checkpointer's process: the record it makes holds every item, as
+    the planner's (DCP's writer) of the same values."""
     proc = run_one_rank_script(tmp_path, _PROCESS_MAIN, imports=_PROCESS_IMPORTS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "OK shared=True" in proc.stdout
