@@ -43,7 +43,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 from torchao.float8 import LinearMMConfig  # noqa: E402
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: E402
-from torchao.quantization import to_nf4  # noqa: E402
+from torchao.quantization import (  # noqa: E402
+    Float8Tensor,
+    Int8Tensor,
+    IntxUnpackedToInt8Tensor,
+    PerGroup,
+    to_nf4,  # noqa: E402
+)
 
 import dcp_in_process as job  # noqa: E402
 import rule_oracle as rule  # noqa: E402
@@ -349,8 +355,9 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
             expect, outcome = maps, "bits"
         elif rule_te.is_te(target):  # TE cannot quantize here
             expect, outcome = maps_of(target), "refused at load"
-        else:  # the library's quantization on the target's device
-            expect, outcome = case.from_hp(values.to(target.device, case.dtype).contiguous()), "quantized"
+        else:  # the library's quantization, with the target's config, on the target's device
+            expect, outcome = quantize_like(target, case, values.to(target.device, case.dtype).contiguous()), \
+                "quantized"
     metadata, store = saved
     with rule_te.context():
         try:
@@ -374,6 +381,22 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
         diff = components_diff(target, expect)
         assert diff is None, f"rank {rank}: not torchao's quantization of the values: {diff}"
     return outcome
+
+
+def quantize_like(target: torch.Tensor, case: Case, values: torch.Tensor) -> torch.Tensor:
+    """torchao's own quantization of ``values`` with ``target``'s config. The case's config,
+    except for torchao's affine types, whose blocks are the target's own: a column cut of a
+    per-group tensor that ends inside a group has blocks of its own columns (torchao's slicing sets
+    ``block_size`` to them, e.g. 22 columns of a group-32 tensor: ``[1, 22]``)."""
+    block = getattr(target, "block_size", None)
+    kind = type(target).__name__
+    if kind in ("Int8Tensor", "Float8Tensor") and block is not None and block[0] == 1:
+        granularity = PerGroup(block[-1])
+        return Int8Tensor.from_hp(values, granularity) if kind == "Int8Tensor" else \
+            Float8Tensor.from_hp(values, granularity=granularity)
+    if kind == "IntxUnpackedToInt8Tensor":
+        return IntxUnpackedToInt8Tensor.from_hp(values, tuple(block), target.target_dtype)
+    return case.from_hp(values)
 
 
 def _devices(t: torch.Tensor) -> set[str]:
