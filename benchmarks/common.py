@@ -17,6 +17,20 @@ warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 
 
+def add_profile_argument(ap) -> None:
+    """``--profile CASE`` (repeatable): after timing, the case runs once under :func:`profile`."""
+    ap.add_argument("--profile", action="append", default=[], metavar="CASE",
+                    help="after timing, run CASE once under cProfile and print where its time goes")
+
+
+def device_of(name: str) -> torch.device:
+    """The ``--device`` asked for; exits where it is CUDA and none is here."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    return device
+
+
 def profile(name: str, fn: Callable[[], object], top: int = 25) -> None:
     """Run ``fn`` once under cProfile and print its ``top`` functions by own time (``--profile``)."""
     import cProfile

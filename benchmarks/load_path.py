@@ -28,7 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import qdcp
-from common import plain_twin, profile, quantized_state
+from common import add_profile_argument, device_of, plain_twin, profile, quantized_state
 from qdcp import QuantizedLoadPlanner
 
 
@@ -43,12 +43,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where the targets live: cpu or cuda (default cpu)")
     ap.add_argument("--repeat", type=int, default=7, help="interleaved runs of each case (default 7)")
     ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
-    ap.add_argument("--profile", action="append", default=[], metavar="CASE",
-                    help="after timing, run CASE once under cProfile and print where its time goes")
+    add_profile_argument(ap)
     args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here")
+    device = device_of(args.device)
     state = quantized_state("int8", 2 * args.gib)
     twin = plain_twin(state)
     target = {k: v.to(device) for k, v in quantized_state("int8", 2 * args.gib, seed=1).items()}

@@ -36,7 +36,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import qdcp
-from common import plain_twin, profile, quantized_state
+from common import add_profile_argument, device_of, plain_twin, profile, quantized_state
 from qdcp import QuantizedSavePlanner, QuantizedStager
 from qdcp.adapters.base import find_adapter
 
@@ -113,12 +113,9 @@ def main() -> None:
                     help="also the fsspec storage (file:// URL) and its anchor (default on)")
     ap.add_argument("--only", action="append", default=[], metavar="CASE",
                     help="time only these cases (and the anchors: storage, vanilla thread_count=1)")
-    ap.add_argument("--profile", action="append", default=[], metavar="CASE",
-                    help="after timing, run CASE once under cProfile and print where its time goes")
+    add_profile_argument(ap)
     args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here")
+    device = device_of(args.device)
 
     state = {k: v.to(device) for k, v in quantized_state("int8", 2 * args.gib).items()}
     twin = plain_twin(state)
