@@ -143,21 +143,17 @@ class SafeReading:
         if got is not None and got != expected:  # None: a subclass whose values cannot be read
             raise checksums.corrupt(req.storage_index.fqn, req.storage_index.offset, expected, got)
 
-    def _verification(self, req, tensor: torch.Tensor, recorded: int | None, planner) -> Callable[[], None]:
+    def _verification(self, req, tensor: torch.Tensor, recorded: int | None) -> Callable[[], None]:
         """Start hashing the stored chunk just read (large ones on a background thread, while the
-        caller copies it on); the returned call waits, compares with ``recorded`` and tells a qdcp
-        planner that would hash it again that it is verified."""
+        caller copies it on); the returned call waits and compares with ``recorded`` (the planner
+        was told before ``resolve_tensor`` that this reader checks it)."""
         if recorded is None:
             return lambda: None
         pending = checksums.hash_later(tensor)
-
-        def verified() -> None:
-            self._compare(req, pending(), recorded)
-            self._note_verified(req, planner)
-        return verified
+        return lambda: self._compare(req, pending(), recorded)
 
     def _note_verified(self, req, planner) -> None:
-        """Tell a qdcp planner that would check ``req`` itself that this reader has."""
+        """Tell a qdcp planner that would check ``req`` itself that this reader does."""
         if self._planner_checks(req, planner):
             planner.note_verified(req)
 
@@ -256,7 +252,7 @@ class SafeReading:
                 raise CheckpointFormatError(
                     f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
             if direct:  # read straight into the planner's buffer: checked there, then committed
-                return self._commit(req, target, self._verification(req, target, recorded, planner), planner, where)
+                return self._commit(req, target, self._verification(req, target, recorded), planner, where)
             if target is not None:
                 self._resolved = (req, target)  # handed out once: the usual path uses it
         resolved = getattr(self, "_resolved", None)
@@ -276,7 +272,7 @@ class SafeReading:
                 tensor = torch.load(ViewReader(payload), map_location="cpu", weights_only=True)
             else:
                 adoptable = buffer is not None
-            verified = self._verification(req, tensor, recorded, planner)
+            verified = self._verification(req, tensor, recorded)
         except QdcpError:
             raise
         except Exception as e:
