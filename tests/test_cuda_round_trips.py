@@ -68,10 +68,12 @@ def test_cuda_round_trips(case, tmp_path):
     stager.close()
 
 
-def test_cuda_targets_read_through_pinned_buffers_every_item_checked(tmp_path):
-    """Many items into CUDA targets (the reader alternates two pinned buffers, each item committed
-    once the next is read): every one bit-exact, in place and all-or-nothing; a flipped byte in any
-    of them is a ChecksumError naming its key, the all-or-nothing load leaving the targets as they were."""
+@pytest.mark.parametrize("files", [1, 3])
+def test_cuda_targets_read_through_pinned_buffers_every_item_checked(tmp_path, files):
+    """Many items into CUDA targets (each reading thread alternates two pinned buffers, each item
+    committed once the next is read; 3 files: 3 threads): every one bit-exact, in place and
+    all-or-nothing; a flipped byte in any of them is a ChecksumError naming its key, the
+    all-or-nothing load leaving the targets as they were."""
     from qdcp import ChecksumError
     from quantized_cases import CASE_BY_NAME
     from stored_bytes import flip_stored_bytes, tensor_bytes
@@ -79,7 +81,7 @@ def test_cuda_targets_read_through_pinned_buffers_every_item_checked(tmp_path):
     case = CASE_BY_NAME["int8_row"]
     state = {f"w{i}": case.make(i).to("cuda") for i in range(7)}
     state["bias"] = torch.randn(3000, device="cuda")
-    qdcp.save(state, tmp_path / "c")
+    qdcp.save(state, tmp_path / "c", storage_options={"thread_count": files})
     for atomic in (True, False):
         target = {k: (case.make(99).to("cuda") if k != "bias" else torch.zeros(3000, device="cuda")) for k in state}
         qdcp.load(target, tmp_path / "c", atomic=atomic)

@@ -27,17 +27,19 @@ except ImportError:
 __all__ = ["storage_reader", "storage_writer"]
 
 
-def storage_reader(path: str | os.PathLike, **storage_options: Any) -> FileSystemReader:
+def storage_reader(path: str | os.PathLike, thread_count: int | None = None,
+                   **storage_options: Any) -> FileSystemReader:
     """A safe, verifying reader for a local path or an fsspec URL (``memory://``, ``s3://``...).
 
+    ``thread_count``: data files read at once (default: the usable cores, at most 4).
     ``storage_options`` go to fsspec (e.g. ``client_kwargs={"endpoint_url": ...}``).
     """
     if is_url(path):
         _need_fsspec()
-        return FsspecCheckpointReader(os.fspath(path), **storage_options)
+        return FsspecCheckpointReader(os.fspath(path), thread_count=thread_count, **storage_options)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint directory at {os.fspath(path)!r}")
-    return CheckpointReader(path)
+    return CheckpointReader(path, thread_count=thread_count)
 
 
 def storage_writer(path: str | os.PathLike, overwrite: bool = False, checksums: bool = True,
@@ -63,9 +65,9 @@ if FsspecWriter is not None:
     class FsspecCheckpointReader(SafeReading, FsspecReader):
         """:class:`CheckpointReader` for fsspec URLs."""
 
-        def __init__(self, path: str, **storage_options: Any) -> None:
+        def __init__(self, path: str, thread_count: int | None = None, **storage_options: Any) -> None:
             super().__init__(path, **storage_options)
-            self._setup_safe_reading()
+            self._setup_safe_reading(thread_count)
 
     class FsspecCheckpointWriter(AtomicWriting, FsspecWriter):
         """:class:`CheckpointWriter` for fsspec URLs (the commit rename is not atomic on object stores)."""

@@ -13,6 +13,11 @@
 - Device-to-host copies and writes overlap: where an accelerator is present, the next items are
   resolved and copied to the host by a helper thread while one is written (at least one item
   ahead, at most ``per_thread_copy_ahead`` bytes beyond it).
+- Writeback started early: where files are fsync'd, the bytes of each item written are handed to
+  the disk at once (``posix_fadvise(..., POSIX_FADV_DONTNEED)``: the kernel starts writing dirty
+  pages back without waiting, as PostgreSQL's ``pg_flush_data`` does), so the disk writes while
+  the next items are serialized and the fsync at the end waits for little; the written pages
+  leave the page cache once on disk (a checkpoint is seldom read back by the process writing it).
 - Checksums as written: with ``hash_items`` each item's host bytes are hashed (XXH3-64, on a
   background thread) while they are written, and the hash rides in its result
   (:class:`HashedStorageInfo`) to the coordinator, which makes the metadata's checksum record from
@@ -45,6 +50,8 @@ MAX_DEFAULT_THREADS = 4
 #: with the default thread count, a rank's items are split into no more files than this many
 #: bytes each fill (a small save stays one file; its writes are too short to gain from threads)
 MIN_FILE_BYTES = 32 << 20
+#: bytes written to a file before they are handed to the disk (writeback started, not waited for)
+WRITEBACK_BYTES = 8 << 20
 
 
 def default_thread_count() -> int:
@@ -207,9 +214,12 @@ def _write_file(writer: Any, name: str, items: list[WriteItem], planner: Any, cr
         tensors = [i for i in items if i.type != WriteItemType.BYTE_IO]
         resolved = _prefetched(tensors, planner, ahead) if _accelerator() else \
             ((item, _host_tensor(planner, item)) for item in tensors)
+        writeback = _Writeback(stream) if writer.sync_files else None
         for item, tensor in resolved:
             results.append(_write_one(writer.transforms, stream, tensor, item, name, crc, hash_items))
             del tensor
+            if writeback is not None:
+                writeback.start()
         if writer.sync_files:
             stream.flush()
             try:
@@ -235,6 +245,32 @@ def _write_one(transforms: Any, stream: Any, data: Any, item: WriteItem, name: s
     info = _StorageInfo(name, offset, length, transform_descriptors=descriptors or None) if hashed is None else \
         HashedStorageInfo(name, offset, length, transform_descriptors=descriptors or None, qdcp_hash=hashed())
     return WriteResult(index=item.index, size_in_bytes=length, storage_data=info)
+
+
+class _Writeback:
+    """Starts the disk writing what has been written to a file so far, without waiting for it
+    (every :data:`WRITEBACK_BYTES`); nothing where the stream has no descriptor or the platform no
+    ``posix_fadvise``."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self._done = stream, 0
+        try:
+            self._fd = stream.fileno() if hasattr(os, "posix_fadvise") else None
+        except (AttributeError, io.UnsupportedOperation, ValueError, OSError):
+            self._fd = None
+
+    def start(self) -> None:
+        if self._fd is None:
+            return
+        end = self._stream.tell()
+        if end - self._done < WRITEBACK_BYTES:
+            return
+        try:
+            self._stream.flush()
+            os.posix_fadvise(self._fd, self._done, end - self._done, os.POSIX_FADV_DONTNEED)
+        except OSError:  # a file system that refuses the advice: the fsync does it all
+            self._fd = None
+        self._done = end
 
 
 # ----------------------------------------------------------------------------- device to host

@@ -4,8 +4,12 @@ recorded, or torch.save's zip CRCs)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -20,6 +24,7 @@ from qdcp.errors import CheckpointFormatError, QdcpError
 from qdcp.spec import describe_item
 from qdcp.storage.hooks import AdoptingLoadPlanner, verifies_whole_items
 from qdcp.storage.metadata import check_chunk_geometry, safe_load_metadata
+from qdcp.storage.pipeline import default_thread_count
 from qdcp.storage.torch_save import ViewReader, archived_tensor, check_zip_crcs, read_archive_into
 from qdcp.storage.trailer import VerifyingTransforms, checksum_version, verified_view
 
@@ -31,7 +36,82 @@ _DCP_HIDES_METADATA_ERRORS = torch.__version__ < "2.12"
 
 # a whole stored chunk bound for a CUDA buffer, up to this size, is read into one of two reused
 # pinned buffers and copied without blocking: the next item is read while it is copied and hashed
+# (the size is shared by the reading threads: each has two such buffers)
 _PINNED_MAX = 256 << 20
+
+
+class _PlannerCalls:
+    """The planner as the reading threads call it: one call at a time (DCP's load planners are
+    called by one thread), its optional capabilities looked up once."""
+
+    def __init__(self, planner: Any, shared: bool) -> None:
+        self.planner = planner
+        self.adopting = isinstance(planner, AdoptingLoadPlanner)
+        self.verifying = verifies_whole_items(planner)
+        self._lock = threading.Lock() if shared else contextlib.nullcontext()
+
+    def resolve(self, req) -> torch.Tensor:
+        with self._lock:
+            return self.planner.resolve_tensor(req).detach()
+
+    def commit(self, req, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self.planner.commit_tensor(req, tensor)
+
+    def load_bytes(self, req, value: io.BytesIO) -> None:
+        with self._lock:
+            self.planner.load_bytes(req, value)
+
+    def note_verified(self, req) -> None:
+        with self._lock:
+            self.planner.note_verified(req)
+
+    def buffer_for(self, req, nbytes: int) -> torch.Tensor | None:
+        with self._lock:
+            return self.planner.buffer_for(req, nbytes)
+
+    def adopt(self, req, tensor: torch.Tensor) -> bool:
+        with self._lock:
+            return self.planner.adopt_tensor(req, tensor)
+
+
+class _Lane:
+    """One reading thread's memory, kept by the reader from load to load: a scratch buffer, two
+    pinned buffers for CUDA targets (and the copies from them still running), the item whose copy
+    is still running (committed after the next item is read), the buffer ``resolve_tensor`` gave."""
+
+    def __init__(self) -> None:
+        self.calls: _PlannerCalls | None = None
+        self.scratch: torch.Tensor | None = None
+        self.pinned: list[torch.Tensor | None] = [None, None]
+        self.copied: list[Any] = [None, None]
+        self.slot = 1
+        self.pinned_max = _PINNED_MAX
+        self.pending: Callable[[], None] | None = None
+        self.resolved: tuple[Any, torch.Tensor] | None = None
+
+    def buffer(self, length: int, pinned: bool = False) -> torch.Tensor:
+        """``length`` bytes of reused memory: the scratch buffer, or the other of the two pinned
+        buffers once the copy from it has ended."""
+        if pinned:
+            self.slot = 1 - self.slot
+            if self.copied[self.slot] is not None:
+                self.copied[self.slot].synchronize()
+            buf = self.pinned[self.slot]
+            if buf is None or buf.numel() < length:
+                self.pinned[self.slot] = None
+                buf = self.pinned[self.slot] = torch.empty(max(length, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            return buf[:length]
+        if self.scratch is None or self.scratch.numel() < length:
+            self.scratch = None
+            self.scratch = torch.empty(max(length, 1 << 20), dtype=torch.uint8)
+        return self.scratch[:length]
+
+    def finish_pending(self) -> None:
+        """Commit the item whose copy was left running (its check waited for first)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending()
 
 
 class _MetadataUnreadable(BaseException):
@@ -42,8 +122,10 @@ class _MetadataUnreadable(BaseException):
 class SafeReading:
     """Mixin for DCP's file-system readers: safe ``.metadata`` and verified checksums."""
 
-    def _setup_safe_reading(self) -> None:
+    def _setup_safe_reading(self, thread_count: int | None = None) -> None:
         self.transforms = VerifyingTransforms(self.transforms)
+        self.thread_count = max(1, int(thread_count or default_thread_count()))
+        self._qdcp_lanes: list[_Lane] = []
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -90,8 +172,36 @@ class SafeReading:
         planner that ``verifies_whole_items`` for items it reads whole), else by torch.save's zip
         CRCs. Any failure is a :class:`CheckpointFormatError` naming the state-dict key. A planner
         may offer memory for an item (``buffer_for(req, nbytes)``, a uint8 CPU tensor): the item is
-        read there and offered back as a view of it (``adopt_tensor(req, tensor)``), no copy made."""
-        self._pending: Callable[[], None] | None = None
+        read there and offered back as a view of it (``adopt_tensor(req, tensor)``), no copy made.
+
+        The files are read on up to ``thread_count`` threads, each file's items in order by one of
+        them; the planner is called by one thread at a time. Where reads fail, the error of the
+        first failing file (in the plan's order) is raised once every thread has stopped."""
+        files = list(self._files_of(plan).items())
+        threads = max(1, min(self.thread_count, len(files)))
+        calls = _PlannerCalls(planner, shared=threads > 1)
+        while len(self._qdcp_lanes) < threads:
+            self._qdcp_lanes.append(_Lane())
+        lanes = self._qdcp_lanes[:threads]
+        for lane in lanes:
+            lane.calls, lane.pending, lane.resolved = calls, None, None
+            lane.pinned_max = _PINNED_MAX // threads
+        try:
+            if threads == 1:
+                for rel, reqs in files:
+                    self._read_file(lanes[0], rel, reqs)
+                lanes[0].finish_pending()
+            else:
+                self._read_in_parallel(lanes, files)
+        finally:
+            for lane in lanes:
+                lane.calls, lane.pending, lane.resolved = None, None, None
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _files_of(self, plan) -> dict[str, list]:
+        """The plan's reads by data file (in the plan's order), every file checked to lie inside the checkpoint."""
         per_file: dict[str, list] = {}
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
@@ -104,33 +214,69 @@ class SafeReading:
             if not isinstance(rel, str) or not rel or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
                 raise CheckpointFormatError(f"{where}: its data file {rel!r} is outside the checkpoint directory")
             per_file.setdefault(rel, []).append(req)
-        for rel, reqs in per_file.items():
-            try:
-                stream_cm = self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb")
-                stream = stream_cm.__enter__()
-            except OSError as e:
-                raise CheckpointFormatError(
-                    f"{describe_item(reqs[0].storage_index.fqn)}: its data file {rel!r} cannot be opened "
-                    f"({e}); the checkpoint is incomplete") from None
-            try:
-                size = stream.seek(0, io.SEEK_END)
-                for req in reqs:
-                    self._read_item(stream, size, rel, req, planner=planner)
-            except BaseException:
-                self._pending = None  # the load failed: the item copied last is not committed
-                raise
-            finally:
-                stream_cm.__exit__(None, None, None)
-        self._finish_pending()
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
+        return per_file
 
-    def _planner_checks(self, req, planner) -> bool:
-        """Whether ``planner`` verifies this item itself: it says it checks the items it reads
+    def _read_in_parallel(self, lanes: list[_Lane], files: list[tuple[str, list]]) -> None:
+        """Read ``files`` on one thread per lane (the caller's among them), each taking the next
+        file when done; after a failure the others stop at their next item."""
+        todo: queue.SimpleQueue = queue.SimpleQueue()
+        for n, job in enumerate(files):
+            todo.put((n, *job))
+        failed = threading.Event()
+        errors: dict[int, BaseException] = {}
+
+        def work(lane: _Lane) -> None:
+            while not failed.is_set():
+                try:
+                    n, rel, reqs = todo.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    self._read_file(lane, rel, reqs, failed)
+                except BaseException as e:
+                    errors[n] = e
+                    failed.set()
+                    return
+            if not failed.is_set():
+                try:
+                    lane.finish_pending()
+                except BaseException as e:
+                    errors[len(files)] = e
+                    failed.set()
+
+        with ThreadPoolExecutor(len(lanes) - 1, thread_name_prefix="qdcp-read") as pool:
+            others = [pool.submit(work, lane) for lane in lanes[1:]]
+            work(lanes[0])
+            for f in others:
+                f.result()
+        if errors:
+            raise errors[min(errors)]
+
+    def _read_file(self, lane: _Lane, rel: str, reqs: list, failed: threading.Event | None = None) -> None:
+        """Read ``reqs`` from data file ``rel``, in order."""
+        try:
+            stream_cm = self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb")
+            stream = stream_cm.__enter__()
+        except OSError as e:
+            raise CheckpointFormatError(
+                f"{describe_item(reqs[0].storage_index.fqn)}: its data file {rel!r} cannot be opened "
+                f"({e}); the checkpoint is incomplete") from None
+        try:
+            size = stream.seek(0, io.SEEK_END)
+            for req in reqs:
+                if failed is not None and failed.is_set():
+                    break
+                self._read_item(lane, stream, size, rel, req)
+        except BaseException:
+            lane.pending = None  # the load failed: the item copied last is not committed
+            raise
+        finally:
+            stream_cm.__exit__(None, None, None)
+
+    def _planner_checks(self, req, calls: _PlannerCalls) -> bool:
+        """Whether the planner verifies this item itself: it says it checks the items it reads
         whole (``verifies_whole_items``), the checkpoint records a checksum, and it is read whole."""
-        return self._qdcp_sums is not None and verifies_whole_items(planner) \
-            and self._qdcp_sums.whole(req) is not None
+        return self._qdcp_sums is not None and calls.verifying and self._qdcp_sums.whole(req) is not None
 
     def _recorded(self, req) -> int | None:
         """The checksum the checkpoint records for the stored item ``req`` reads (None if none)."""
@@ -152,28 +298,10 @@ class SafeReading:
         pending = checksums.hash_later(tensor)
         return lambda: self._compare(req, pending(), recorded)
 
-    def _note_verified(self, req, planner) -> None:
+    def _note_verified(self, req, calls: _PlannerCalls) -> None:
         """Tell a qdcp planner that would check ``req`` itself that this reader does."""
-        if self._planner_checks(req, planner):
-            planner.note_verified(req)
-
-    def _read_buffer(self, length: int, pinned: bool = False) -> torch.Tensor:
-        if pinned:  # the other of two pinned buffers, once the copy from it has ended
-            self._qdcp_slot = 1 - getattr(self, "_qdcp_slot", 1)
-            if getattr(self, "_qdcp_pinned", None) is None:
-                self._qdcp_pinned, self._qdcp_copied = [None, None], [None, None]
-            if self._qdcp_copied[self._qdcp_slot] is not None:
-                self._qdcp_copied[self._qdcp_slot].synchronize()
-            buf = self._qdcp_pinned[self._qdcp_slot]
-            if buf is None or buf.numel() < length:
-                buf = self._qdcp_pinned[self._qdcp_slot] = torch.empty(max(length, 1 << 20), dtype=torch.uint8,
-                                                                        pin_memory=True)
-            return buf[:length]
-        buf = getattr(self, "_qdcp_buffer", None)
-        if buf is None or buf.numel() < length:
-            self._qdcp_buffer = None
-            buf = self._qdcp_buffer = torch.empty(max(length, 1 << 20), dtype=torch.uint8)
-        return buf[:length]
+        if self._planner_checks(req, calls):
+            calls.note_verified(req)
 
     def _payload(self, stream, offset: int, length: int, rel: str, *, where: str, descriptors, version, req,
                  memory: torch.Tensor):
@@ -191,16 +319,16 @@ class SafeReading:
         return memoryview(self.transforms.transform_load_stream(req, descriptors, io.BytesIO(data)).read(-1))
 
     @staticmethod
-    def _planner_buffer(planner, req, length: int) -> torch.Tensor | None:
+    def _planner_buffer(calls: _PlannerCalls, req, length: int) -> torch.Tensor | None:
         """A buffer the planner offers for this stored item (``buffer_for``: the item is read there
         and the planner adopts the view), or None."""
-        buffer = planner.buffer_for(req, length) if isinstance(planner, AdoptingLoadPlanner) else None
+        buffer = calls.buffer_for(req, length) if calls.adopting else None
         if buffer is None:
             return None
         if buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous() \
                 or buffer.numel() < length:
-            raise QdcpError(f"{type(planner).__name__}.buffer_for gave {buffer.dtype} {tuple(buffer.shape)} on "
-                            f"{buffer.device}; a contiguous CPU uint8 buffer of {length} bytes is needed")
+            raise QdcpError(f"{type(calls.planner).__name__}.buffer_for gave {buffer.dtype} {tuple(buffer.shape)} "
+                            f"on {buffer.device}; a contiguous CPU uint8 buffer of {length} bytes is needed")
         return buffer[:length]
 
     def _requested_part(self, tensor, req, where: str) -> torch.Tensor:
@@ -223,8 +351,9 @@ class SafeReading:
             tensor = tensor.narrow(dim, o, n)
         return tensor
 
-    def _read_item(self, stream, size: int, rel: str, req, *, planner) -> None:
+    def _read_item(self, lane: _Lane, stream, size: int, rel: str, req) -> None:
         """Read one item, check it and hand it to the planner (loaded bytes, or a tensor)."""
+        calls = lane.calls
         where = describe_item(req.storage_index.fqn)
         info = self.storage_data[req.storage_index]
         offset, length = _stored_range(info, size, rel, where)
@@ -237,34 +366,33 @@ class SafeReading:
         if recorded is not None and req.type != LoadItemType.BYTE_IO:
             # told before resolve_tensor: the planner then gives its real destination (a CUDA
             # buffer, another dtype) instead of a host buffer to hash the item in itself
-            self._note_verified(req, planner)
+            self._note_verified(req, calls)
         in_place = req.type != LoadItemType.BYTE_IO \
             and (not descriptors or (version is not None and len(descriptors) == 1))
-        buffer = self._planner_buffer(planner, req, length) if in_place else None
+        buffer = self._planner_buffer(calls, req, length) if in_place else None
         adoptable = True  # a view of the reader's own scratch buffer is copied out, never kept
         if not descriptors and recorded is not None and buffer is None and req.type != LoadItemType.BYTE_IO \
-                and not isinstance(planner, AdoptingLoadPlanner):
-            target = self._whole_chunk_target(req, planner)
+                and not calls.adopting:
+            target = self._whole_chunk_target(lane, req)
             try:
-                direct = target is not None and read_archive_into(stream, offset, length,
-                                                                  self._read_buffer(length), target)
+                direct = target is not None and read_archive_into(stream, offset, length, lane.buffer(length), target)
             except Exception as e:
                 raise CheckpointFormatError(
                     f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
             if direct:  # read straight into the planner's buffer: checked there, then committed
-                return self._commit(req, target, self._verification(req, target, recorded), planner, where)
+                return self._commit(calls, req, target, self._verification(req, target, recorded), where)
             if target is not None:
-                self._resolved = (req, target)  # handed out once: the usual path uses it
-        resolved = getattr(self, "_resolved", None)
-        pinned = buffer is None and resolved is not None and resolved[0] is req and length <= _PINNED_MAX \
+                lane.resolved = (req, target)  # handed out once: the usual path uses it
+        resolved = lane.resolved
+        pinned = buffer is None and resolved is not None and resolved[0] is req and length <= lane.pinned_max \
             and resolved[1].device.type == "cuda" and torch.cuda.is_available()
         try:
             # read into memory, checked there (trailer, recorded checksum or the zip's CRCs)
-            memory = buffer if buffer is not None else self._read_buffer(length, pinned)
+            memory = buffer if buffer is not None else lane.buffer(length, pinned)
             payload = self._payload(stream, offset, length, rel, where=where, descriptors=descriptors,
                                     version=version, req=req, memory=memory)
             if req.type == LoadItemType.BYTE_IO:
-                return self._deliver_bytes(req, payload, recorded, zip_crcs, planner, where)
+                return self._deliver_bytes(calls, req, payload, recorded, zip_crcs, where)
             if zip_crcs:
                 check_zip_crcs(payload, where)
             tensor = archived_tensor(payload, memory) if in_place else None
@@ -277,70 +405,65 @@ class SafeReading:
             raise
         except Exception as e:
             raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
-        self._deliver(req, self._requested_part(tensor, req, where), verified, adoptable, planner, where,
+        self._deliver(lane, req, self._requested_part(tensor, req, where), verified, adoptable, where,
                       pinned and in_place)
         return None
 
-    def _whole_chunk_target(self, req, planner) -> torch.Tensor | None:
+    def _whole_chunk_target(self, lane: _Lane, req) -> torch.Tensor | None:
         """``resolve_tensor``'s buffer for ``req`` where ``req`` reads a whole stored chunk into a
         contiguous CPU buffer of its dtype and shape (the item can be read straight into it)."""
         expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
         if expected is None or any(req.storage_offsets) or tuple(req.lengths) != expected[0]:
             return None
-        target = planner.resolve_tensor(req).detach()
+        target = lane.calls.resolve(req)
         if target.device.type != "cpu" or target.dtype != expected[1] or tuple(target.shape) != expected[0] \
                 or not target.is_contiguous() or type(target) is not torch.Tensor:
-            self._resolved = (req, target)  # handed out once: the usual path uses it
+            lane.resolved = (req, target)  # handed out once: the usual path uses it
             return None
         return target
 
-    def _deliver_bytes(self, req, payload: memoryview, recorded: int | None, zip_crcs: bool, planner,
+    def _deliver_bytes(self, calls: _PlannerCalls, req, payload: memoryview, recorded: int | None, zip_crcs: bool,
                        where: str) -> None:
         """An object item, checked (the recorded checksum, else a torch.save archive's CRCs), to the planner."""
         if recorded is not None:
             self._compare(req, checksums.of_bytes(payload), recorded)
-            self._note_verified(req, planner)
+            self._note_verified(req, calls)
         elif zip_crcs and payload[:4] == b"PK\x03\x04":  # a torch.save archive
             check_zip_crcs(payload, where)
-        planner.load_bytes(req, io.BytesIO(payload))
+        calls.load_bytes(req, io.BytesIO(payload))
 
-    def _deliver(self, req, tensor: torch.Tensor, verified: Callable[[], None], adoptable: bool, planner,
+    def _deliver(self, lane: _Lane, req, tensor: torch.Tensor, verified: Callable[[], None], adoptable: bool,
                  where: str, pinned: bool = False) -> None:
         """The part of a stored chunk ``req`` reads, to the planner: adopted as it is (qdcp's entry
         reader keeps a whole chunk as loaded), else copied into ``resolve_tensor``'s buffer while
         the bytes just read are hashed on another core, then committed."""
-        if adoptable and isinstance(planner, AdoptingLoadPlanner):
+        calls = lane.calls
+        if adoptable and calls.adopting:
             verified()
-            if planner.adopt_tensor(req, tensor):
+            if calls.adopt(req, tensor):
                 return
-        resolved, self._resolved = getattr(self, "_resolved", None), None
-        target = resolved[1] if resolved is not None and resolved[0] is req else planner.resolve_tensor(req).detach()
+        resolved, lane.resolved = lane.resolved, None
+        target = resolved[1] if resolved is not None and resolved[0] is req else calls.resolve(req)
         if target.size() != tensor.size():
             raise CheckpointFormatError(f"{where}: a read of {tuple(tensor.shape)} goes to a buffer of "
                                         f"{tuple(target.shape)}")
         if pinned and tensor.is_pinned():  # copied while the next item is read; committed after it
             target.copy_(tensor, non_blocking=True)
             with torch.cuda.device(target.device):
-                copied = self._qdcp_copied[self._qdcp_slot] = torch.cuda.Event()
+                copied = lane.copied[lane.slot] = torch.cuda.Event()
                 copied.record()
-            self._finish_pending()
-            self._pending = lambda: self._commit(req, target, verified, planner, where)
+            lane.finish_pending()
+            lane.pending = lambda: self._commit(calls, req, target, verified, where)
             return
         target.copy_(tensor)
-        self._commit(req, target, verified, planner, where)
-
-    def _finish_pending(self) -> None:
-        """Commit the item whose copy was left running (its check waited for first)."""
-        pending, self._pending = getattr(self, "_pending", None), None
-        if pending is not None:
-            pending()
+        self._commit(calls, req, target, verified, where)
 
     @staticmethod
-    def _commit(req, target: torch.Tensor, verified: Callable[[], None], planner, where: str) -> None:
+    def _commit(calls: _PlannerCalls, req, target: torch.Tensor, verified: Callable[[], None], where: str) -> None:
         """Wait for ``target``'s check, then commit it to the planner."""
         verified()
         try:
-            planner.commit_tensor(req, target)
+            calls.commit(req, target)
         except QdcpError:
             raise
         except Exception as e:
@@ -378,8 +501,11 @@ def _stored_range(info, size: int, rel: str, where: str) -> tuple[int, int]:
 
 class CheckpointReader(SafeReading, FileSystemReader):
     """A ``FileSystemReader`` that never runs code from ``.metadata``, verifies item checksums and
-    refuses a checkpoint whose save did not finish."""
+    refuses a checkpoint whose save did not finish.
 
-    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
+    ``thread_count``: data files read at once (default: the usable cores, at most 4; each file's
+    items in order on one thread, the planner called by one thread at a time)."""
+
+    def __init__(self, path: str | os.PathLike, thread_count: int | None = None, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self._setup_safe_reading()
+        self._setup_safe_reading(thread_count)
