@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import random
 import sys
 from typing import Any, Callable, Iterator
 
@@ -64,12 +65,18 @@ def save(states: Callable[[int], dict], world: int, planner: Callable[[], Any]) 
     return getattr(planners[0], "metadata", metadata), store
 
 
-def load(state: dict, rank: int, world: int, metadata: Metadata, store: Store, planner: Any) -> None:
-    """Load ``state`` (rank ``rank``'s targets) from a :func:`save`, in place."""
+def load(state: dict, rank: int, world: int, metadata: Metadata, store: Store, planner: Any,
+         order: int | None = None) -> None:
+    """Load ``state`` (rank ``rank``'s targets) from a :func:`save`, in place; ``order``: the reads
+    arrive in an order shuffled with this seed (a reader with several threads commits the items of
+    different files in any interleaving), else in the plan's."""
     planner.set_up_planner(state, metadata, rank == 0)
     local = planner.create_local_plan()
     plan = planner.finish_plan(planner.create_global_plan([local])[0])
-    for req in plan.items:
+    reads = list(plan.items)
+    if order is not None:
+        random.Random(order).shuffle(reads)
+    for req in reads:
         data = store[(req.storage_index.fqn, tuple(req.storage_index.offset or ()))]
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(data))

@@ -26,6 +26,7 @@ import argparse
 import collections
 import dataclasses
 import os
+import random
 import sys
 import time
 import warnings
@@ -337,11 +338,11 @@ def check_target(source: Source, saved, layout: Layout, kind: str, seed: int, de
                         target = target.to(device)
                     except Exception:  # noqa: BLE001 (the library cannot move it: not a case)
                         return f"no target on {device}"
-            outcomes.add(_load_and_check(source, saved, layout, rank, chunk, target, case))
+            outcomes.add(_load_and_check(source, saved, layout, rank, chunk, target, case, seed))
     return "+".join(sorted(outcomes)) + ("" if device == "cpu" else f" on {device}")
 
 
-def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, target, case) -> str:
+def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, target, case, seed: int) -> str:
     region = (slice(chunk[0][0], chunk[0][0] + chunk[1][0]), slice(chunk[0][1], chunk[0][1] + chunk[1][1]))
     values = source.values[region]
     if type(target) is torch.Tensor or wraps_values(target):
@@ -362,7 +363,7 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
     with rule_te.context():
         try:
             job.load(placed_state(layout, target, source.shape), rank, layout.world, metadata, store,
-                     QuantizedLoadPlanner())
+                     QuantizedLoadPlanner(), order=_read_order(seed, rank))
             assert outcome != "refused at load", f"rank {rank}: TE would have to quantize, the load was accepted"
         except QdcpError as e:
             assert outcome == "refused at load", f"rank {rank}: the load was refused, the rule accepts it: {e}"
@@ -381,6 +382,14 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
         diff = components_diff(target, expect)
         assert diff is None, f"rank {rank}: not torchao's quantization of the values: {diff}"
     return outcome
+
+
+def _read_order(seed: int, rank: int) -> int | None:
+    """The order a load's reads arrive in: the plan's for about half the cases, shuffled (with a
+    seed of the case's) for the others: qdcp's reader commits the items of different files in any
+    interleaving."""
+    pick = random.Random(seed * 4099 + rank)
+    return None if pick.random() < 0.5 else pick.randrange(1 << 30)
 
 
 def quantize_like(target: torch.Tensor, case: Case, values: torch.Tensor) -> torch.Tensor:

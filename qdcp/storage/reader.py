@@ -34,9 +34,9 @@ __all__ = ["SafeReading", "CheckpointReader"]
 # read_metadata(rank=...) and then says only "metadata is None" (2.12 on quote them).
 _DCP_HIDES_METADATA_ERRORS = torch.__version__ < "2.12"
 
-# a whole stored chunk bound for a CUDA buffer, up to this size, is read into one of two reused
-# pinned buffers and copied without blocking: the next item is read while it is copied and hashed
-# (the size is shared by the reading threads: each has two such buffers)
+# a whole stored chunk bound for a CUDA buffer, up to this size divided by the number of reading
+# threads, is read into one of its thread's two reused pinned buffers and copied without blocking:
+# the next item is read while it is copied and hashed (at most twice this size pinned in all)
 _PINNED_MAX = 256 << 20
 
 
