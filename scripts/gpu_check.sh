@@ -77,7 +77,7 @@ step fsdp2-1rank 45 bash -c "${TORCHRUN[*]} --nproc-per-node 1 examples/fsdp2_tr
   --steps 6 --ckpt-every 2 --resume --resume-step 4"
 step dist-2ranks-1gpu 75 env QDCP_SHARED_GPU=1 bash -c "for c in reshard-save reshard-load fsdp-save fsdp-load; do \
   ${TORCHRUN[*]} --nproc-per-node 2 tests/dist_worker.py \$c $OUT/dist || exit 1; done"
-step bench-write 120 "$PY" benchmarks/write_path.py --device "$DEVICE" --gib "$GIB_W" --repeat "$REPEAT" --dir "$OUT"
+step bench-write 140 "$PY" benchmarks/write_path.py --device "$DEVICE" --gib "$GIB_W" --repeat "$REPEAT" --dir "$OUT"
 step bench-load 25 "$PY" benchmarks/load_path.py --device "$DEVICE" --gib "$GIB_L" --repeat $((REPEAT * 3)) --dir "$OUT"
 step bench-async 90 "$PY" benchmarks/async_save.py --device "$DEVICE" --gib "$GIB_A" --repeat $((REPEAT + 1)) --dir "$OUT"
 step rule-cases-cuda 60 bash -c "printf '%s\n' 1 2 3 4 | xargs -P 4 -I{} sh -c \
