@@ -71,9 +71,9 @@ def test_cuda_round_trips(case, tmp_path):
 @pytest.mark.parametrize("files", [1, 3])
 def test_cuda_targets_read_through_pinned_buffers_every_item_checked(tmp_path, files):
     """Many items into CUDA targets (each reading thread alternates two pinned buffers, each item
-    committed once the next is read; 3 files: 3 threads): every one bit-exact, in place and
-    all-or-nothing; a flipped byte in any of them is a ChecksumError naming its key, the
-    all-or-nothing load leaving the targets as they were."""
+    committed once the next is read; 3 files read on 3 threads, asked for: with CUDA in use the
+    default is one): every one bit-exact, in place and all-or-nothing; a flipped byte in any of
+    them is a ChecksumError naming its key, the all-or-nothing load leaving the targets as they were."""
     from qdcp import ChecksumError
     from quantized_cases import CASE_BY_NAME
     from stored_bytes import flip_stored_bytes, tensor_bytes
@@ -84,7 +84,7 @@ def test_cuda_targets_read_through_pinned_buffers_every_item_checked(tmp_path, f
     qdcp.save(state, tmp_path / "c", storage_options={"thread_count": files})
     for atomic in (True, False):
         target = {k: (case.make(99).to("cuda") if k != "bias" else torch.zeros(3000, device="cuda")) for k in state}
-        qdcp.load(target, tmp_path / "c", atomic=atomic)
+        qdcp.load(target, tmp_path / "c", atomic=atomic, storage_options={"thread_count": files})
         for k in state:
             assert_same_buffers(_cpu(target[k]), _cpu(state[k])) if k != "bias" else \
                 assert_bitwise_equal(_cpu(target[k]), _cpu(state[k]))
@@ -92,7 +92,7 @@ def test_cuda_targets_read_through_pinned_buffers_every_item_checked(tmp_path, f
     target = {k: (case.make(99).to("cuda") if k != "bias" else torch.zeros(3000, device="cuda")) for k in state}
     before = {k: _cpu(v) for k, v in target.items()}
     with pytest.raises(ChecksumError, match=r"key 'w3'"):
-        qdcp.load(target, tmp_path / "c")
+        qdcp.load(target, tmp_path / "c", storage_options={"thread_count": files})
     for k in state:
         assert_same_buffers(_cpu(target[k]), before[k]) if k != "bias" else \
             assert_bitwise_equal(_cpu(target[k]), before[k])

@@ -89,6 +89,7 @@ class _Lane:
         self.pinned_max = _PINNED_MAX
         self.pending: Callable[[], None] | None = None
         self.resolved: tuple[Any, torch.Tensor] | None = None
+        self.devices: set[int] = set()  # the CUDA devices of the targets it copied into (this load)
 
     def buffer(self, length: int, pinned: bool = False) -> torch.Tensor:
         """``length`` bytes of reused memory: the scratch buffer, or the other of the two pinned
@@ -124,8 +125,16 @@ class SafeReading:
 
     def _setup_safe_reading(self, thread_count: int | None = None) -> None:
         self.transforms = VerifyingTransforms(self.transforms)
-        self.thread_count = max(1, int(thread_count or default_thread_count()))
+        self.thread_count = max(1, int(thread_count)) if thread_count else None  # None: read_threads()
         self._qdcp_lanes: list[_Lane] = []
+
+    def read_threads(self) -> int:
+        """The threads a load reads files on: ``thread_count`` where given; by default the usable
+        cores (at most 4), but one where this process uses CUDA (reading into CUDA targets on
+        several threads has not yet been measured on a GPU: pass ``thread_count`` to do so)."""
+        if self.thread_count is not None:
+            return self.thread_count
+        return 1 if torch.cuda.is_initialized() else default_thread_count()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -174,17 +183,18 @@ class SafeReading:
         may offer memory for an item (``buffer_for(req, nbytes)``, a uint8 CPU tensor): the item is
         read there and offered back as a view of it (``adopt_tensor(req, tensor)``), no copy made.
 
-        The files are read on up to ``thread_count`` threads, each file's items in order by one of
-        them; the planner is called by one thread at a time. Where reads fail, the error of the
-        first failing file (in the plan's order) is raised once every thread has stopped."""
+        The files are read on up to :meth:`read_threads` threads, each file's items in order by one
+        of them; the planner is called by one thread at a time. Where reads fail, the error of the
+        first failing file (in the plan's order) is raised once every thread has stopped. Copies
+        into CUDA targets made on other threads have ended when this returns."""
         files = list(self._files_of(plan).items())
-        threads = max(1, min(self.thread_count, len(files)))
+        threads = max(1, min(self.read_threads(), len(files)))
         calls = _PlannerCalls(planner, shared=threads > 1)
         while len(self._qdcp_lanes) < threads:
             self._qdcp_lanes.append(_Lane())
         lanes = self._qdcp_lanes[:threads]
         for lane in lanes:
-            lane.calls, lane.pending, lane.resolved = calls, None, None
+            lane.calls, lane.pending, lane.resolved, lane.devices = calls, None, None, set()
             lane.pinned_max = _PINNED_MAX // threads
         try:
             if threads == 1:
@@ -224,8 +234,12 @@ class SafeReading:
             todo.put((n, *job))
         failed = threading.Event()
         errors: dict[int, BaseException] = {}
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        caller = threading.current_thread()
 
         def work(lane: _Lane) -> None:
+            if device is not None and threading.current_thread() is not caller:
+                torch.cuda.set_device(device)  # a new thread's is device 0: no context made there
             while not failed.is_set():
                 try:
                     n, rel, reqs = todo.get_nowait()
@@ -249,6 +263,9 @@ class SafeReading:
             work(lanes[0])
             for f in others:
                 f.result()
+        if device is not None:  # the other threads' copies ran on their own streams: ended here
+            for index in sorted({d for lane in lanes for d in lane.devices}):
+                torch.cuda.synchronize(index)
         if errors:
             raise errors[min(errors)]
 
@@ -388,7 +405,8 @@ class SafeReading:
             and resolved[1].device.type == "cuda" and torch.cuda.is_available()
         try:
             # read into memory, checked there (trailer, recorded checksum or the zip's CRCs)
-            memory = buffer if buffer is not None else lane.buffer(length, pinned)
+            with torch.cuda.device(resolved[1].device) if pinned else contextlib.nullcontext():
+                memory = buffer if buffer is not None else lane.buffer(length, pinned)
             payload = self._payload(stream, offset, length, rel, where=where, descriptors=descriptors,
                                     version=version, req=req, memory=memory)
             if req.type == LoadItemType.BYTE_IO:
@@ -444,6 +462,8 @@ class SafeReading:
                 return
         resolved, lane.resolved = lane.resolved, None
         target = resolved[1] if resolved is not None and resolved[0] is req else calls.resolve(req)
+        if target.device.type == "cuda":
+            lane.devices.add(target.device.index if target.device.index is not None else torch.cuda.current_device())
         if target.size() != tensor.size():
             raise CheckpointFormatError(f"{where}: a read of {tuple(tensor.shape)} goes to a buffer of "
                                         f"{tuple(target.shape)}")
@@ -503,8 +523,9 @@ class CheckpointReader(SafeReading, FileSystemReader):
     """A ``FileSystemReader`` that never runs code from ``.metadata``, verifies item checksums and
     refuses a checkpoint whose save did not finish.
 
-    ``thread_count``: data files read at once (default: the usable cores, at most 4; each file's
-    items in order on one thread, the planner called by one thread at a time)."""
+    ``thread_count``: data files read at once (default: :meth:`read_threads`, the usable cores, at
+    most 4, or one in a process that uses CUDA; each file's items in order on one thread, the
+    planner called by one thread at a time)."""
 
     def __init__(self, path: str | os.PathLike, thread_count: int | None = None, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
