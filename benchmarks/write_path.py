@@ -71,7 +71,7 @@ def _write_fsynced(opener: Callable[[str], object], path: str, group: list[torch
         done = 0
         for b in group:
             f.write(memoryview(b.numpy()))
-            if early:
+            if early and hasattr(os, "posix_fadvise"):  # Linux; elsewhere the plain anchor again
                 f.flush()
                 os.posix_fadvise(f.fileno(), done, f.tell() - done, os.POSIX_FADV_DONTNEED)
                 done = f.tell()
