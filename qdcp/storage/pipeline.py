@@ -32,7 +32,6 @@ import os
 import pickle
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import torch
@@ -41,6 +40,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from qdcp import checksums
+from qdcp.storage.threads import run_jobs
 
 __all__ = ["default_thread_count", "write_items", "serialize_tensor"]
 
@@ -163,43 +163,8 @@ def write_items(writer: Any, items: list[WriteItem], prefix: str, planner: Any, 
     jobs = [(f"{prefix}{n}{DEFAULT_SUFFIX}", g) for n, g in enumerate(groups)]
     threads = max(1, min(int(writer.thread_count or 1), len(jobs)))
     ahead = max(0, int(getattr(writer, "per_thread_copy_ahead", 0) or 0))
-    if threads == 1:
-        return [r for name, group in jobs for r in _write_file(writer, name, group, planner, crc, ahead, hash_items)]
-    todo: queue.SimpleQueue = queue.SimpleQueue()
-    for job in jobs:
-        todo.put(job)
-    failed = threading.Event()
-
-    def work() -> list[WriteResult]:
-        out: list[WriteResult] = []
-        while not failed.is_set():
-            try:
-                name, group = todo.get_nowait()
-            except queue.Empty:
-                return out
-            try:
-                out.extend(_write_file(writer, name, group, planner, crc, ahead, hash_items))
-            except BaseException:
-                failed.set()  # the other threads stop after their current file
-                raise
-        return out
-
-    with ThreadPoolExecutor(threads - 1, thread_name_prefix="qdcp-write") as pool:
-        others = [pool.submit(work) for _ in range(threads - 1)]
-        mine, error = [], None
-        try:
-            mine = work()
-        except BaseException as e:
-            error = e
-        results = list(mine)
-        for f in others:
-            try:
-                results.extend(f.result())
-            except BaseException as e:
-                error = error or e
-    if error is not None:
-        raise error
-    return results
+    return run_jobs(jobs, [None] * threads, lambda _, job, failed: _write_file(writer, *job, planner, crc, ahead,
+                                                                               hash_items), "qdcp-write")
 
 
 def _write_file(writer: Any, name: str, items: list[WriteItem], planner: Any, crc: bool,
@@ -214,7 +179,8 @@ def _write_file(writer: Any, name: str, items: list[WriteItem], planner: Any, cr
         tensors = [i for i in items if i.type != WriteItemType.BYTE_IO]
         resolved = _prefetched(tensors, planner, ahead) if _accelerator() else \
             ((item, _host_tensor(planner, item)) for item in tensors)
-        writeback = _Writeback(stream) if writer.sync_files else None
+        fd = _descriptor(stream)
+        writeback = _Writeback(stream, fd) if writer.sync_files and fd is not None else None
         for item, tensor in resolved:
             results.append(_write_one(writer.transforms, stream, tensor, item, name, crc, hash_items))
             del tensor
@@ -222,11 +188,19 @@ def _write_file(writer: Any, name: str, items: list[WriteItem], planner: Any, cr
                 writeback.start()
         if writer.sync_files:
             stream.flush()
-            try:
-                os.fsync(stream.fileno())
-            except (AttributeError, io.UnsupportedOperation, ValueError):
+            if fd is not None:
+                os.fsync(fd)
+            else:
                 os.sync()  # a stream without a descriptor (as DCP's writer does)
     return results
+
+
+def _descriptor(stream: Any) -> int | None:
+    """The stream's file descriptor; None for a stream without one (an object store's)."""
+    try:
+        return stream.fileno()
+    except (AttributeError, io.UnsupportedOperation, ValueError):
+        return None
 
 
 def _write_one(transforms: Any, stream: Any, data: Any, item: WriteItem, name: str, crc: bool,
@@ -248,16 +222,12 @@ def _write_one(transforms: Any, stream: Any, data: Any, item: WriteItem, name: s
 
 
 class _Writeback:
-    """Starts the disk writing what has been written to a file so far, without waiting for it
-    (every :data:`WRITEBACK_BYTES`); nothing where the stream has no descriptor or the platform no
-    ``posix_fadvise``."""
+    """Starts the disk writing what has been written to a file (descriptor ``fd``) so far, without
+    waiting for it (every :data:`WRITEBACK_BYTES`); nothing where the platform has no ``posix_fadvise``."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, fd: int) -> None:
         self._stream, self._done = stream, 0
-        try:
-            self._fd = stream.fileno() if hasattr(os, "posix_fadvise") else None
-        except (AttributeError, io.UnsupportedOperation, ValueError, OSError):
-            self._fd = None
+        self._fd: int | None = fd if hasattr(os, "posix_fadvise") else None
 
     def start(self) -> None:
         if self._fd is None:

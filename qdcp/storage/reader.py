@@ -7,9 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -25,6 +23,7 @@ from qdcp.spec import describe_item
 from qdcp.storage.hooks import AdoptingLoadPlanner, verifies_whole_items
 from qdcp.storage.metadata import check_chunk_geometry, safe_load_metadata
 from qdcp.storage.pipeline import default_thread_count
+from qdcp.storage.threads import run_jobs
 from qdcp.storage.torch_save import ViewReader, archived_tensor, check_zip_crcs, read_archive_into
 from qdcp.storage.trailer import VerifyingTransforms, checksum_version, verified_view
 
@@ -196,14 +195,23 @@ class SafeReading:
         for lane in lanes:
             lane.calls, lane.pending, lane.resolved, lane.devices = calls, None, None, set()
             lane.pinned_max = _PINNED_MAX // threads
+        # a new thread's current CUDA device is 0: the others take the caller's (no context made on 0)
+        device = torch.cuda.current_device() if threads > 1 and torch.cuda.is_initialized() else None
+
+        def read(lane: _Lane, job: tuple[str, list], failed: threading.Event) -> tuple:
+            if device is not None:
+                torch.cuda.set_device(device)
+            self._read_file(lane, *job, failed)
+            return ()
+
         try:
-            if threads == 1:
-                for rel, reqs in files:
-                    self._read_file(lanes[0], rel, reqs)
-                lanes[0].finish_pending()
-            else:
-                self._read_in_parallel(lanes, files)
+            run_jobs(files, lanes, read, "qdcp-read")
+            for lane in lanes:
+                lane.finish_pending()
         finally:
+            if device is not None:  # the other threads' copies ran on their own streams: ended here
+                for index in sorted({d for lane in lanes for d in lane.devices}):
+                    torch.cuda.synchronize(index)
             for lane in lanes:
                 lane.calls, lane.pending, lane.resolved = None, None, None
         fut: Future = Future()
@@ -226,51 +234,8 @@ class SafeReading:
             per_file.setdefault(rel, []).append(req)
         return per_file
 
-    def _read_in_parallel(self, lanes: list[_Lane], files: list[tuple[str, list]]) -> None:
-        """Read ``files`` on one thread per lane (the caller's among them), each taking the next
-        file when done; after a failure the others stop at their next item."""
-        todo: queue.SimpleQueue = queue.SimpleQueue()
-        for n, job in enumerate(files):
-            todo.put((n, *job))
-        failed = threading.Event()
-        errors: dict[int, BaseException] = {}
-        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-        caller = threading.current_thread()
-
-        def work(lane: _Lane) -> None:
-            if device is not None and threading.current_thread() is not caller:
-                torch.cuda.set_device(device)  # a new thread's is device 0: no context made there
-            while not failed.is_set():
-                try:
-                    n, rel, reqs = todo.get_nowait()
-                except queue.Empty:
-                    break
-                try:
-                    self._read_file(lane, rel, reqs, failed)
-                except BaseException as e:
-                    errors[n] = e
-                    failed.set()
-                    return
-            if not failed.is_set():
-                try:
-                    lane.finish_pending()
-                except BaseException as e:
-                    errors[len(files)] = e
-                    failed.set()
-
-        with ThreadPoolExecutor(len(lanes) - 1, thread_name_prefix="qdcp-read") as pool:
-            others = [pool.submit(work, lane) for lane in lanes[1:]]
-            work(lanes[0])
-            for f in others:
-                f.result()
-        if device is not None:  # the other threads' copies ran on their own streams: ended here
-            for index in sorted({d for lane in lanes for d in lane.devices}):
-                torch.cuda.synchronize(index)
-        if errors:
-            raise errors[min(errors)]
-
-    def _read_file(self, lane: _Lane, rel: str, reqs: list, failed: threading.Event | None = None) -> None:
-        """Read ``reqs`` from data file ``rel``, in order."""
+    def _read_file(self, lane: _Lane, rel: str, reqs: list, failed: threading.Event) -> None:
+        """Read ``reqs`` from data file ``rel``, in order (until ``failed`` is set: another file failed)."""
         try:
             stream_cm = self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb")
             stream = stream_cm.__enter__()
@@ -281,7 +246,7 @@ class SafeReading:
         try:
             size = stream.seek(0, io.SEEK_END)
             for req in reqs:
-                if failed is not None and failed.is_set():
+                if failed.is_set():
                     break
                 self._read_item(lane, stream, size, rel, req)
         except BaseException:
