@@ -49,7 +49,7 @@ from torchao.quantization import (  # noqa: E402
     Int8Tensor,
     IntxUnpackedToInt8Tensor,
     PerGroup,
-    to_nf4,  # noqa: E402
+    to_nf4,
 )
 
 import dcp_in_process as job  # noqa: E402
