@@ -1,6 +1,7 @@
 """The cost of an all-or-nothing load: ``QuantizedLoadPlanner(atomic=True)`` against the in-place load.
 
-Prints, in one run, per quantized format (and for plain bf16 tensors): the load time of the atomic
+Prints, in one run, per quantized format (and for plain bf16 tensors, and ``widen``: the same bf16
+tensors loaded into fp32 targets): the load time of the atomic
 load / the in-place load of the same checkpoint into the same targets (files in the page cache),
 and the peak extra resident memory of each, measured in a fresh process (the targets allocated
 first; the peak counted from there), as a fraction of the loaded state's bytes.
@@ -36,7 +37,7 @@ def status(field):
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field))
 
 ckpt, kind, gib, atomic = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[5] == "1"
-target = atomic_load.state(kind, gib, seed=1)
+target = atomic_load.target_state(kind, gib)
 small = atomic_load.state(kind, 0.01, seed=1)
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak (VmHWM) restarts from the current resident size
@@ -47,12 +48,19 @@ print(json.dumps({"extra": status("VmHWM") - base}))
 
 
 def state(kind: str, gib: float, seed: int = 0) -> dict:
-    """A quantized state of ``kind``, or ``plain``: bf16 tensors of the same logical size."""
-    if kind != "plain":
+    """A quantized state of ``kind``, or ``plain`` (and ``widen``): bf16 tensors of the same logical size."""
+    if kind not in ("plain", "widen"):
         return quantized_state(kind, gib, seed=seed)
     g = torch.Generator().manual_seed(seed)
     n = max(1, round(gib * 2**30 / (4096 * 4096 * 2)))
     return {f"layer{i}.weight": torch.randn(4096, 4096, generator=g).to(torch.bfloat16) for i in range(n)}
+
+
+def target_state(kind: str, gib: float) -> dict:
+    """What a checkpoint of ``state(kind, gib)`` is loaded into: the same kind, fp32 tensors for ``widen``."""
+    if kind == "widen":
+        return {k: torch.zeros(v.shape) for k, v in state("plain", gib).items()}
+    return state(kind, gib, seed=1)
 
 
 def _peak_extra(ckpt: str, kind: str, gib: float, atomic: bool) -> int:
@@ -63,7 +71,7 @@ def _peak_extra(ckpt: str, kind: str, gib: float, atomic: bool) -> int:
 
 
 def bench(kind: str, gib: float, root: str, repeat: int) -> dict:
-    source, target = state(kind, gib), state(kind, gib, seed=1)
+    source, target = state(kind, gib), target_state(kind, gib)
     ckpt = fresh_dir(os.path.join(root, kind))
     dcp.save(source, checkpoint_id=ckpt, planner=QuantizedSavePlanner(), no_dist=True)
     load = lambda atomic: dcp.load(target, checkpoint_id=ckpt, planner=QuantizedLoadPlanner(atomic=atomic),  # noqa: E731
@@ -79,7 +87,8 @@ def bench(kind: str, gib: float, root: str, repeat: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=0.5, help="logical bf16 GiB per format")
-    ap.add_argument("--kinds", default="int8,nvfp4,plain", help="comma-separated: int8, mxfp8, nvfp4, nf4, plain")
+    ap.add_argument("--kinds", default="int8,nvfp4,plain",
+                    help="comma-separated: int8, mxfp8, nvfp4, nf4, plain, widen")
     ap.add_argument("--dir", default="/tmp/qdcp-bench-atomic", help="scratch directory (removed per run)")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per case (median)")
     args = ap.parse_args()

@@ -11,8 +11,9 @@ import warnings
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+from torch.distributed.tensor import DTensor
 
 from qdcp import checksums as sums
 from qdcp import spec as qspec
@@ -64,6 +65,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self.checksums = bool(checksums)
         self.atomic = bool(atomic)
         self._shadows: Shadows | None = None
+        self._narrowed: dict[str, torch.Tensor] = {}
         self._reads_left = 0
         self.loaded_keys: list[str] = []   #: target keys the checkpoint holds (after planning)
         self.missing_keys: list[str] = []  #: target keys it lacks (a partial load skips them)
@@ -100,6 +102,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self._verify = sums.ReadVerifier(sums.record(metadata) if self.checksums else None)
         self._actions, self._by_item, self._handled, self._groups = {}, {}, set(), {}
         self._shadows = Shadows() if self.atomic else None
+        self._narrowed = {}
         keys = KeyPlanner(metadata, allow_partial_load=self.allow_partial_load)
         self.loaded_keys, self.missing_keys = [], []
         with planning():
@@ -162,7 +165,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         with planning():
             self._verify.plan(new_plan.items)
             if self._shadows is not None:
-                self._shadows.fill_unread(self._written_bytes(new_plan.items))
+                written = self._written_bytes(new_plan.items)
+                self._shadows.fill_unread(written)
+                self._narrowed = self._narrow_shadows(new_plan.items, written)
         if not new_plan.items:
             self._all_read()
         return super().finish_plan(new_plan)
@@ -181,6 +186,27 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             ptr = dest.untyped_storage().data_ptr()
             written[ptr] = written.get(ptr, 0) + dest.numel() * dest.element_size()
         return written
+
+    def _narrow_shadows(self, items: list[ReadItem], written: dict[int, int]) -> dict[str, torch.Tensor]:
+        """``{target key: its shadow's new local buffer}`` for the plain targets DCP's own path
+        fills whole from stored items of a narrower dtype (:meth:`Shadows.in_stored_dtype`): the
+        reads go there, unconverted (``_destination``)."""
+        stored: dict[str, set] = {}
+        for item in items:
+            if item.type != LoadItemType.BYTE_IO and item.dest_index.fqn not in self._by_item:
+                md = self.metadata.state_dict_metadata.get(item.storage_index.fqn)
+                dtype = md.properties.dtype if isinstance(md, TensorStorageMetadata) else None
+                stored.setdefault(item.dest_index.fqn, set()).add(dtype)
+        narrowed = {}
+        for fqn, dtypes in stored.items():
+            shadow, dtype = self.state_dict.get(fqn), next(iter(dtypes)) if len(dtypes) == 1 else None
+            if not isinstance(shadow, torch.Tensor) or dtype is None or dtype.itemsize >= shadow.dtype.itemsize \
+                    or (isinstance(shadow, DTensor) and any(p.is_partial() for p in shadow.placements)):
+                continue
+            local = self._shadows.in_stored_dtype(shadow, dtype, written)
+            if local is not None:
+                narrowed[fqn] = local
+        return narrowed
 
     def _one_read(self) -> None:
         """Count a read done (checked, and its action finished); after the last, the shadows go in."""
@@ -201,6 +227,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     def _destination(self, read_item: ReadItem) -> torch.Tensor:
         hit = self._by_item.get(read_item.dest_index.fqn)
         if hit is None:
+            local = self._narrowed.get(read_item.dest_index.fqn)
+            if local is not None:  # DCP's lookup (the local tensor) and narrowing, into the remade buffer
+                return narrow(local, (tuple(read_item.dest_offsets), tuple(read_item.lengths)))
             return super().resolve_tensor(read_item)
         return narrow(hit.read.buffer, (tuple(read_item.dest_offsets), tuple(read_item.lengths)))
 

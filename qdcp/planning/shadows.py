@@ -7,6 +7,10 @@ has arrived and been verified are the shadows copied into the targets' own buffe
 put in place, so a load that fails (a corrupt byte, a truncated file, a mismatched entry) leaves
 every target as it was. The copy-in is plain ``copy_`` of buffers of equal shape and dtype.
 
+A plain target that DCP's own reads fill whole from stored items of a narrower dtype (a bf16
+checkpoint into fp32 targets) gets a shadow of the stored dtype instead (:meth:`Shadows.in_stored_dtype`):
+the reads land in it unconverted and the copy-in converts, as ``copy_`` into the target would have.
+
 Shadows start empty; once the load's reads are planned, :meth:`Shadows.fill_unread` copies in the
 target's values wherever the reads will not write every byte of a shadow buffer, so a target the
 load fills only in part (a partial load, a component the checkpoint does not carry, a buffer a load
@@ -38,6 +42,7 @@ class Shadows:
         self._made: dict[int, Any] = {}   # id(target value) -> its shadow value
         self._keep: list[Any] = []        # the targets, so their ids stay theirs until apply
         self._deferred: list[Callable[[], None]] = []
+        self._plain: dict[int, int] = {}  # id(shadow value) -> its pair, for a plain tensor's (or DTensor's) shadow
         self._lock = threading.Lock()
 
     def of_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -55,6 +60,8 @@ class Shadows:
         real, shadow_local = _shadow_local(fqn, placed.local)
         shadow = with_local(value, shadow_local)
         copies = _buffers(shadow_local)
+        if type(shadow_local) is torch.Tensor and list(real) == [""]:
+            self._plain[id(shadow)] = len(self._pairs)
         self._pairs.extend((buffer, copies[name]) for name, buffer in real.items())
         self._made[id(value)] = shadow
         self._keep.append(value)
@@ -69,6 +76,28 @@ class Shadows:
                 storage = shadow.untyped_storage()
                 if written.get(storage.data_ptr()) != storage.nbytes() or not storage.nbytes():
                     shadow.copy_(target)
+
+    def in_stored_dtype(self, shadow: Any, dtype: torch.dtype, written: dict[int, int]) -> torch.Tensor | None:
+        """The local buffer of ``shadow`` (a plain tensor's shadow, or a DTensor's over a plain
+        local) remade in ``dtype``, the stored item's, where that is narrower than the target's: the
+        reads land in it unconverted and :meth:`apply`'s copy converts, as ``copy_`` into the target
+        would have (a bf16 checkpoint into fp32 targets holds half the memory and copies once).
+        Only for a shadow the planned reads write whole (``written`` as for :meth:`fill_unread`,
+        called before: nothing of the target's is kept in it). None where it is not such a shadow.
+        """
+        index = self._plain.get(id(shadow))
+        if index is None:
+            return None
+        target, local = self._pairs[index]
+        if local.dtype == dtype:
+            return local  # remade for another key of the same (tied) target already
+        storage = local.untyped_storage()
+        if dtype.itemsize >= local.dtype.itemsize or not storage.nbytes() \
+                or written.get(storage.data_ptr()) != storage.nbytes():
+            return None
+        local = torch.empty_like(local, dtype=dtype)
+        self._pairs[index] = (target, local)
+        return local
 
     def defer(self, put: Callable[[], None]) -> None:
         """Run ``put`` (an object read for the state dict) at :meth:`apply` instead of now."""
@@ -86,7 +115,7 @@ class Shadows:
 
     def clear(self) -> None:
         """Drop the shadows (after :meth:`apply`, or when the load is abandoned)."""
-        self._pairs, self._made, self._keep, self._deferred = [], {}, [], []
+        self._pairs, self._made, self._keep, self._deferred, self._plain = [], {}, [], [], {}
 
 
 def _shadow_local(fqn: str, local: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
