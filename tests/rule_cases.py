@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import os
 import random
@@ -57,6 +58,7 @@ import rule_oracle as rule  # noqa: E402
 import rule_te  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
 from qdcp.errors import QdcpError  # noqa: E402
+from qdcp.planning import actions  # noqa: E402
 from quantized_cases import CASE_BY_NAME, Case, bits_diff, components_diff  # noqa: E402
 from training_cases import values as training_values  # noqa: E402
 
@@ -360,7 +362,7 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
             expect, outcome = quantize_like(target, case, values.to(target.device, case.dtype).contiguous()), \
                 "quantized"
     metadata, store = saved
-    with rule_te.context():
+    with rule_te.context(), _dequantized_by_rows(seed):
         try:
             job.load(placed_state(layout, target, source.shape), rank, layout.world, metadata, store,
                      QuantizedLoadPlanner(), order=_read_order(seed, rank))
@@ -390,6 +392,20 @@ def _read_order(seed: int, rank: int) -> int | None:
     interleaving."""
     pick = random.Random(seed * 4099 + rank)
     return None if pick.random() < 0.5 else pick.randrange(1 << 30)
+
+
+@contextlib.contextmanager
+def _dequantized_by_rows(seed: int):
+    """For about half the cases, a load dequantizes a stored chunk one block of rows at a time
+    (the least :data:`qdcp.planning.actions.DEQUANTIZE_ELEMENTS` allows): a case's tensors are
+    smaller than the default's blocks, and the values must not depend on the blocks."""
+    before = actions.DEQUANTIZE_ELEMENTS
+    if random.Random(seed * 7919).random() < 0.5:
+        actions.DEQUANTIZE_ELEMENTS = 1
+    try:
+        yield
+    finally:
+        actions.DEQUANTIZE_ELEMENTS = before
 
 
 def quantize_like(target: torch.Tensor, case: Case, values: torch.Tensor) -> torch.Tensor:

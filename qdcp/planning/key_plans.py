@@ -261,7 +261,7 @@ class KeyPlanner:
             except AlignmentError as e:
                 raise AlignmentError(f"key {fqn!r}: component {c.name!r}: {e}") from None
             reads.append(self._read(src_fqn, source, c.name, chunk, fqn=fqn))
-        stored = StoredSource(source.type, attrs, source.dtype)
+        stored = StoredSource(source.type, attrs, source.dtype, tuple(source.shape), layouts)
         if adapter is None:
             return IntoPlain(fqn, placed, tuple(reads), stored, read_chunk)
         if exact is not None:

@@ -1,0 +1,95 @@
+"""A raw entry loaded into a plain target is dequantized a block of rows at a time
+(``qdcp.planning.actions.DEQUANTIZE_ELEMENTS`` logical elements, rounded up to whole blocks): the
+target gets, bit for bit, what the library's own ``dequantize()`` of the whole tensor gives
+(docs/api.md: "a plain target always gets the source's ``dequantize()``, bitwise"), and a wider
+target what the whole chunk computed at once gives, whatever the block size. Every family qdcp
+covers on CPU, through ``qdcp.load`` and ``dcp.load`` with the planner. (The generated rule cases,
+tests/rule_cases.py, dequantize by rows in about half their loads, at every sharding.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import qdcp
+from qdcp import QuantizedLoadPlanner
+from qdcp.adapters.base import find_adapter
+from qdcp.planning import actions
+from quantized_cases import CASES, bits_diff
+
+_WHOLE = 1 << 40  # more elements than any test tensor: one piece
+
+
+def _rows_per_block(path) -> int:
+    """The fewest rows a piece can hold: every component's blocks whole, from the layouts the
+    checkpoint records (docs/format.md: a blocked layout's block, a flat one's groups of elements)."""
+    entry = qdcp.describe(path)["w"]
+    cols = math.prod(entry["shape"][1:])
+    rows = 1
+    for component in entry["components"].values():
+        layout = component["layout"]
+        if layout["kind"] == "blocked":
+            rows = math.lcm(rows, layout["block"][0] or 1)
+        elif layout["kind"] == "flat":
+            rows = math.lcm(rows, layout["group"] // math.gcd(layout["group"], cols))
+    return rows
+
+
+def _load(path, target: torch.Tensor, how: str) -> torch.Tensor:
+    state = {"w": target}
+    if how == "qdcp.load":
+        qdcp.load(state, path)
+    else:
+        dcp.load(state, checkpoint_id=path, planner=QuantizedLoadPlanner())
+    assert state["w"] is target
+    return target
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Every CPU case saved raw, one checkpoint each."""
+    root = tmp_path_factory.mktemp("dequant")
+    out = {}
+    for case in CASES:
+        src = case.make(11)
+        qdcp.save({"w": src}, root / case.name)
+        out[case.name] = (root / case.name, src)
+    return out
+
+
+@pytest.mark.parametrize("how", ["qdcp.load", "dcp.load"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_dequantized_by_rows_the_values_are_the_whole_tensors(saved, monkeypatch, case, how):
+    path, src = saved[case.name]
+    adapter = type(find_adapter(src))
+    pieces = []
+    real = adapter.dequantize_stored
+
+    def counting(self, stored, dtype=None):
+        pieces.append(tuple(stored.shape))
+        return real(self, stored, dtype)
+
+    monkeypatch.setattr(adapter, "dequantize_stored", counting)
+    wider = torch.float64 if case.dtype == torch.float32 else torch.float32
+    got = {}
+    for elements in (_WHOLE, 1, 3000):
+        monkeypatch.setattr(actions, "DEQUANTIZE_ELEMENTS", elements)
+        pieces.clear()
+        got[elements] = {dtype: _load(path, torch.full(src.shape, float("nan"), dtype=dtype), how)
+                         for dtype in (case.dtype, wider)}
+        if elements == _WHOLE:
+            assert pieces == [tuple(src.shape)] * 2, pieces
+        elif elements == 1:  # a block of rows at a time (where a block spans fewer rows than all)
+            step = _rows_per_block(path)
+            assert pieces == [(min(step, src.shape[0] - r), *src.shape[1:])
+                              for _ in range(2) for r in range(0, src.shape[0], step)], pieces
+    # the library's own dequantize() of the whole tensor, bitwise, in the logical dtype
+    want = case.dequantize(src)
+    for elements, values in got.items():
+        assert bits_diff(values[case.dtype], want) is None, (elements, bits_diff(values[case.dtype], want))
+        assert bits_diff(values[wider], got[_WHOLE][wider]) is None, (elements, bits_diff(values[wider],
+                                                                                         got[_WHOLE][wider]))
