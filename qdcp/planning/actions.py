@@ -246,7 +246,7 @@ class FromPlain(LoadAction):
 
 
 #: logical elements of a stored entry dequantized at a time (rounded up to whole blocks of rows)
-DEQUANTIZE_ELEMENTS = 1 << 22
+DEQUANTIZE_ELEMENTS = 1 << 20
 
 
 def _dequantized(action: LoadAction, source: StoredSource, read_chunk: Chunk,
