@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from qdcp.adapters.base import Adapter, RawConversion, StoredEntry, adapter_for_type, find_adapter
 from qdcp.errors import AlignmentError
-from qdcp.layouts import Blocked, Chunk, Flat, Layout, Replicated, held_exactly, narrow
+from qdcp.layouts import Blocked, Chunk, Flat, Layout, Replicated, ceil_div, held_exactly, narrow
 from qdcp.planning.placement import Placed, relative
 
 __all__ = ["Temporaries", "Destination", "ItemRead", "StoredSource", "LoadAction", "InPlace", "RawCopy",
@@ -281,16 +281,17 @@ def _row_blocks(source: StoredSource, read_chunk: Chunk) -> list[tuple[Chunk, di
     if not sizes or not layouts or len(shape) != len(sizes):
         return None
     row = max(1, math.prod(sizes[1:]))
-    step = max(1, DEQUANTIZE_ELEMENTS // row)
+    align = 1  # rows every component's blocks fall on
     for layout in layouts.values():
         if isinstance(layout, Blocked) and layout.block[0]:
-            step = math.lcm(step, layout.block[0])
+            align = math.lcm(align, layout.block[0])
         elif isinstance(layout, Flat):
             if tuple(sizes[1:]) != tuple(shape[1:]):
                 return None  # a flat layout's groups run across rows: only whole rows
-            step = math.lcm(step, layout.group // math.gcd(layout.group, row))
+            align = math.lcm(align, layout.group // math.gcd(layout.group, row))
         elif not isinstance(layout, (Blocked, Replicated)):
             return None
+    step = ceil_div(max(1, DEQUANTIZE_ELEMENTS // row), align) * align  # whole blocks, ~DEQUANTIZE_ELEMENTS
     if sizes[0] <= step:
         return None
     try:
