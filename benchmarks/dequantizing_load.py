@@ -1,5 +1,6 @@
 """Quantized checkpoints into high-precision models: ``qdcp.load`` of a raw checkpoint into plain
-bf16 targets, against vanilla ``dcp.load`` of the same values saved as bf16.
+bf16 targets, against vanilla ``dcp.load`` of the same values saved as bf16; and the other way,
+``qdcp.save(..., dequantize=True)`` against vanilla ``dcp.save`` of those values.
 
 Per format (4096x4096 weights of ``--gib`` logical GiB, files hot, targets on the CPU), best and
 median of ``--repeat`` interleaved runs of:
@@ -7,8 +8,12 @@ median of ``--repeat`` interleaved runs of:
 - vanilla ``dcp.load`` of the bf16 values (each weight's ``dequantize()``, saved plain): the baseline;
 - ``qdcp.load`` of the quantized checkpoint (all-or-nothing, its default) and ``atomic=False``;
 - the same in-place load with each stored chunk dequantized whole
-  (``qdcp.planning.actions.DEQUANTIZE_ELEMENTS`` past the tensor's size), as before row blocks;
-- the library's ``dequantize()`` of the same tensors alone (the compute a load cannot skip).
+  (``qdcp.planning.rows.DEQUANTIZE_ELEMENTS`` past the tensor's size), as before row blocks;
+- the library's ``dequantize()`` of the same tensors alone (the compute a load cannot skip);
+- vanilla ``dcp.save`` of the bf16 values (the saves' baseline), ``qdcp.save(dequantize=True)`` of
+  the quantized tensors, and the same with each tensor dequantized whole.
+
+Saves are timed from a fresh directory, after ``os.sync()``.
 
     python benchmarks/dequantizing_load.py [--gib 0.375] [--kinds int8,mxfp8,nvfp4,nf4] [--repeat 5]
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import shutil
 import statistics
 import tempfile
@@ -27,18 +33,18 @@ import torch.distributed.checkpoint as dcp
 
 import qdcp
 from common import quantized_state
+from qdcp.adapters import rows
 from qdcp.adapters.base import find_adapter
-from qdcp.planning import actions
 
 
 def _whole(fn):
     def run():
-        before = actions.DEQUANTIZE_ELEMENTS
-        actions.DEQUANTIZE_ELEMENTS = 1 << 62
+        before = rows.DEQUANTIZE_ELEMENTS
+        rows.DEQUANTIZE_ELEMENTS = 1 << 62
         try:
             fn()
         finally:
-            actions.DEQUANTIZE_ELEMENTS = before
+            rows.DEQUANTIZE_ELEMENTS = before
     return run
 
 
@@ -49,6 +55,8 @@ def bench(kind: str, gib: float, repeat: int, root: str) -> dict[str, list[float
     qdcp.save(state, q)
     dcp.save(values, checkpoint_id=v)
     target = {k: torch.empty_like(t) for k, t in values.items()}
+    fresh = lambda p: (shutil.rmtree(p, ignore_errors=True), os.sync())  # noqa: E731
+    s, d = f"{root}/{kind}-s", f"{root}/{kind}-d"
     cases = {
         "vanilla dcp.load of the bf16 values": lambda: dcp.load(target, checkpoint_id=v),
         "qdcp.load": lambda: qdcp.load(target, q),
@@ -56,12 +64,19 @@ def bench(kind: str, gib: float, repeat: int, root: str) -> dict[str, list[float
         "qdcp.load(atomic=False), chunks whole": _whole(lambda: qdcp.load(target, q, atomic=False)),
         "the library's dequantize() alone": lambda: [find_adapter(t).dequantize(t, torch.bfloat16)
                                                      for t in state.values()],
+        "vanilla dcp.save of the bf16 values": lambda: dcp.save(values, checkpoint_id=s),
+        "qdcp.save(dequantize=True)": lambda: qdcp.save(state, d, dequantize=True),
+        "qdcp.save(dequantize=True), whole": _whole(lambda: qdcp.save(state, d, dequantize=True)),
     }
-    for fn in cases.values():
+    before = {"vanilla dcp.save of the bf16 values": lambda: fresh(s), "qdcp.save(dequantize=True)": lambda: fresh(d),
+              "qdcp.save(dequantize=True), whole": lambda: fresh(d)}
+    for name, fn in cases.items():
+        before.get(name, lambda: None)()
         fn()
     times: dict[str, list[float]] = {k: [] for k in cases}
     for r in range(repeat):
         for name in (list(cases) if r % 2 == 0 else list(reversed(cases))):
+            before.get(name, lambda: None)()
             gc.collect()
             t0 = time.perf_counter()
             cases[name]()
@@ -79,11 +94,12 @@ def main() -> None:
     try:
         for kind in args.kinds.split(","):
             times = bench(kind, args.gib, args.repeat, root)
-            base_best = min(times["vanilla dcp.load of the bf16 values"])
-            base_med = statistics.median(times["vanilla dcp.load of the bf16 values"])
             print(f"\n{kind}, {args.gib} GiB of bf16 values, {torch.get_num_threads()} threads")
             print(f"{'case':40} {'best s':>8} {'median s':>9} {'best / vanilla':>15} {'median / vanilla':>17}")
             for name, ts in times.items():
+                base = times["vanilla dcp.save of the bf16 values" if "save" in name
+                             else "vanilla dcp.load of the bf16 values"]
+                base_best, base_med = min(base), statistics.median(base)
                 best, med = min(ts), statistics.median(ts)
                 print(f"{name:40} {best:8.3f} {med:9.3f} {best / base_best:15.2f} {med / base_med:17.2f}",
                       flush=True)

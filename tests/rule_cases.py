@@ -57,8 +57,8 @@ import dcp_in_process as job  # noqa: E402
 import rule_oracle as rule  # noqa: E402
 import rule_te  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
+from qdcp.adapters import rows as row_blocks  # noqa: E402
 from qdcp.errors import QdcpError  # noqa: E402
-from qdcp.planning import actions  # noqa: E402
 from quantized_cases import CASE_BY_NAME, Case, bits_diff, components_diff  # noqa: E402
 from training_cases import values as training_values  # noqa: E402
 
@@ -397,15 +397,15 @@ def _read_order(seed: int, rank: int) -> int | None:
 @contextlib.contextmanager
 def _dequantized_by_rows(seed: int):
     """For about half the cases, a load dequantizes a stored chunk one block of rows at a time
-    (the least :data:`qdcp.planning.actions.DEQUANTIZE_ELEMENTS` allows): a case's tensors are
+    (the least :data:`qdcp.adapters.rows.DEQUANTIZE_ELEMENTS` allows): a case's tensors are
     smaller than the default's blocks, and the values must not depend on the blocks."""
-    before = actions.DEQUANTIZE_ELEMENTS
+    before = row_blocks.DEQUANTIZE_ELEMENTS
     if random.Random(seed * 7919).random() < 0.5:
-        actions.DEQUANTIZE_ELEMENTS = 1
+        row_blocks.DEQUANTIZE_ELEMENTS = 1
     try:
         yield
     finally:
-        actions.DEQUANTIZE_ELEMENTS = before
+        row_blocks.DEQUANTIZE_ELEMENTS = before
 
 
 def quantize_like(target: torch.Tensor, case: Case, values: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """A raw entry loaded into a plain target is dequantized a block of rows at a time
-(``qdcp.planning.actions.DEQUANTIZE_ELEMENTS`` logical elements, rounded up to whole blocks): the
+(``qdcp.planning.rows.DEQUANTIZE_ELEMENTS`` logical elements, rounded up to whole blocks): the
 target gets, bit for bit, what the library's own ``dequantize()`` of the whole tensor gives
 (docs/api.md: "a plain target always gets the source's ``dequantize()``, bitwise"), and a wider
-target what the whole chunk computed at once gives, whatever the block size. Every family qdcp
-covers on CPU, through ``qdcp.load`` and ``dcp.load`` with the planner. (The generated rule cases,
+target (or ``dequantize_dtype``) what the whole chunk computed at once gives, whatever the block
+size. Every family qdcp covers on CPU, through ``qdcp.load`` and ``dcp.load`` with the planner, and
+``qdcp.save(..., dequantize=True)`` read back by ``dcp.load``. (The generated rule cases,
 tests/rule_cases.py, dequantize by rows in about half their loads, at every sharding.)
 """
 
@@ -16,9 +17,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import qdcp
-from qdcp import QuantizedLoadPlanner
+from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
+from qdcp.adapters import rows
 from qdcp.adapters.base import find_adapter
-from qdcp.planning import actions
 from quantized_cases import CASES, bits_diff
 
 _WHOLE = 1 << 40  # more elements than any test tensor: one piece
@@ -77,7 +78,7 @@ def test_dequantized_by_rows_the_values_are_the_whole_tensors(saved, monkeypatch
     wider = torch.float64 if case.dtype == torch.float32 else torch.float32
     got = {}
     for elements in (_WHOLE, 1, 3000):
-        monkeypatch.setattr(actions, "DEQUANTIZE_ELEMENTS", elements)
+        monkeypatch.setattr(rows, "DEQUANTIZE_ELEMENTS", elements)
         pieces.clear()
         got[elements] = {dtype: _load(path, torch.full(src.shape, float("nan"), dtype=dtype), how)
                          for dtype in (case.dtype, wider)}
@@ -91,5 +92,45 @@ def test_dequantized_by_rows_the_values_are_the_whole_tensors(saved, monkeypatch
     want = case.dequantize(src)
     for elements, values in got.items():
         assert bits_diff(values[case.dtype], want) is None, (elements, bits_diff(values[case.dtype], want))
+        assert bits_diff(values[wider], got[_WHOLE][wider]) is None, (elements, bits_diff(values[wider],
+                                                                                         got[_WHOLE][wider]))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_saved_dequantized_by_rows_the_values_are_the_whole_tensors(tmp_path, monkeypatch, case):
+    src = case.make(12)
+    adapter = type(find_adapter(src))
+    pieces = []
+    real = adapter.dequantize_stored
+
+    def counting(self, stored, dtype=None):
+        pieces.append(tuple(stored.shape))
+        return real(self, stored, dtype)
+
+    monkeypatch.setattr(adapter, "dequantize_stored", counting)
+    wider = torch.float64 if case.dtype == torch.float32 else torch.float32
+    qdcp.save({"w": src}, tmp_path / "raw")  # the layouts the format records, for the expected pieces
+    step = _rows_per_block(tmp_path / "raw")
+    got = {}
+    for elements in (_WHOLE, 1, 3000):
+        monkeypatch.setattr(rows, "DEQUANTIZE_ELEMENTS", elements)
+        got[elements] = {}
+        for dtype in (None, wider):
+            path = tmp_path / f"{elements}-{dtype}"
+            pieces.clear()
+            qdcp.save({"w": src}, path, dequantize=True) if dtype is None else \
+                dcp.save({"w": src}, checkpoint_id=path, planner=QuantizedSavePlanner(dequantize=True,
+                                                                                   dequantize_dtype=dtype))
+            if elements == 1 and step < src.shape[0]:
+                assert pieces == [(min(step, src.shape[0] - r), *src.shape[1:])
+                                  for r in range(0, src.shape[0], step)], pieces
+            elif elements != 3000:  # one piece: the live tensor's own dequantize()
+                assert pieces == [], pieces
+            out = {"w": torch.full(src.shape, float("nan"), dtype=dtype or case.dtype)}
+            dcp.load(out, checkpoint_id=path)
+            got[elements][dtype] = out["w"]
+    want = case.dequantize(src)
+    for elements, values in got.items():
+        assert bits_diff(values[None], want) is None, (elements, bits_diff(values[None], want))
         assert bits_diff(values[wider], got[_WHOLE][wider]) is None, (elements, bits_diff(values[wider],
                                                                                          got[_WHOLE][wider]))

@@ -20,16 +20,15 @@ A plain entry into a plain target is not an action: DCP's own path loads it.
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 from typing import Any, Mapping
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from qdcp.adapters import rows
 from qdcp.adapters.base import Adapter, RawConversion, StoredEntry, adapter_for_type, find_adapter
-from qdcp.errors import AlignmentError
-from qdcp.layouts import Blocked, Chunk, Flat, Layout, Replicated, ceil_div, held_exactly, narrow
+from qdcp.layouts import Chunk, Layout, held_exactly, narrow
 from qdcp.planning.placement import Placed, relative
 
 __all__ = ["Temporaries", "Destination", "ItemRead", "StoredSource", "LoadAction", "InPlace", "RawCopy",
@@ -245,65 +244,17 @@ class FromPlain(LoadAction):
         _fill(self.adapter, self.placed, self.reads[0].buffer, self.read_chunk)
 
 
-#: logical elements of a stored entry dequantized at a time (rounded up to whole blocks of rows)
-DEQUANTIZE_ELEMENTS = 1 << 20
-
-
 def _dequantized(action: LoadAction, source: StoredSource, read_chunk: Chunk,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """The stored entry's values over ``read_chunk``, from the temporaries read (in ``dtype``,
-    default its logical dtype). A large chunk is dequantized a block of rows at a time, each as
-    the library dequantizes a chunk of that size (the chunks a sharded load reads), into one
-    output: its intermediates (e.g. float32 products) stay small and in cache, and the values
-    are those of the whole chunk at once, element for element (tests/test_chunked_dequantize.py)."""
+    default its logical dtype); a large chunk a block of rows at a time (:mod:`qdcp.adapters.rows`)."""
     adapter = adapter_for_type(source.type_name, action.fqn)
-    components = action.components()
-    blocks = _row_blocks(source, read_chunk) if set(source.layouts) == set(components) else None
+    stored = StoredEntry(source.type_name, source.attrs, read_chunk[1], source.dtype, action.components())
+    blocks = rows.row_blocks(source.layouts, source.shape, read_chunk) \
+        if set(source.layouts) == set(stored.components) else None
     if blocks is None:
-        return adapter.dequantize_stored(StoredEntry(source.type_name, source.attrs, read_chunk[1], source.dtype,
-                                                     components), dtype)
-    out = None
-    for rows, parts in blocks:
-        part = {name: narrow(components[name], chunk) for name, chunk in parts.items()}
-        values = adapter.dequantize_stored(StoredEntry(source.type_name, source.attrs, rows[1], source.dtype,
-                                                       part), dtype)
-        if out is None:
-            out = torch.empty(read_chunk[1], dtype=values.dtype, device=values.device)
-        narrow(out, relative(rows, read_chunk)).copy_(values)
-    return out
-
-
-def _row_blocks(source: StoredSource, read_chunk: Chunk) -> list[tuple[Chunk, dict[str, Chunk]]] | None:
-    """``read_chunk`` cut along dim 0 into blocks of about :data:`DEQUANTIZE_ELEMENTS` elements on
-    every component's blocks: each block's logical chunk and, by component, its part of the
-    components read (chunks relative to them). None where it stays whole (small, or no layouts)."""
-    (offsets, sizes), shape, layouts = read_chunk, source.shape, source.layouts
-    if not sizes or not layouts or len(shape) != len(sizes):
-        return None
-    row = max(1, math.prod(sizes[1:]))
-    align = 1  # rows every component's blocks fall on
-    for layout in layouts.values():
-        if isinstance(layout, Blocked) and layout.block[0]:
-            align = math.lcm(align, layout.block[0])
-        elif isinstance(layout, Flat):
-            if tuple(sizes[1:]) != tuple(shape[1:]):
-                return None  # a flat layout's groups run across rows: only whole rows
-            align = math.lcm(align, layout.group // math.gcd(layout.group, row))
-        elif not isinstance(layout, (Blocked, Replicated)):
-            return None
-    step = ceil_div(max(1, DEQUANTIZE_ELEMENTS // row), align) * align  # whole blocks, ~DEQUANTIZE_ELEMENTS
-    if sizes[0] <= step:
-        return None
-    try:
-        whole = {name: layout.map_chunk(shape, read_chunk) for name, layout in layouts.items()}
-        blocks = []
-        for r in range(0, sizes[0], step):
-            rows = ((offsets[0] + r, *offsets[1:]), (min(step, sizes[0] - r), *sizes[1:]))
-            blocks.append((rows, {name: relative(layout.map_chunk(shape, rows), whole[name])
-                                  for name, layout in layouts.items()}))
-        return blocks
-    except AlignmentError:  # pragma: no cover (the steps fall on every block)
-        return None
+        return adapter.dequantize_stored(stored, dtype)
+    return rows.dequantize_by_rows(adapter, stored, blocks, read_chunk, dtype)
 
 
 def _target_part(placed: Placed, values: torch.Tensor, read_chunk: Chunk) -> torch.Tensor:

@@ -31,9 +31,10 @@ from torch.distributed.tensor import DTensor
 
 from qdcp import checksums as sums
 from qdcp import spec as qspec
-from qdcp.adapters.base import Adapter, describe_tensor, find_adapter
+from qdcp.adapters import rows
+from qdcp.adapters.base import Adapter, StoredEntry, describe_tensor, find_adapter
 from qdcp.errors import AlignmentError, LoadMismatchError, StagingError, UnsupportedTensorError
-from qdcp.layouts import Blocked, Chunk, Flat, Layout, grid_view, nearest_aligned
+from qdcp.layouts import Blocked, Chunk, Flat, Layout, full_chunk, grid_view, nearest_aligned
 from qdcp.planning.placement import Placed, is_empty, place, shard_layouts, sharded_inside, with_local
 
 DequantizeChoice = Union[bool, Callable[[str, torch.Tensor], bool]]
@@ -237,8 +238,23 @@ def _compute(entry: SaveEntry) -> Any:
     """An entry's data: its components (raw), or its values in the stored dtype (dequantized)."""
     t = entry.placed.local
     if entry.spec.storage == qspec.DEQUANTIZED:
-        return entry.adapter.dequantize(t, entry.spec.stored_dtype)
+        return _dequantized(entry.fqn, entry.adapter, t, entry.spec.stored_dtype)
     return entry.adapter.components(t)
+
+
+def _dequantized(fqn: str, adapter: Adapter, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``adapter.dequantize(t, dtype)``; a large tensor a block of rows at a time
+    (:mod:`qdcp.adapters.rows`), each block's components and attributes as a load reads them back
+    (``dequantize_stored``: the values a load of the raw entry would give a plain target)."""
+    layouts = adapter.layouts(t)
+    blocks = rows.row_blocks(layouts, tuple(t.shape))
+    components = adapter.components(t) if blocks is not None else {}
+    if blocks is None or set(layouts) != set(components):
+        return adapter.dequantize(t, dtype)
+    encoded, _ = describe_tensor(t, adapter, fqn)
+    attrs = {k: qspec.decode_value(v, adapter.attribute_classes(), f"key {fqn!r}: ") for k, v in encoded.items()}
+    stored = StoredEntry(adapter.type_name(t), attrs, tuple(t.shape), t.dtype, components)
+    return rows.dequantize_by_rows(adapter, stored, blocks, full_chunk(t.shape), dtype)
 
 
 def _template_of(fqn: str, placed: Placed, adapter: Adapter, comps: dict, attrs: dict, declared: dict,
