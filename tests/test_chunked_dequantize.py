@@ -15,11 +15,15 @@ import math
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
 
+import dcp_in_process as job
 import qdcp
+import rule_cases
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
 from qdcp.adapters import rows
 from qdcp.adapters.base import find_adapter
+from qdcp.errors import QdcpError
 from quantized_cases import CASES, bits_diff
 
 _WHOLE = 1 << 40  # more elements than any test tensor: one piece
@@ -134,3 +138,39 @@ def test_saved_dequantized_by_rows_the_values_are_the_whole_tensors(tmp_path, mo
         assert bits_diff(values[None], want) is None, (elements, bits_diff(values[None], want))
         assert bits_diff(values[wider], got[_WHOLE][wider]) is None, (elements, bits_diff(values[wider],
                                                                                          got[_WHOLE][wider]))
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(rule_cases.case_strategy())
+def test_n_ranks_save_dequantized_by_rows_the_whole_shards_values(drawn):
+    """Generated sources (tests/rule_cases.py: every family, 1-8 ranks, every layout, shards cut by
+    torchao's slicing or quantized on their own), saved ``dequantize=True`` with single blocks of
+    rows: every stored chunk is bitwise the one the whole-tensor computation stores."""
+    name, rows_, cols, seed, layout, sliced, _ = drawn
+    source = rule_cases.make_source(name, (rows_, cols), seed, layout, sliced and rule_cases.FAMILIES[name][0])
+    if source is None:
+        return
+
+    def save(elements: int):
+        before = rows.DEQUANTIZE_ELEMENTS
+        rows.DEQUANTIZE_ELEMENTS = elements
+        try:
+            with rule_cases.rule_te.context():
+                return job.save(lambda r: rule_cases.placed_state(layout, source.locals[r][1], source.shape),
+                                layout.world, lambda: QuantizedSavePlanner(dequantize=True))
+        finally:
+            rows.DEQUANTIZE_ELEMENTS = before
+
+    try:
+        _, whole = save(_WHOLE)
+    except QdcpError as e:  # refused (shards of different configs): refused alike by rows
+        with pytest.raises(type(e)):
+            save(1)
+        return
+    _, by_rows = save(1)
+    assert by_rows.keys() == whole.keys()
+    for key, value in whole.items():
+        if isinstance(value, torch.Tensor):
+            assert bits_diff(by_rows[key], value) is None, (key, bits_diff(by_rows[key], value))
+        else:
+            assert by_rows[key] == value, key
