@@ -22,8 +22,8 @@ import qdcp
 import rule_cases
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
 from qdcp.adapters import rows
-from qdcp.adapters.base import find_adapter
-from qdcp.errors import QdcpError
+from qdcp.adapters.base import find_adapter, register_adapter
+from qdcp.errors import QdcpError, UnsupportedTensorError
 from quantized_cases import CASES, bits_diff
 
 _WHOLE = 1 << 40  # more elements than any test tensor: one piece
@@ -174,3 +174,30 @@ def test_n_ranks_save_dequantized_by_rows_the_whole_shards_values(drawn):
             assert bits_diff(by_rows[key], value) is None, (key, bits_diff(by_rows[key], value))
         else:
             assert by_rows[key] == value, key
+
+
+def test_a_tensor_a_spec_cannot_describe_is_saved_dequantized_whole(tmp_path, monkeypatch):
+    """``dequantize=True`` is the way to save a tensor whose attributes no spec can hold: there it
+    is dequantized whole, by its adapter, as before (a raw save of it is refused naming the key)."""
+    case = next(c for c in CASES if c.name == "int8_row")
+    original = find_adapter(case.make(0))
+
+    class Opaque(type(original)):
+        def attributes(self, t):
+            return {**super().attributes(t), "recipe": object()}  # no spec encodes it
+
+    register_adapter(Opaque(), override=True)
+    try:
+        monkeypatch.setattr(rows, "DEQUANTIZE_ELEMENTS", 1)
+        src = case.make(13)
+        with pytest.raises(UnsupportedTensorError, match="'w'"):
+            qdcp.save({"w": src}, tmp_path / "raw")
+        qdcp.save({"w": src}, tmp_path / "dq", dequantize=True)
+        out = {"w": torch.full(src.shape, float("nan"), dtype=case.dtype)}
+        dcp.load(out, checkpoint_id=tmp_path / "dq")
+        assert bits_diff(out["w"], case.dequantize(src)) is None
+        again = {"w": torch.full(src.shape, float("nan"), dtype=case.dtype)}
+        qdcp.load(again, tmp_path / "dq")  # qdcp's reader and its checks too
+        assert bits_diff(again["w"], case.dequantize(src)) is None
+    finally:
+        register_adapter(original, override=True)

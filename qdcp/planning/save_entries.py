@@ -222,7 +222,7 @@ class EntryPlanner:
 
     def _plan_dequantized(self, fqn: str, placed: Placed, adapter: Adapter) -> SaveEntry:
         t = placed.local
-        attrs, _ = describe_tensor(t, adapter, fqn)
+        attrs = _describing_attributes(fqn, adapter, t)
         dtype = self.dequantize_dtype or t.dtype
         entry_spec = qspec.EntrySpec(fqn, qspec.DEQUANTIZED, adapter.type_name(t), placed.global_shape,
                                      t.dtype, attrs, (), dtype, _info(adapter, t))
@@ -232,6 +232,21 @@ class EntryPlanner:
         if items:
             self._sources[fqn] = (entry, None)
         return entry
+
+
+def _describing_attributes(fqn: str, adapter: Adapter, t: torch.Tensor) -> dict:
+    """A dequantized entry's attributes, which only describe what it was (loads read its values):
+    those a spec can hold. A tensor with one it cannot hold is saved dequantized for that reason."""
+    try:
+        return describe_tensor(t, adapter, fqn)[0]
+    except UnsupportedTensorError:
+        out = {}
+        for k, v in adapter.attributes(t).items():
+            try:
+                out[k] = qspec.encode_value(v)
+            except TypeError:
+                continue
+        return out
 
 
 def _compute(entry: SaveEntry) -> Any:
@@ -246,13 +261,18 @@ def _dequantized(fqn: str, adapter: Adapter, t: torch.Tensor, dtype: torch.dtype
     """``adapter.dequantize(t, dtype)``; a large tensor a block of rows at a time
     (:mod:`qdcp.adapters.rows`), each block's components and attributes as a load reads them back
     (``dequantize_stored``: the values a load of the raw entry would give a plain target)."""
-    layouts = adapter.layouts(t)
-    blocks = rows.row_blocks(layouts, tuple(t.shape))
-    components = adapter.components(t) if blocks is not None else {}
+    try:  # what a raw save of it would record; a tensor it cannot describe is dequantized whole
+        layouts = adapter.layouts(t)
+        blocks = rows.row_blocks(layouts, tuple(t.shape))
+        if blocks is not None:
+            components = adapter.components(t)
+            encoded, _ = describe_tensor(t, adapter, fqn)
+            attrs = {k: qspec.decode_value(v, adapter.attribute_classes(), f"key {fqn!r}: ")
+                     for k, v in encoded.items()}
+    except Exception:  # noqa: BLE001 (e.g. an attribute a spec cannot hold: why it is saved dequantized)
+        blocks = None
     if blocks is None or set(layouts) != set(components):
         return adapter.dequantize(t, dtype)
-    encoded, _ = describe_tensor(t, adapter, fqn)
-    attrs = {k: qspec.decode_value(v, adapter.attribute_classes(), f"key {fqn!r}: ") for k, v in encoded.items()}
     stored = StoredEntry(adapter.type_name(t), attrs, tuple(t.shape), t.dtype, components)
     return rows.dequantize_by_rows(adapter, stored, blocks, full_chunk(t.shape), dtype)
 
