@@ -54,6 +54,20 @@ def _load(path, target: torch.Tensor, how: str) -> torch.Tensor:
     return target
 
 
+def _pieces_asked_for(monkeypatch, src: torch.Tensor) -> list:
+    """The shapes of the chunks ``src``'s adapter is asked to dequantize from stored components
+    (``dequantize_stored``), as they are asked for."""
+    adapter = type(find_adapter(src))
+    pieces, real = [], adapter.dequantize_stored
+
+    def counting(self, stored, dtype=None):
+        pieces.append(tuple(stored.shape))
+        return real(self, stored, dtype)
+
+    monkeypatch.setattr(adapter, "dequantize_stored", counting)
+    return pieces
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Every CPU case saved raw, one checkpoint each."""
@@ -70,15 +84,7 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_dequantized_by_rows_the_values_are_the_whole_tensors(saved, monkeypatch, case, how):
     path, src = saved[case.name]
-    adapter = type(find_adapter(src))
-    pieces = []
-    real = adapter.dequantize_stored
-
-    def counting(self, stored, dtype=None):
-        pieces.append(tuple(stored.shape))
-        return real(self, stored, dtype)
-
-    monkeypatch.setattr(adapter, "dequantize_stored", counting)
+    pieces = _pieces_asked_for(monkeypatch, src)
     wider = torch.float64 if case.dtype == torch.float32 else torch.float32
     got = {}
     for elements in (_WHOLE, 1, 3000):
@@ -103,15 +109,7 @@ def test_dequantized_by_rows_the_values_are_the_whole_tensors(saved, monkeypatch
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_saved_dequantized_by_rows_the_values_are_the_whole_tensors(tmp_path, monkeypatch, case):
     src = case.make(12)
-    adapter = type(find_adapter(src))
-    pieces = []
-    real = adapter.dequantize_stored
-
-    def counting(self, stored, dtype=None):
-        pieces.append(tuple(stored.shape))
-        return real(self, stored, dtype)
-
-    monkeypatch.setattr(adapter, "dequantize_stored", counting)
+    pieces = _pieces_asked_for(monkeypatch, src)
     wider = torch.float64 if case.dtype == torch.float32 else torch.float32
     qdcp.save({"w": src}, tmp_path / "raw")  # the layouts the format records, for the expected pieces
     step = _rows_per_block(tmp_path / "raw")
