@@ -44,7 +44,9 @@ class Adapter(abc.ABC):
     - the registry (:func:`find_adapter`): :attr:`type_names`, :meth:`matches`;
     - the save planner: :meth:`type_name`, :meth:`attributes`, :meth:`info`, :meth:`components`
       (through :meth:`component_names` by default), :meth:`layouts` (raw entries),
-      :meth:`dequantize` (dequantized entries), :meth:`unwrap` (wrappers stored as their tensor);
+      :meth:`dequantize` (dequantized entries; a large one a block of rows at a time through
+      :meth:`attribute_classes` and :meth:`dequantize_stored`, :mod:`qdcp.adapters.rows`),
+      :meth:`unwrap` (wrappers stored as their tensor);
     - the load planner: the same, plus :meth:`attribute_classes` (decoding stored attributes),
       :meth:`native_components`, :meth:`copy_into` (same type), :meth:`dequantize_stored` and
       :meth:`quantize_like` / :meth:`needs_global_amax` / :meth:`quantize_unsupported` (other types);
