@@ -116,8 +116,8 @@ class StoredSource:
     type_name: str
     attrs: Mapping[str, Any]
     dtype: torch.dtype
-    shape: tuple[int, ...] = ()
-    layouts: Mapping[str, Layout] = dataclasses.field(default_factory=dict)
+    shape: tuple[int, ...]
+    layouts: Mapping[str, Layout]
 
 
 @dataclasses.dataclass(frozen=True)
