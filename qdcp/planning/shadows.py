@@ -90,7 +90,8 @@ class Shadows:
             return None
         target, local = self._pairs[index]
         if local.dtype == dtype:
-            return local  # remade for another key of the same (tied) target already
+            return local  # already remade for an earlier key naming the same target: that buffer again
+            # (not reached today: two keys whose reads both write one buffer count twice its bytes)
         storage = local.untyped_storage()
         if dtype.itemsize >= local.dtype.itemsize or not storage.nbytes() \
                 or written.get(storage.data_ptr()) != storage.nbytes():
