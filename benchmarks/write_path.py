@@ -140,6 +140,7 @@ def main() -> None:
     kept, copier = QuantizedStager(), QuantizedStager()
     whole = lambda fut: getattr(fut, "upload_completion", fut).result()  # noqa: E731
     files = args.files
+    buffered = {"direct_io": False}
     cases = {
         "storage, 1 file": (lambda: write_files(raw, d["raw"], 1), clean(d["raw"])),
         f"storage, {files} files": (lambda: write_files(raw, d["raw"], files), clean(d["raw"])),
@@ -155,6 +156,10 @@ def main() -> None:
         "qdcp.save": (lambda: qdcp.save(state, d["q"]), clean(d["q"])),
         "qdcp.async_save (whole save)": (lambda: whole(qdcp.async_save(state, d["q"])), clean(d["q"])),
         "qdcp.async_save, kept stager": (lambda: whole(qdcp.async_save(state, d["q"], stager=kept)), clean(d["q"])),
+        # the same two saves with buffered writes (through the page cache), as before direct writes
+        "qdcp.save, direct_io=False": (lambda: qdcp.save(state, d["q"], storage_options=buffered), clean(d["q"])),
+        "qdcp.async_save (whole), direct_io=False": (
+            lambda: whole(qdcp.async_save(state, d["q"], storage_options=buffered)), clean(d["q"])),
         # what an async save does before DCP starts its upload: the staging copy alone (kept buffers)
         "staging copy alone (QuantizedStager.stage)": (lambda: copier.stage(state), lambda: None),
     }

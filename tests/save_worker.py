@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 import qdcp  # noqa: E402
 from qdcp import checkpoint as front_door  # noqa: E402
+from qdcp.storage import direct  # noqa: E402
 
 
 def state(seed: int, n: int, rank: int = 0, world: int = 1) -> dict:
@@ -114,18 +115,25 @@ def _disk_full_after(room: int | None):
     if room is None:
         yield
         return
-    real = FileSystem.create_stream
+    real, real_write = FileSystem.create_stream, direct.DirectFile.write
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
         with real(self, path, mode) as stream:
             yield _FullDisk(stream, room) if "w" in mode and str(path).endswith(".distcp") else stream
 
-    FileSystem.create_stream = create_stream
+    def write(self, b):  # qdcp's direct data files (qdcp.storage.direct), on the same disk
+        n, left = memoryview(b).nbytes, getattr(self, "_room", room)
+        if n > left:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._room = left - n
+        return real_write(self, b)
+
+    FileSystem.create_stream, direct.DirectFile.write = create_stream, write
     try:
         yield
     finally:
-        FileSystem.create_stream = real
+        FileSystem.create_stream, direct.DirectFile.write = real, real_write
 
 
 def _save(cmd: dict, rank: int, world: int) -> None:

@@ -126,7 +126,8 @@ def test_default_stager_is_shared_and_its_buffers_reused(tmp_path):
 
 
 def test_writeback_starts_while_the_next_items_are_written(tmp_path, monkeypatch):
-    """Where files are fsync'd, the disk is handed each file's bytes as they are written (in
+    """Buffered writes (``direct_io=False``; also where the file system refuses ``O_DIRECT``):
+    where files are fsync'd, the disk is handed each file's bytes as they are written (in
     consecutive ranges from the start, each before the file's fsync), so the fsync waits for
     little; not where they are not fsync'd. The checkpoint reads back bit for bit."""
     advised: dict[int, list[tuple[int, int]]] = {}
@@ -147,7 +148,8 @@ def test_writeback_starts_while_the_next_items_are_written(tmp_path, monkeypatch
     monkeypatch.setattr(os, "fsync", fsync)
     g = torch.Generator().manual_seed(0)
     saved = {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(12)}  # 48 MiB: 24 MiB a file
-    dcp.save(saved, storage_writer=CheckpointWriter(tmp_path / "c", thread_count=2), planner=QuantizedSavePlanner())
+    dcp.save(saved, storage_writer=CheckpointWriter(tmp_path / "c", thread_count=2, direct_io=False),
+             planner=QuantizedSavePlanner())
     assert len(advised) == 2
     for fd in advised:  # every advice before its file's fsync
         last = max(i for i, e in enumerate(events) if e == ("advise", fd))
@@ -163,6 +165,7 @@ def test_writeback_starts_while_the_next_items_are_written(tmp_path, monkeypatch
     assert all(torch.equal(target[k], saved[k]) for k in saved)
 
     advised.clear()
-    dcp.save(saved, storage_writer=CheckpointWriter(tmp_path / "u", thread_count=2, sync_files=False),
+    dcp.save(saved, storage_writer=CheckpointWriter(tmp_path / "u", thread_count=2, sync_files=False,
+                                                    direct_io=False),
              planner=QuantizedSavePlanner())
     assert not advised

@@ -35,11 +35,12 @@ import threading
 from typing import Any, Iterator
 
 import torch
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem, _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from qdcp import checksums
+from qdcp.storage.direct import DirectFile, open_direct
 from qdcp.storage.threads import run_jobs
 
 __all__ = ["default_thread_count", "write_items", "serialize_tensor"]
@@ -171,7 +172,8 @@ def _write_file(writer: Any, name: str, items: list[WriteItem], planner: Any, cr
                 ahead: int, hash_items: bool) -> list[WriteResult]:
     path = writer.fs.concat_path(writer.path, name)
     results = []
-    with writer.fs.create_stream(path, "wb") as stream:
+    direct = _open_direct(writer, path)
+    with direct if direct is not None else writer.fs.create_stream(path, "wb") as stream:
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
                 results.append(_write_one(writer.transforms, stream, planner.resolve_data(item), item, name, crc,
@@ -180,12 +182,14 @@ def _write_file(writer: Any, name: str, items: list[WriteItem], planner: Any, cr
         resolved = _prefetched(tensors, planner, ahead) if _accelerator() else \
             ((item, _host_tensor(planner, item)) for item in tensors)
         fd = _descriptor(stream)
-        writeback = _Writeback(stream, fd) if writer.sync_files and fd is not None else None
+        writeback = _Writeback(stream, fd) if writer.sync_files and fd is not None and direct is None else None
         for item, tensor in resolved:
             results.append(_write_one(writer.transforms, stream, tensor, item, name, crc, hash_items))
             del tensor
             if writeback is not None:
                 writeback.start()
+        if direct is not None:
+            direct.finish()
         if writer.sync_files:
             stream.flush()
             if fd is not None:
@@ -193,6 +197,14 @@ def _write_file(writer: Any, name: str, items: list[WriteItem], planner: Any, cr
             else:
                 os.sync()  # a stream without a descriptor (as DCP's writer does)
     return results
+
+
+def _open_direct(writer: Any, path: Any) -> DirectFile | None:
+    """The file at ``path`` opened for direct writes (:mod:`qdcp.storage.direct`) where the writer
+    asks for them (``direct_io``), fsyncs its files and writes to the local file system; else None."""
+    if not (getattr(writer, "qdcp_direct_io", False) and writer.sync_files and isinstance(writer.fs, FileSystem)):
+        return None
+    return open_direct(os.fspath(path))
 
 
 def _descriptor(stream: Any) -> int | None:
@@ -208,6 +220,9 @@ def _write_one(transforms: Any, stream: Any, data: Any, item: WriteItem, name: s
     hashed = None
     if hash_items:
         hashed = checksums.hash_later(data.getvalue() if item.type == WriteItemType.BYTE_IO else data)
+    place = getattr(stream, "start_item", None)  # a DirectFile places each item itself
+    if place is not None:
+        place()
     offset = stream.tell()
     out, descriptors = transforms.transform_save_stream(item, stream)
     if item.type == WriteItemType.BYTE_IO:
@@ -215,6 +230,8 @@ def _write_one(transforms: Any, stream: Any, data: Any, item: WriteItem, name: s
     else:
         serialize_tensor(data, out, crc)
     out.close()
+    if place is not None:
+        offset = stream.item_start()
     length = stream.tell() - offset
     info = _StorageInfo(name, offset, length, transform_descriptors=descriptors or None) if hashed is None else \
         HashedStorageInfo(name, offset, length, transform_descriptors=descriptors or None, qdcp_hash=hashed())

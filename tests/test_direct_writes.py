@@ -1,0 +1,276 @@
+"""Direct writes (qdcp.storage.direct): a save's large items go to the disk from their own memory
+(``O_DIRECT``), each item placed up to a block after the previous one so that its data lands at a
+file offset congruent to its address; every byte still reads back exactly, through stock DCP and
+qdcp, and the items' bytes are those a buffered save writes."""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qdcp
+from cli_in_process import qdcp_cli
+from qdcp import CheckpointWriter, QuantizedSavePlanner, QuantizedStager
+from qdcp.storage import direct
+from qdcp.storage.torch_save import ViewReader, _record_start
+
+BLOCK = direct.BLOCK
+
+
+def _direct_dir(base: Path) -> Path | None:
+    """A directory under ``base`` (else under the checkout) whose file system takes O_DIRECT."""
+    for root in (base, Path(__file__).resolve().parent.parent):
+        d = Path(tempfile.mkdtemp(prefix="qdcp-direct-", dir=root))
+        f = direct.open_direct(str(d / "probe"))
+        if f is not None:
+            f.close()
+            os.remove(d / "probe")
+            return d
+    return None
+
+
+@pytest.fixture
+def ddir(tmp_path):
+    if not direct.supported():
+        pytest.skip("no O_DIRECT on this platform")
+    d = _direct_dir(tmp_path)
+    if d is None:
+        pytest.skip("no file system here takes O_DIRECT")
+    yield d
+    if tmp_path not in d.parents:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- DirectFile, generated
+
+_write = st.tuples(st.integers(0, 3 * 8192), st.integers(0, 63), st.booleans())  # (size, address offset, large)
+_item = st.lists(_write, min_size=0, max_size=4)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(items=st.lists(_item, min_size=1, max_size=6), seed=st.integers(0, 2**16))
+def test_a_direct_file_holds_each_item_at_its_offset(ddir, monkeypatch, items, seed):
+    """The rule from the module's docs: every item's bytes lie at ``[item_start, item_start + n)``,
+    in order, each starting less than a block after the previous one ends (zeros between); the
+    file ends with the last item; a large write that starts its item lands at a file offset
+    congruent to its address (mod BLOCK)."""
+    monkeypatch.setattr(direct, "DIRECT_MIN", 8192)
+    monkeypatch.setattr(direct, "BUFFER_BYTES", 16384)  # runs flushed mid-item too
+    monkeypatch.setattr(direct, "_HELD_MAX", 4096)
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randint(0, 256, (64 * 8192,), dtype=torch.uint8, generator=g)
+    path = ddir / f"f{seed}"
+    expected, placed, first_large = [], [], []
+    cursor = 0
+    with direct.open_direct(str(path)) as f:
+        for writes in items:
+            f.start_item()
+            data, first = bytearray(), None
+            for size, shift, large in writes:
+                size = size + 8192 if large else size % 200  # large ones over DIRECT_MIN
+                at = (cursor * 64 + shift * 64 + shift) % (pool.numel() - size)
+                cursor += 1
+                piece = pool[at: at + size]
+                if first is None and size >= 8192 and len(data) <= 4096:
+                    first = (len(data), piece.data_ptr())
+                f.write(memoryview(piece.numpy()))
+                data += piece.numpy().tobytes()
+            start = f.item_start()
+            assert f.tell() - start == len(data)
+            expected.append(bytes(data))
+            placed.append(start)
+            first_large.append(first)
+        f.finish()
+    raw = path.read_bytes()
+    end = 0
+    for data, start, first in zip(expected, placed, first_large):
+        assert end <= start < end + BLOCK and raw[end:start] == bytes(start - end)
+        assert raw[start: start + len(data)] == data
+        if first is not None:
+            assert (start + first[0] - first[1]) % BLOCK == 0
+        end = start + len(data)
+    assert len(raw) == end
+
+
+def test_a_direct_write_the_file_system_refuses_is_written_buffered(ddir):
+    """EINVAL from a direct write (here: memory the device cannot take directly) turns direct
+    writes off for the rest of the file; its bytes, and the later ones, are written all the same."""
+    data = torch.randint(0, 256, (3 * direct.DIRECT_MIN + 5,), dtype=torch.uint8)
+    off = (-data.data_ptr() % BLOCK) + 1  # an address one past a block
+    with direct.open_direct(str(ddir / "f")) as f:
+        f.start_item()
+        f._write_direct(memoryview(data[off:].numpy()))  # bypassing write()'s placement
+        assert not f._direct
+        f.write(memoryview(data.numpy()))
+        f.finish()
+    assert (ddir / "f").read_bytes() == data[off:].numpy().tobytes() + data.numpy().tobytes()
+
+
+def test_a_file_system_without_o_direct_gets_buffered_files(tmp_path):
+    tmpfs = next((line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+                  if line.split()[2] == "tmpfs" and os.access(line.split()[1], os.W_OK)), None) \
+        if Path("/proc/mounts").exists() else None
+    if tmpfs is None or not direct.supported():
+        pytest.skip("no writable tmpfs with O_DIRECT refused here")
+    d = Path(tempfile.mkdtemp(dir=tmpfs))
+    try:
+        f = direct.open_direct(str(d / "probe"))
+        if f is not None:
+            f.close()
+            pytest.skip(f"{tmpfs} takes O_DIRECT")
+        state = {"w": torch.randn(1 << 19), "v": torch.arange(7)}
+        qdcp.save(state, d / "c")
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(target, checkpoint_id=d / "c")
+        assert all(torch.equal(target[k], state[k]) for k in state)
+    finally:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- saves
+
+def _state(seed: int) -> dict:
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(1024, 1536, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(1536, 1024, generator=g))
+    quantize_(torch.nn.Sequential(lin), Int8WeightOnlyConfig())
+    wide = torch.randn(700, 900, generator=g)
+    return {
+        "q": lin.weight.detach(),  # an Int8Tensor: 1.5 MiB of qdata, small scales
+        "f32": torch.randn(3, 1 << 17, generator=g),  # 1.5 MiB
+        "bf16": torch.randn(1 << 20, generator=g).to(torch.bfloat16),  # 2 MiB
+        "i16": torch.randint(-9, 9, (1 << 20,), dtype=torch.int16, generator=g)[1:],  # a view, odd address
+        "cols": wide[:, 1:],  # not contiguous: written from a copy
+        "small": torch.arange(11),
+        "step": seed,
+    }
+
+
+def _stored(path: Path) -> dict[str, bytes]:
+    """Each stored item's bytes, by ``fqn@offsets``."""
+    md = qdcp.read_metadata(path)
+    out = {}
+    for index, info in md.storage_data.items():
+        with open(path / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            out[f"{index.fqn}@{tuple(index.offset or ())}"] = f.read(info.length)
+    return out
+
+
+def _data_offsets(path: Path) -> dict[str, int]:
+    """Where each stored tensor item's data record starts in its file, by fqn."""
+    md = qdcp.read_metadata(path)
+    out = {}
+    for index, info in md.storage_data.items():
+        raw = memoryview((path / info.relative_path).read_bytes())[info.offset: info.offset + info.length]
+        if bytes(raw[:4]) != b"PK\x03\x04":
+            continue
+        with zipfile.ZipFile(ViewReader(raw)) as z:
+            rec = next((i for i in z.infolist() if "/data/" in i.filename), None)  # none: a pickled object
+        if rec is not None:
+            out[index.fqn] = info.offset + _record_start(raw, rec)
+    return out
+
+
+def _equal(a, b) -> bool:
+    if hasattr(a, "qdata"):
+        return torch.equal(a.qdata, b.qdata) and torch.equal(a.scale, b.scale)
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def _empty_like(state: dict) -> dict:
+    fresh = _state(99)
+    return {k: fresh[k] for k in state}
+
+
+def test_a_sync_save_writes_each_large_item_from_its_own_memory(ddir):
+    """``qdcp.save`` at its defaults: each large item's data lies in its file at an offset
+    congruent to the tensor's own address (the placement a direct write needs); the stored items
+    are byte for byte those of a buffered save (``direct_io=False``); both read back exactly."""
+    state = _state(1)
+    qdcp.save(state, ddir / "d")
+    qdcp.save(state, ddir / "b", storage_options={"direct_io": False})
+    assert _stored(ddir / "d") == _stored(ddir / "b")
+    where = _data_offsets(ddir / "d")
+    sources = {"q.__qdcp__.qdata": state["q"].qdata, "f32": state["f32"], "bf16": state["bf16"]}
+    for fqn, t in sources.items():
+        assert (where[fqn] - t.data_ptr()) % BLOCK == 0, fqn
+    buffered = _data_offsets(ddir / "b")
+    assert any((buffered[f] - t.data_ptr()) % BLOCK for f, t in sources.items())  # not so by chance
+    for name in ("d", "b"):
+        files = [n for n in os.listdir(ddir / name) if n.endswith(".distcp")]
+        md = qdcp.read_metadata(ddir / name)
+        for n in files:  # each file ends with its last item
+            assert os.path.getsize(ddir / name / n) == max(i.offset + i.length for i in md.storage_data.values()
+                                                            if i.relative_path == n)
+        target = _empty_like(state)
+        qdcp.load(target, ddir / name)
+        assert all(_equal(target[k], state[k]) for k in state)
+        plain = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor) and k != "q"}
+        dcp.load(plain, checkpoint_id=ddir / name)  # stock DCP's reader and planner
+        assert all(torch.equal(plain[k], state[k]) for k in plain)
+
+
+@pytest.mark.parametrize("how", ["qdcp.async_save", "dcp.async_save + QuantizedStager", "dcp.save + writer"])
+def test_saves_through_dcp_with_direct_writes_read_back_exactly(ddir, how):
+    state = _state(2)
+    path = ddir / "c"
+    if how == "qdcp.async_save":
+        fut = qdcp.async_save(state, path)
+        getattr(fut, "upload_completion", fut).result()
+    elif how == "dcp.async_save + QuantizedStager":
+        stager = QuantizedStager()
+        try:
+            fut = dcp.async_save(state, storage_writer=CheckpointWriter(path), planner=QuantizedSavePlanner(),
+                                 async_stager=stager)
+            getattr(fut, "upload_completion", fut).result()
+        finally:
+            stager.close()
+    else:
+        dcp.save(state, storage_writer=CheckpointWriter(path, thread_count=3), planner=QuantizedSavePlanner())
+    qdcp.save(state, ddir / "b", storage_options={"direct_io": False})
+    assert _stored(path) == _stored(ddir / "b")
+    target = _empty_like(state)
+    qdcp.load(target, path)
+    assert all(_equal(target[k], state[k]) for k in state)
+    verified = qdcp_cli("verify", path)  # every item's checksum, through the CLI
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_a_save_that_fails_midway_leaves_no_direct_file(ddir, monkeypatch):
+    """A write error inside a direct file (here: the disk full) removes what the save wrote, and
+    an existing checkpoint at the path stays as it was."""
+    state = _state(3)
+    qdcp.save(state, ddir / "c")
+    before = {n: (ddir / "c" / n).read_bytes() for n in os.listdir(ddir / "c")}
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        if memoryview(data).nbytes >= direct.DIRECT_MIN:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(Exception, match="No space left"):
+        qdcp.save(_state(4), ddir / "c", overwrite=True)
+    monkeypatch.setattr(os, "pwrite", real)
+    assert {n: (ddir / "c" / n).read_bytes() for n in os.listdir(ddir / "c")} == before
+    target = _empty_like(state)
+    qdcp.load(target, ddir / "c")
+    assert all(_equal(target[k], state[k]) for k in state)
