@@ -13,16 +13,20 @@ fresh), in ONE run:
   ``FileSystemWriter`` at its defaults (``thread_count=1``) and at ``thread_count=--files``;
 - ``dcp.save(state, planner=QuantizedSavePlanner())`` (DCP's own writer);
 - ``qdcp.save`` (synchronous) and ``qdcp.async_save`` (the whole save: the call until its future is
-  done), both at qdcp's defaults; ``async_save`` also with a ``QuantizedStager`` kept across saves
-  (its steady state: buffers reused);
+  done), both at qdcp's defaults (direct writes, :mod:`qdcp.storage.direct`), and both again with
+  ``direct_io=False`` (buffered writes, through the page cache); ``async_save`` also with a
+  ``QuantizedStager`` kept across saves (its steady state: buffers reused);
 - the staging copy alone (``QuantizedStager.stage`` into kept buffers): DCP starts an async save's
   upload only once staging has returned, so storage / (storage + staging) bounds the whole save;
 - with ``--fsspec``: the same bytes written through fsspec (``file://``, fsync'd) and ``qdcp.save``
   to that URL (qdcp's fsspec writer).
 
-Prints GiB/s per case and each save's ratio to vanilla ``dcp.save`` (thread_count=1) and to the
-storage's parallel bandwidth (goals: ``qdcp.save`` >= 1.0x vanilla; a whole save at qdcp's
-defaults >= 0.85x the storage).
+Prints GiB/s per case (best run), each save's ratio to vanilla ``dcp.save`` (thread_count=1) and to
+the storage's parallel bandwidth (best runs, and medians: a virtual disk's buffered writes vary
+from run to run), and the CPU seconds each takes (median; user + system time of the process: what
+a save running beside training takes from its cores; buffered writes copy every byte into the page
+cache there, qdcp's direct writes do not). Goals: ``qdcp.save`` >= 1.0x vanilla; a whole save at
+qdcp's defaults >= 0.85x the storage.
 
     python benchmarks/write_path.py [--gib 1] [--device cpu|cuda] [--files 4] [--repeat 3] [--dir /tmp]
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import tempfile
 import threading
@@ -97,21 +102,60 @@ def write_files(buffers: list[torch.Tensor], directory: str, n: int, opener=None
         t.join()
 
 
-def best(cases: dict[str, tuple[Callable[[], object], Callable[[], object]]], repeat: int) -> dict[str, float]:
-    """Best (shortest) wall time of each ``(fn, cleanup)`` over ``repeat`` interleaved rounds;
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)  # this process's threads, the kernel's work for them included
+    return r.ru_utime + r.ru_stime
+
+
+def timed(cases: dict[str, tuple[Callable[[], object], Callable[[], object]]], repeat: int) -> dict[str, list]:
+    """Each ``(fn, cleanup)``'s runs over ``repeat`` interleaved rounds: ``[(wall s, CPU s)]`` (CPU:
+    user + system time of this process, what the save takes from the cores training runs on);
     ``cleanup`` runs untimed before and after each run, then ``os.sync()``."""
-    times: dict[str, list[float]] = {k: [] for k in cases}
+    runs: dict[str, list] = {k: [] for k in cases}
     for r in range(repeat):
         for name in (list(cases) if r % 2 == 0 else list(reversed(cases))):
             fn, cleanup = cases[name]
             cleanup()
             os.sync()
-            t0 = time.perf_counter()
+            c0, t0 = _cpu_seconds(), time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - t0)
-            print(f"  {name}: {times[name][-1]:.3f} s", flush=True)  # as it goes (a run cut short still tells)
+            runs[name].append((time.perf_counter() - t0, _cpu_seconds() - c0))
+            print(f"  {name}: {runs[name][-1][0]:.3f} s, CPU {runs[name][-1][1]:.2f} s", flush=True)  # as it goes
             cleanup()
-    return {k: min(v) for k, v in times.items()}
+    return runs
+
+
+def beside_training(save: Callable[[], object], rounds: int, device: torch.device) -> list[tuple[float, float]]:
+    """Training beside an async save's upload: ``[(steps/s while the upload runs / steps/s alone,
+    upload seconds)]`` per round; a "step" is a 768x768 matmul on ``device`` (the cores' or the
+    accelerator's work a training loop does while its checkpoint is written)."""
+    a, b = torch.randn(768, 768, device=device), torch.randn(768, 768, device=device)
+
+    def steps(stop: Callable[[], bool]) -> tuple[int, float]:
+        k, t0 = 0, time.perf_counter()
+        while not stop():
+            a @ b
+            if device.type != "cpu":
+                torch.accelerator.synchronize()
+            k += 1
+        return k, time.perf_counter() - t0
+
+    deadline = time.perf_counter() + 1.0
+    k, t = steps(lambda: time.perf_counter() > deadline)
+    alone = k / t
+    out = []
+    for _ in range(rounds):
+        fut = save()
+        upload = getattr(fut, "upload_completion", fut)
+        k, t = steps(upload.done)
+        upload.result()
+        out.append((k / t / alone, t))
+    return out
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
 
 def main() -> None:
@@ -178,7 +222,17 @@ def main() -> None:
     print(f"{len(state)} Int8Tensor weights on {device}, {nbytes / 2**30:.3f} GiB of components; "
           f"{os.cpu_count()} CPUs; writing under {root}; best of {args.repeat}")
     try:
-        times = best(cases, args.repeat)
+        runs = timed(cases, args.repeat)
+        times = {k: min(t for t, _ in v) for k, v in runs.items()}
+        training = {}
+        for name, opts in (() if args.only else (("direct writes (default)", {}),
+                                                  ("buffered (direct_io=False)", buffered))):
+            def save(opts=opts):
+                shutil.rmtree(d["q"], ignore_errors=True)
+                os.sync()
+                return qdcp.async_save(state, d["q"], storage_options=opts)
+
+            training[name] = beside_training(save, args.repeat, device)
         for name in args.profile:
             fn, cleanup = cases[name]
             cleanup()
@@ -191,10 +245,15 @@ def main() -> None:
     disk = times[f"storage, {files} files"]
     fs_disk = times.get(f"storage via fsspec, {files} files")
     vanilla = times["vanilla dcp.save (thread_count=1)"]
-    print(f"\n{'case':44} {'GiB/s':>7} {'/ vanilla':>10} {'/ storage':>10}")
+    medians = {k: median([t for t, _ in v]) for k, v in runs.items()}
+    fs_med = medians.get(f"storage via fsspec, {files} files")
+    print(f"\n{'case':44} {'GiB/s':>7} {'/ vanilla':>10} {'/ storage':>10} {'median: / storage':>18} {'CPU s':>6}")
     for name, t in times.items():
         anchor = fs_disk if "fsspec" in name and fs_disk else disk
-        print(f"{name:44} {nbytes / t / 2**30:7.3f} {vanilla / t:10.2f} {anchor / t:10.2f}")
+        anchor_med = fs_med if "fsspec" in name and fs_med else medians[f"storage, {files} files"]
+        cpu = median([c for _, c in runs[name]])
+        print(f"{name:44} {nbytes / t / 2**30:7.3f} {vanilla / t:10.2f} {anchor / t:10.2f} "
+              f"{anchor_med / medians[name]:18.2f} {cpu:6.2f}")
     early = times[f"storage, {files} files, early writeback"]
     for name in ("qdcp.save", "qdcp.async_save (whole save)"):
         if name in times:
@@ -202,6 +261,11 @@ def main() -> None:
     staging = times["staging copy alone (QuantizedStager.stage)"]
     print(f"storage / (storage + the staging copy): {disk / (disk + staging):.2f} (DCP starts an async save's "
           f"upload once staging has returned: the most an async whole save can reach here)")
+    if training:
+        print("\ntraining beside qdcp.async_save's upload (steps/s / steps/s alone; upload seconds):")
+        for name, rounds in training.items():
+            print(f"  {name:28} " + ", ".join(f"{r:.2f}x ({t:.2f} s)" for r, t in rounds)
+                  + f"; median {median([r for r, _ in rounds]):.2f}x")
     print(f"goals: qdcp.save / vanilla >= 1.0; whole save at qdcp's defaults / storage ({files} files) >= 0.85 "
           f"(fsspec: / storage via fsspec)")
 
