@@ -9,11 +9,13 @@
   one pass over the bytes fewer. ``torch.load`` never checks those CRCs; qdcp's reader checks them
   only where nothing else checks an item.
 - No extra copies: a tensor is written from its own memory (a copy only where its storage is
-  larger than its bytes, as DCP does); objects are written from their buffer.
+  larger than its bytes, as DCP does); objects are written from their buffer. Where files are
+  fsync'd on a local file system, large items skip the page cache too (``O_DIRECT``, the writer's
+  ``direct_io``; :mod:`qdcp.storage.direct`): the disk reads them from that memory.
 - Device-to-host copies and writes overlap: where an accelerator is present, the next items are
   resolved and copied to the host by a helper thread while one is written (at least one item
   ahead, at most ``per_thread_copy_ahead`` bytes beyond it).
-- Writeback started early: where files are fsync'd, the bytes of each item written are handed to
+- Writeback started early: where files are fsync'd and written buffered, the bytes of each item written are handed to
   the disk at once (``posix_fadvise(..., POSIX_FADV_DONTNEED)``: the kernel starts writing dirty
   pages back without waiting, as PostgreSQL's ``pg_flush_data`` does), so the disk writes while
   the next items are serialized and the fsync at the end waits for little; the written pages
