@@ -13,9 +13,9 @@ fresh), in ONE run:
   ``FileSystemWriter`` at its defaults (``thread_count=1``) and at ``thread_count=--files``;
 - ``dcp.save(state, planner=QuantizedSavePlanner())`` (DCP's own writer);
 - ``qdcp.save`` (synchronous) and ``qdcp.async_save`` (the whole save: the call until its future is
-  done), both at qdcp's defaults (direct writes, :mod:`qdcp.storage.direct`), and both again with
-  ``direct_io=False`` (buffered writes, through the page cache); ``async_save`` also with a
-  ``QuantizedStager`` kept across saves (its steady state: buffers reused);
+  done), both at qdcp's defaults (the sync save buffered, the async one with direct writes,
+  :mod:`qdcp.storage.direct`), and each again the other way (``direct_io=True`` / ``False``);
+  ``async_save`` also with a ``QuantizedStager`` kept across saves (its steady state: buffers reused);
 - the staging copy alone (``QuantizedStager.stage`` into kept buffers): DCP starts an async save's
   upload only once staging has returned, so storage / (storage + staging) bounds the whole save;
 - with ``--fsspec``: the same bytes written through fsspec (``file://``, fsync'd) and ``qdcp.save``
@@ -200,8 +200,9 @@ def main() -> None:
         "qdcp.save": (lambda: qdcp.save(state, d["q"]), clean(d["q"])),
         "qdcp.async_save (whole save)": (lambda: whole(qdcp.async_save(state, d["q"])), clean(d["q"])),
         "qdcp.async_save, kept stager": (lambda: whole(qdcp.async_save(state, d["q"], stager=kept)), clean(d["q"])),
-        # the same two saves with buffered writes (through the page cache), as before direct writes
-        "qdcp.save, direct_io=False": (lambda: qdcp.save(state, d["q"], storage_options=buffered), clean(d["q"])),
+        # the same two saves the other way: the sync one direct, the async one buffered (page cache)
+        "qdcp.save, direct_io=True": (lambda: qdcp.save(state, d["q"], storage_options={"direct_io": True}),
+                                      clean(d["q"])),
         "qdcp.async_save (whole), direct_io=False": (
             lambda: whole(qdcp.async_save(state, d["q"], storage_options=buffered)), clean(d["q"])),
         # what an async save does before DCP starts its upload: the staging copy alone (kept buffers)

@@ -53,14 +53,17 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     ``stager``: a :class:`qdcp.QuantizedStager` kept for the whole run (its buffers are reused
     from save to save; ``stager.prepare(state_dict)`` before training makes the first save as fast as
     the later ones); without one the writer stages through a ``QuantizedStager`` shared by this
-    process's qdcp writers (its buffers reused too).
+    process's qdcp writers (its buffers reused too). The upload writes the staged buffers' large
+    items straight to the disk (direct writes, :mod:`qdcp.storage.direct`; ``storage_options=
+    {"direct_io": False}``: through the page cache).
     Wait for the previous save's future before the next save.
     """
-    kwargs = {"async_stager": stager} if stager is not None else {}
-    writer = storage_writer(path, overwrite=overwrite, **(storage_options or {}))
+    # the writer stages (DCP's hook for a writer that is an AsyncStager), through ``stager`` if given:
+    # a writer that staged its save knows the upload runs beside training (direct writes)
+    writer = storage_writer(path, overwrite=overwrite, stager=stager, **(storage_options or {}))
     try:
         result = dcp.async_save(state_dict, storage_writer=writer, planner=QuantizedSavePlanner(dequantize=dequantize),
-                                process_group=process_group, **kwargs)
+                                process_group=process_group)
     except BaseException:
         writer.abandon()
         raise

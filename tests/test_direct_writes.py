@@ -1,7 +1,8 @@
-"""Direct writes (qdcp.storage.direct): a save's large items go to the disk from their own memory
-(``O_DIRECT``), each item placed up to a block after the previous one so that its data lands at a
-file offset congruent to its address; every byte still reads back exactly, through stock DCP and
-qdcp, and the items' bytes are those a buffered save writes."""
+"""Direct writes (qdcp.storage.direct): an async save's large items go to the disk from the
+staging buffers (``O_DIRECT``; a synchronous save's too with ``direct_io=True``), each item placed
+up to a block after the previous one so that its data lands at a file offset congruent to its
+address; every byte still reads back exactly, through stock DCP and qdcp, and the items' bytes are
+those a buffered save writes."""
 
 from __future__ import annotations
 
@@ -199,65 +200,118 @@ def _empty_like(state: dict) -> dict:
     return {k: fresh[k] for k in state}
 
 
-def test_a_sync_save_writes_each_large_item_from_its_own_memory(ddir):
-    """``qdcp.save`` at its defaults: each large item's data lies in its file at an offset
-    congruent to the tensor's own address (the placement a direct write needs); the stored items
-    are byte for byte those of a buffered save (``direct_io=False``); both read back exactly."""
-    state = _state(1)
-    qdcp.save(state, ddir / "d")
-    qdcp.save(state, ddir / "b", storage_options={"direct_io": False})
-    assert _stored(ddir / "d") == _stored(ddir / "b")
-    where = _data_offsets(ddir / "d")
-    sources = {"q.__qdcp__.qdata": state["q"].qdata, "f32": state["f32"], "bf16": state["bf16"]}
+def _gapless(path: Path) -> bool:
+    """Whether every data file of the checkpoint is its items end to end (buffered writes)."""
+    md = qdcp.read_metadata(path)
+    files = {i.relative_path for i in md.storage_data.values()}
+    return all(os.path.getsize(path / f) == sum(i.length for i in md.storage_data.values() if i.relative_path == f)
+               for f in files)
+
+
+def _large(state: dict) -> dict[str, torch.Tensor]:
+    """The stored names and tensors of the state's items of 1 MiB or more written from their own memory."""
+    return {"q.__qdcp__.qdata": state["q"].qdata, "f32": state["f32"], "bf16": state["bf16"]}
+
+
+def _assert_written_from(path: Path, sources: dict[str, torch.Tensor]) -> None:
+    """Each item's data lies in its file at an offset congruent (mod BLOCK) to the address of the
+    memory it was written from: the placement a direct write needs."""
+    where = _data_offsets(path)
     for fqn, t in sources.items():
         assert (where[fqn] - t.data_ptr()) % BLOCK == 0, fqn
-    buffered = _data_offsets(ddir / "b")
-    assert any((buffered[f] - t.data_ptr()) % BLOCK for f, t in sources.items())  # not so by chance
-    for name in ("d", "b"):
-        files = [n for n in os.listdir(ddir / name) if n.endswith(".distcp")]
-        md = qdcp.read_metadata(ddir / name)
-        for n in files:  # each file ends with its last item
-            assert os.path.getsize(ddir / name / n) == max(i.offset + i.length for i in md.storage_data.values()
-                                                            if i.relative_path == n)
-        target = _empty_like(state)
-        qdcp.load(target, ddir / name)
-        assert all(_equal(target[k], state[k]) for k in state)
-        plain = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor) and k != "q"}
-        dcp.load(plain, checkpoint_id=ddir / name)  # stock DCP's reader and planner
-        assert all(torch.equal(plain[k], state[k]) for k in plain)
 
 
-@pytest.mark.parametrize("how", ["qdcp.async_save", "dcp.async_save + QuantizedStager", "dcp.save + writer"])
-def test_saves_through_dcp_with_direct_writes_read_back_exactly(ddir, how):
-    state = _state(2)
-    path = ddir / "c"
-    if how == "qdcp.async_save":
-        fut = qdcp.async_save(state, path)
-        getattr(fut, "upload_completion", fut).result()
-    elif how == "dcp.async_save + QuantizedStager":
-        stager = QuantizedStager()
-        try:
-            fut = dcp.async_save(state, storage_writer=CheckpointWriter(path), planner=QuantizedSavePlanner(),
-                                 async_stager=stager)
-            getattr(fut, "upload_completion", fut).result()
-        finally:
-            stager.close()
-    else:
-        dcp.save(state, storage_writer=CheckpointWriter(path, thread_count=3), planner=QuantizedSavePlanner())
-    qdcp.save(state, ddir / "b", storage_options={"direct_io": False})
-    assert _stored(path) == _stored(ddir / "b")
+def _reads_back(path: Path, state: dict) -> None:
     target = _empty_like(state)
     qdcp.load(target, path)
     assert all(_equal(target[k], state[k]) for k in state)
+    plain = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor) and k != "q"}
+    dcp.load(plain, checkpoint_id=path)  # stock DCP's reader and planner
+    assert all(torch.equal(plain[k], state[k]) for k in plain)
     verified = qdcp_cli("verify", path)  # every item's checksum, through the CLI
     assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_a_sync_save_is_buffered_unless_asked_and_then_written_from_the_tensors(ddir):
+    """``qdcp.save`` (training waits for it) writes buffered by default: items end to end. With
+    ``direct_io=True`` each large item's data lies at an offset congruent to the tensor's own
+    address; the stored items are byte for byte the same; both read back exactly."""
+    state = _state(1)
+    qdcp.save(state, ddir / "b")
+    qdcp.save(state, ddir / "d", storage_options={"direct_io": True})
+    assert _stored(ddir / "d") == _stored(ddir / "b")
+    assert _gapless(ddir / "b") and not _gapless(ddir / "d")
+    _assert_written_from(ddir / "d", _large(state))
+    buffered = _data_offsets(ddir / "b")
+    assert any((buffered[f] - t.data_ptr()) % BLOCK for f, t in _large(state).items())  # not so by chance
+    for name in ("d", "b"):
+        _reads_back(ddir / name, state)
+
+
+def _staged(stager: QuantizedStager, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The stager's buffer holding each source's copy (found by its bytes: the sources differ)."""
+    buffers = list(stager._buffers.values())
+    out = {}
+    for fqn, t in sources.items():
+        found = [b for b in buffers if b.shape == t.shape and b.dtype == t.dtype and torch.equal(b, t)]
+        assert len(found) == 1, fqn
+        out[fqn] = found[0]
+    return out
+
+
+@pytest.mark.parametrize("how", ["qdcp.async_save", "qdcp.async_save, kept stager", "dcp.async_save + writer"])
+def test_an_async_save_writes_from_the_staging_buffers(ddir, how):
+    """An async save (its upload runs beside training) writes each large item straight from the
+    stager's buffer that holds it; the items are those a buffered save stores; all read back."""
+    state = _state(2)
+    path = ddir / "c"
+    kept = QuantizedStager() if "kept" in how else None
+    writer = CheckpointWriter(path) if how == "dcp.async_save + writer" else None
+    try:
+        if writer is not None:
+            fut = dcp.async_save(state, storage_writer=writer, planner=QuantizedSavePlanner())
+        else:
+            fut = qdcp.async_save(state, path, stager=kept)
+        getattr(fut, "upload_completion", fut).result()
+        stager = kept or (writer._stager if writer is not None else None)
+        if stager is not None:
+            _assert_written_from(path, _staged(stager, _large(state)))
+        assert not _gapless(path)
+    finally:
+        if kept is not None:
+            kept.close()
+    qdcp.save(state, ddir / "b")
+    assert _stored(path) == _stored(ddir / "b")
+    _reads_back(path, state)
+
+
+@pytest.mark.parametrize("direct_io", [None, True, False])
+def test_a_writer_given_a_stager_by_dcp_writes_as_told(ddir, direct_io):
+    """``dcp.async_save(..., async_stager=...)`` stages without the writer: at its default the
+    writer cannot tell the save is async and writes buffered; ``direct_io=True`` writes direct."""
+    state = _state(3)
+    stager = QuantizedStager()
+    try:
+        fut = dcp.async_save(state, storage_writer=CheckpointWriter(ddir / "c", direct_io=direct_io),
+                             planner=QuantizedSavePlanner(), async_stager=stager)
+        getattr(fut, "upload_completion", fut).result()
+        if direct_io:
+            _assert_written_from(ddir / "c", _staged(stager, _large(state)))
+        assert _gapless(ddir / "c") == (not direct_io)
+    finally:
+        stager.close()
+    dcp.save(state, storage_writer=CheckpointWriter(ddir / "s", thread_count=3, direct_io=direct_io),
+             planner=QuantizedSavePlanner())
+    assert _gapless(ddir / "s") == (not direct_io)
+    _reads_back(ddir / "c", state)
+    _reads_back(ddir / "s", state)
 
 
 def test_a_save_that_fails_midway_leaves_no_direct_file(ddir, monkeypatch):
     """A write error inside a direct file (here: the disk full) removes what the save wrote, and
     an existing checkpoint at the path stays as it was."""
-    state = _state(3)
-    qdcp.save(state, ddir / "c")
+    state = _state(4)
+    qdcp.save(state, ddir / "c", storage_options={"direct_io": True})
     before = {n: (ddir / "c" / n).read_bytes() for n in os.listdir(ddir / "c")}
     real = os.pwrite
 
@@ -268,7 +322,7 @@ def test_a_save_that_fails_midway_leaves_no_direct_file(ddir, monkeypatch):
 
     monkeypatch.setattr(os, "pwrite", full)
     with pytest.raises(Exception, match="No space left"):
-        qdcp.save(_state(4), ddir / "c", overwrite=True)
+        qdcp.save(_state(5), ddir / "c", overwrite=True, storage_options={"direct_io": True})
     monkeypatch.setattr(os, "pwrite", real)
     assert {n: (ddir / "c" / n).read_bytes() for n in os.listdir(ddir / "c")} == before
     target = _empty_like(state)

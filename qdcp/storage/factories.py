@@ -73,9 +73,11 @@ if FsspecWriter is not None:
         """:class:`CheckpointWriter` for fsspec URLs (the commit rename is not atomic on object stores)."""
 
         def __init__(self, path: str, overwrite: bool = False, checksums: bool = True,
-                     stager: AsyncStager | None = None, thread_count: int | None = None, **kwargs: Any) -> None:
+                     stager: AsyncStager | None = None, thread_count: int | None = None,
+                     direct_io: bool | None = None, **kwargs: Any) -> None:
             extensions = [ChecksumExtension()] if checksums else None
             super().__init__(os.fspath(path), overwrite=True, _extensions=extensions,
                              thread_count=thread_count or default_thread_count(), **kwargs)
             self._setup_atomic(overwrite, stager)
             self.qdcp_auto_threads = thread_count is None
+            self.qdcp_direct_io = direct_io  # taken, as by CheckpointWriter; fsspec files are written buffered

@@ -9,9 +9,9 @@
   one pass over the bytes fewer. ``torch.load`` never checks those CRCs; qdcp's reader checks them
   only where nothing else checks an item.
 - No extra copies: a tensor is written from its own memory (a copy only where its storage is
-  larger than its bytes, as DCP does); objects are written from their buffer. Where files are
-  fsync'd on a local file system, large items skip the page cache too (``O_DIRECT``, the writer's
-  ``direct_io``; :mod:`qdcp.storage.direct`): the disk reads them from that memory.
+  larger than its bytes, as DCP does); objects are written from their buffer. In an async save
+  (or wherever the writer's ``direct_io`` asks), large items skip the page cache too
+  (``O_DIRECT``, :mod:`qdcp.storage.direct`): the disk reads them from that memory.
 - Device-to-host copies and writes overlap: where an accelerator is present, the next items are
   resolved and copied to the host by a helper thread while one is written (at least one item
   ahead, at most ``per_thread_copy_ahead`` bytes beyond it).
@@ -203,8 +203,12 @@ def _write_file(writer: Any, name: str, items: list[WriteItem], planner: Any, cr
 
 def _open_direct(writer: Any, path: Any) -> DirectFile | None:
     """The file at ``path`` opened for direct writes (:mod:`qdcp.storage.direct`) where the writer
-    asks for them (``direct_io``), fsyncs its files and writes to the local file system; else None."""
-    if not (getattr(writer, "qdcp_direct_io", False) and writer.sync_files and isinstance(writer.fs, FileSystem)):
+    asks for them (its ``direct_io``; None: for a save it staged), fsyncs its files and writes to
+    the local file system; else None."""
+    wanted = getattr(writer, "qdcp_direct_io", False)
+    if wanted is None:
+        wanted = getattr(writer, "qdcp_staged", False)
+    if not (wanted and writer.sync_files and isinstance(writer.fs, FileSystem)):
         return None
     return open_direct(os.fspath(path))
 

@@ -127,11 +127,13 @@ class AtomicWriting:
         self._published = False
         self._stager = stager
         self._owns_stager = stager is None
+        self.qdcp_staged = False  # set by stage(): this save's upload runs beside training
 
     # DCP's hook: ``dcp.async_save`` without ``async_stager`` stages through a writer that is an
     # AsyncStager (FileSystemWriter is one). This writer does no staging of its own: it hands the
     # call to the stager it was given, else to one from the default factory (set_default_stager).
     def stage(self, state_dict):
+        self.qdcp_staged = True  # this save's upload runs beside training (qdcp_direct_io None: direct)
         if self._stager is None:
             if _default_stager is None:
                 return super().stage(state_dict)  # DCP's own (FileSystemWriter's) staging
@@ -139,6 +141,14 @@ class AtomicWriting:
             self._owns_stager = not shared
             return staged
         return self._stager.stage(state_dict)
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """The stager's answer (DCP asks the object it staged through)."""
+        stager = getattr(self, "_stager", None)
+        if stager is not None:
+            return stager.should_synchronize_after_execute
+        return super().should_synchronize_after_execute
 
     def synchronize_staging(self) -> None:
         if self._stager is not None:
@@ -241,6 +251,8 @@ class AtomicWriting:
                 self._claim.end()  # it cannot commit now; abandon() removes every rank's files
             self._release_path()
             raise_with_cause(e, f"writing the checkpoint at {os.fspath(self.path)!r}")
+        finally:
+            self.qdcp_staged = False  # the next save through this writer says again whether it is staged
         if not getattr(self, "_is_coordinator", False):
             self._release()
         return fut
@@ -423,10 +435,13 @@ class CheckpointWriter(AtomicWriting, FileSystemWriter):
             reused from save to save; :func:`set_default_stager`).
         thread_count: files (and threads) each rank writes into; default
             :func:`~qdcp.storage.pipeline.default_thread_count` (the usable cores, at most 4).
-        direct_io: where files are fsync'd (``sync_files``, the default) on a local file system
-            that offers ``O_DIRECT`` (Linux), write them around the page cache, from the tensors'
-            own memory (:mod:`qdcp.storage.direct`; items may then start up to 4 KiB apart). False:
-            buffered writes, as DCP's writer makes.
+        direct_io: write large items around the page cache, from their own memory
+            (:mod:`qdcp.storage.direct`; items may then start up to 4 KiB apart), where files are
+            fsync'd (``sync_files``, the default) on a local file system that offers ``O_DIRECT``
+            (Linux). None (default): for the saves this writer stages (``dcp.async_save`` through
+            it, ``qdcp.async_save``), whose upload runs beside training: a direct write takes a
+            fraction of the CPU time of a buffered one; a synchronous save, which training waits
+            for, is written buffered. True: every save; False: none (buffered, as DCP's writer).
         **kwargs: other ``FileSystemWriter`` options (``sync_files``, ``per_thread_copy_ahead``...).
 
     Each rank's items are written by :mod:`qdcp.storage.pipeline`: split by bytes over
@@ -436,7 +451,7 @@ class CheckpointWriter(AtomicWriting, FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike, overwrite: bool = False, checksums: bool = True,
                  stager: AsyncStager | None = None, thread_count: int | None = None,
-                 direct_io: bool = True, **kwargs: Any) -> None:
+                 direct_io: bool | None = None, **kwargs: Any) -> None:
         extensions = [ChecksumExtension()] if checksums else None
         super().__init__(path, overwrite=True, _extensions=extensions,
                          thread_count=thread_count or default_thread_count(), **kwargs)
