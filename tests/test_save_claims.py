@@ -157,15 +157,17 @@ def test_a_failed_save_leaves_what_was_there(tmp_path, workers):
     assert_loads_as(fresh, 2, N)
 
 
+@pytest.mark.parametrize("direct_io", [False, True])
 @pytest.mark.parametrize("fault, code", [("fsize", errno.EFBIG), ("enospc_after", errno.ENOSPC)])
-def test_a_write_error_keeps_its_root_cause(tmp_path, workers, fault, code):
+def test_a_write_error_keeps_its_root_cause(tmp_path, workers, fault, code, direct_io):
     """The write fails: the OS refuses it (RLIMIT_FSIZE: EFBIG), or a full disk's ``write`` fails
     with ENOSPC and its ``close`` does not fail again (torch.save would report only ``unexpected
-    pos``; qdcp's write pipeline raises the OS error itself). The error qdcp.save raises names the OS
-    error and has it as its ``__cause__``; nothing is left behind."""
+    pos``; qdcp's write pipeline raises the OS error itself), written buffered or directly
+    (``direct_io=True``: items over 1 MiB from their own memory). The error qdcp.save raises names
+    the OS error and has it as its ``__cause__``; nothing is left behind."""
     a, _, _ = workers
     path = tmp_path / "ckpt"
-    result = a.save(path=path, seed=1, n=200_000, **{fault: 100_000})
+    result = a.save(path=path, seed=1, n=600_000, storage_options={"direct_io": direct_io}, **{fault: 100_000})
     assert result["type"] == "CheckpointWriteError" and result["errno"] == code, result
     assert result["chain"][:2] == [f"CheckpointWriteError:{code}", f"OSError:{code}"], result["chain"]
     msg = result["message"]

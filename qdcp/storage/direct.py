@@ -184,10 +184,11 @@ class DirectFile:
         middle = (view.nbytes - head) // BLOCK * BLOCK
         try:
             _pwrite_all(self._fd, view[head:head + middle], self._run_at)
-        except OSError as e:  # a file system that refuses this direct write: the rest buffered
+        except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            self._direct = False
+            self._direct = False  # refused (a file system's rule, or a write cut short): the rest buffered
+        if not self._direct:  # outside the handler: an error of the buffered write is its own
             _pwrite_all(self._fd_buffered, view[head:head + middle], self._run_at)
         self._run_at += middle
         self._run += view[head + middle:]
