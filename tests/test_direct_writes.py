@@ -285,12 +285,13 @@ def test_an_async_save_writes_from_the_staging_buffers(ddir, how):
     _reads_back(path, state)
 
 
-@pytest.mark.parametrize("direct_io", [None, True, False])
-def test_a_writer_given_a_stager_by_dcp_writes_as_told(ddir, direct_io):
+@pytest.mark.parametrize("direct_io, shared", [(None, False), (True, False), (False, False), (True, True)])
+def test_a_writer_given_a_stager_by_dcp_writes_as_told(ddir, direct_io, shared):
     """``dcp.async_save(..., async_stager=...)`` stages without the writer: at its default the
-    writer cannot tell the save is async and writes buffered; ``direct_io=True`` writes direct."""
+    writer cannot tell the save is async and writes buffered; ``direct_io=True`` writes direct
+    (from shared-memory buffers too, as the process checkpointer's stager holds them)."""
     state = _state(3)
-    stager = QuantizedStager()
+    stager = QuantizedStager(share_memory=shared)
     try:
         fut = dcp.async_save(state, storage_writer=CheckpointWriter(ddir / "c", direct_io=direct_io),
                              planner=QuantizedSavePlanner(), async_stager=stager)
