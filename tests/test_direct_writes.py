@@ -368,3 +368,13 @@ def test_generated_saves_written_directly_store_what_buffered_ones_store(ddir, m
             plain = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
             dcp.load(plain, checkpoint_id=path)
             assert all(torch.equal(plain[k], state[k]) for k in plain)
+
+
+def test_files_not_fsyncd_are_written_buffered(ddir):
+    """``sync_files=False`` asks for the page cache (the save returns before the disk has the
+    bytes): no direct writes then, even with ``direct_io=True``; the checkpoint reads back."""
+    state = _state(6)
+    dcp.save(state, storage_writer=CheckpointWriter(ddir / "c", direct_io=True, sync_files=False),
+             planner=QuantizedSavePlanner())
+    assert _gapless(ddir / "c")
+    _reads_back(ddir / "c", state)
