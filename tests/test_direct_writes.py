@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import tempfile
 import zipfile
 from pathlib import Path
@@ -48,8 +49,6 @@ def ddir(tmp_path):
         pytest.skip("no file system here takes O_DIRECT")
     yield d
     if tmp_path not in d.parents:
-        import shutil
-
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -136,8 +135,6 @@ def test_a_file_system_without_o_direct_gets_buffered_files(tmp_path):
         dcp.load(target, checkpoint_id=d / "c")
         assert all(torch.equal(target[k], state[k]) for k in state)
     finally:
-        import shutil
-
         shutil.rmtree(d, ignore_errors=True)
 
 

@@ -124,17 +124,18 @@ class DirectFile:
     def write(self, b) -> int:
         view = _bytes_view(b)
         n = view.nbytes
+        large = n >= DIRECT_MIN and self._direct
+        address = _address(view) if large else 0
         if self._held is not None:
-            if n >= DIRECT_MIN and self._direct:
-                end = self._run_at + len(self._run)
-                self._place((_address(view) - end - self._held_len) % BLOCK)
+            if large:  # place the item so that this write lands congruent to its memory
+                self._place((address - self.tell()) % BLOCK)
             elif self._held_len + n <= _HELD_MAX:
                 self._held.append(bytes(view))
                 self._held_len += n
                 return n
             else:
                 self._place(0)
-        if n >= DIRECT_MIN and self._direct and (_address(view) - self.tell()) % BLOCK == 0:
+        if large and (address - self.tell()) % BLOCK == 0:
             self._write_direct(view)
         else:
             self._collect(view)
