@@ -80,4 +80,4 @@ if FsspecWriter is not None:
                              thread_count=thread_count or default_thread_count(), **kwargs)
             self._setup_atomic(overwrite, stager)
             self.qdcp_auto_threads = thread_count is None
-            self.qdcp_direct_io = direct_io  # taken, as by CheckpointWriter; fsspec files are written buffered
+            self.qdcp_direct_io = direct_io  # taken as CheckpointWriter takes it; fsspec files are written buffered

@@ -37,12 +37,12 @@ import threading
 from typing import Any, Iterator
 
 import torch
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem, _StorageInfo
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from qdcp import checksums
-from qdcp.storage.direct import DirectFile, open_direct
+from qdcp.storage.direct import open_direct
 from qdcp.storage.threads import run_jobs
 
 __all__ = ["default_thread_count", "write_items", "serialize_tensor"]
@@ -151,11 +151,12 @@ class HashedStorageInfo(_StorageInfo):
 
 
 def write_items(writer: Any, items: list[WriteItem], prefix: str, planner: Any, crc: bool,
-                hash_items: bool = False) -> list[WriteResult]:
+                hash_items: bool = False, direct: bool = False) -> list[WriteResult]:
     """Write ``items`` into files named ``<prefix><n>.distcp`` in ``writer``'s directory (one per
     thread, or one per item where ``writer.single_file_per_rank`` is False), each fsync'd where
     ``writer.sync_files``; the results of every item, as DCP's writer returns them (with each
-    item's hash where ``hash_items``)."""
+    item's hash where ``hash_items``). ``direct``: local files written with direct writes
+    (:mod:`qdcp.storage.direct`) where the file system takes them."""
     if getattr(writer, "single_file_per_rank", True):
         files = int(writer.thread_count or 1)
         if getattr(writer, "qdcp_auto_threads", False):  # the default: no file smaller than MIN_FILE_BYTES
@@ -167,14 +168,14 @@ def write_items(writer: Any, items: list[WriteItem], prefix: str, planner: Any, 
     threads = max(1, min(int(writer.thread_count or 1), len(jobs)))
     ahead = max(0, int(getattr(writer, "per_thread_copy_ahead", 0) or 0))
     return run_jobs(jobs, [None] * threads, lambda _, job, failed: _write_file(writer, *job, planner, crc, ahead,
-                                                                               hash_items), "qdcp-write")
+                                                                               hash_items, direct), "qdcp-write")
 
 
 def _write_file(writer: Any, name: str, items: list[WriteItem], planner: Any, crc: bool,
-                ahead: int, hash_items: bool) -> list[WriteResult]:
+                ahead: int, hash_items: bool, direct_writes: bool) -> list[WriteResult]:
     path = writer.fs.concat_path(writer.path, name)
     results = []
-    direct = _open_direct(writer, path)
+    direct = open_direct(os.fspath(path)) if direct_writes else None
     with direct if direct is not None else writer.fs.create_stream(path, "wb") as stream:
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
@@ -199,18 +200,6 @@ def _write_file(writer: Any, name: str, items: list[WriteItem], planner: Any, cr
             else:
                 os.sync()  # a stream without a descriptor (as DCP's writer does)
     return results
-
-
-def _open_direct(writer: Any, path: Any) -> DirectFile | None:
-    """The file at ``path`` opened for direct writes (:mod:`qdcp.storage.direct`) where the writer
-    asks for them (its ``direct_io``; None: for a save it staged), fsyncs its files and writes to
-    the local file system; else None."""
-    wanted = getattr(writer, "qdcp_direct_io", False)
-    if wanted is None:
-        wanted = getattr(writer, "qdcp_staged", False)
-    if not (wanted and writer.sync_files and isinstance(writer.fs, FileSystem)):
-        return None
-    return open_direct(os.fspath(path))
 
 
 def _descriptor(stream: Any) -> int | None:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, SerializationFormat, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystem, SerializationFormat, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.futures import Future
@@ -167,6 +167,15 @@ class AtomicWriting:
         state["_claim"] = None  # taken where the save runs (the PROCESS checkpointer's daemon)
         return state
 
+    def _writes_direct(self) -> bool:
+        """Whether this save's large items go to the disk from their memory (:mod:`qdcp.storage.direct`):
+        where ``direct_io`` asks (None: where this writer staged the save, an async one), files
+        are fsync'd and lie on the local file system."""
+        wanted = getattr(self, "qdcp_direct_io", None)
+        if wanted is None:
+            wanted = self.qdcp_staged
+        return bool(wanted) and self.sync_files and isinstance(self.fs, FileSystem)
+
     def _key(self) -> str:
         return os.path.abspath(os.fspath(self.path)) if not is_url(self.path) else os.fspath(self.path)
 
@@ -244,7 +253,7 @@ class AtomicWriting:
                 fut = Future()
                 fut.set_result(write_items(self, plan.items, plan.storage_data.prefix, planner,
                                            crc=not (checked or self.transforms.extensions),
-                                           hash_items=self._records_hashes))
+                                           hash_items=self._records_hashes, direct=self._writes_direct()))
         except BaseException as e:
             self._files.remove_prefixed(plan.storage_data.prefix)  # this rank's own, partly written
             if self._claim is not None:
