@@ -85,6 +85,9 @@ def of_data(data: Any) -> int | None:
 # xxHash releases the GIL while it hashes: large items are hashed on these threads, beside the
 # Python work (and the GIL-free copies) of the caller
 _BACKGROUND_BYTES = 1 << 20
+# A load planner's items waiting for their background hash hold at most this much host memory (the
+# reads wait for the oldest hash past it): hashing slower than reading does not hold the whole load.
+_PENDING_MAX = 512 << 20
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -344,7 +347,8 @@ class ReadVerifier:
         self._whole: dict[Any, tuple[int, torch.dtype]] = {}  # read item -> (hash, stored dtype)
         self._temps: set[int] = set()
         self._filled: set[str] = set()
-        self._pending: collections.deque = collections.deque()  # (future, expected, read item, key, untouched)
+        self._pending: collections.deque = collections.deque()  # (future, expected, read item, key, untouched, bytes)
+        self._pending_bytes = 0  # the host bytes the pending hashes hold on to
         self._remaining = 0
         self._lock = threading.Lock()
         self.hashed = 0  #: items this verifier hashed itself (this load)
@@ -353,6 +357,7 @@ class ReadVerifier:
     def plan(self, read_items) -> None:
         """Note which of the final plan's read items take a stored chunk (or object) whole."""
         self._whole, self._temps, self._filled, self._pending = {}, set(), set(), collections.deque()
+        self._pending_bytes = 0
         self.hashed = self.noted = 0
         if self.record is None:
             return
@@ -374,13 +379,15 @@ class ReadVerifier:
                 self.noted += 1
 
     def buffer(self, read_item, dest: torch.Tensor) -> torch.Tensor:
-        """Where DCP should copy ``read_item``'s data: ``dest``, or a host buffer to check first."""
+        """Where DCP should copy ``read_item``'s data: ``dest``, or a host buffer to check first
+        (pinned where ``dest`` is on CUDA: torch's caching host allocator reuses it from load to
+        load, and the copy on to the device need not block)."""
         found = self._whole.get(read_item)
         if found is None or found[0] is None or (dest.device.type == "cpu" and dest.dtype == found[1]):
             return dest  # found[0] None: the storage reader checks it (note_verified)
         with self._lock:
             self._temps.add(id(read_item))
-        return torch.empty(tuple(read_item.lengths), dtype=found[1])
+        return torch.empty(tuple(read_item.lengths), dtype=found[1], pin_memory=dest.device.type == "cuda")
 
     def check(self, read_item, tensor: torch.Tensor, key: str) -> bool:
         """Verify ``tensor`` (what arrived for ``read_item``) if it is a whole stored chunk; True
@@ -398,9 +405,11 @@ class ReadVerifier:
         if found is not None and found[0] is not None:  # None: the reader verified it (note_verified)
             with self._lock:
                 self.hashed += 1
-            if _nbytes(data) >= _BACKGROUND_BYTES:
+            n = _nbytes(data)
+            if n >= _BACKGROUND_BYTES:
                 with self._lock:
-                    self._pending.append((_hash_pool().submit(of_data, data), found[0], read_item, key, untouched))
+                    self._pending.append((_hash_pool().submit(of_data, data), found[0], read_item, key, untouched, n))
+                    self._pending_bytes += n
             else:
                 self._compare(read_item, of_data(data), found[0], key=key, untouched=untouched)
         with self._lock:
@@ -410,12 +419,14 @@ class ReadVerifier:
         self._collect(wait=last)
 
     def _collect(self, wait: bool) -> None:
-        """Compare the background hashes that are done (all of them with ``wait``)."""
+        """Compare the background hashes that are done (all of them with ``wait``; the oldest
+        while those pending hold more than :data:`_PENDING_MAX` bytes of the host's memory)."""
         while True:
             with self._lock:
-                if not self._pending or not (wait or self._pending[0][0].done()):
+                if not self._pending or not (wait or self._pending_bytes > _PENDING_MAX or self._pending[0][0].done()):
                     return
-                fut, expected, read_item, key, untouched = self._pending.popleft()
+                fut, expected, read_item, key, untouched, n = self._pending.popleft()
+                self._pending_bytes -= n
             self._compare(read_item, fut.result(), expected, key=key, untouched=untouched)
 
     def _compare(self, read_item, got: int | None, expected: int, *, key: str, untouched: bool) -> None:

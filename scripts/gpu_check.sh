@@ -8,7 +8,8 @@
 #   1. the `gpu`-marked tests (tests/test_cuda_round_trips.py: every torchao type from CUDA, raw into
 #      the same type on CUDA and CPU, into plain CUDA tensors, through qdcp.async_save and
 #      dcp.async_save with the source overwritten after the call; test_offload.py; the stager's
-#      pinned prepare());
+#      pinned prepare(); test_planner_reads_to_device.py: DCP's reader + QuantizedLoadPlanner into
+#      CUDA targets through pinned buffers);
 #   2. examples/fsdp2_train.py at one rank on the GPU, then resumed;
 #   3. the multi-rank torchrun workers (tests/dist_worker.py reshard-save/-load, fsdp-save/-load) at
 #      2 ranks with CUDA tensors on that one GPU, over gloo (QDCP_SHARED_GPU=1: cpu:gloo,cuda:gloo);
@@ -71,14 +72,14 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit (5 minutes in
 TORCHRUN=("$PY" -m torch.distributed.run --standalone)
 
 step gpu-tests 75 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x tests/test_cuda_round_trips.py \
-  tests/test_offload.py tests/test_stager.py
+  tests/test_offload.py tests/test_stager.py tests/test_planner_reads_to_device.py
 step fsdp2-1rank 45 bash -c "${TORCHRUN[*]} --nproc-per-node 1 examples/fsdp2_train.py --dir $OUT/fsdp2 --steps 6 \
   --ckpt-every 2 --stager qdcp && ${TORCHRUN[*]} --nproc-per-node 1 examples/fsdp2_train.py --dir $OUT/fsdp2 \
   --steps 6 --ckpt-every 2 --resume --resume-step 4"
 step dist-2ranks-1gpu 75 env QDCP_SHARED_GPU=1 bash -c "for c in reshard-save reshard-load fsdp-save fsdp-load; do \
   ${TORCHRUN[*]} --nproc-per-node 2 tests/dist_worker.py \$c $OUT/dist || exit 1; done"
 step bench-write 140 "$PY" benchmarks/write_path.py --device "$DEVICE" --gib "$GIB_W" --repeat "$REPEAT" --dir "$OUT"
-step bench-load 25 "$PY" benchmarks/load_path.py --device "$DEVICE" --gib "$GIB_L" --repeat $((REPEAT * 3)) --dir "$OUT"
+step bench-load 90 "$PY" benchmarks/load_path.py --device "$DEVICE" --gib "$GIB_L" --repeat $((REPEAT * 3)) --dir "$OUT"
 step bench-async 90 "$PY" benchmarks/async_save.py --device "$DEVICE" --gib "$GIB_A" --repeat $((REPEAT + 1)) --dir "$OUT"
 step rule-cases-cuda 60 bash -c "printf '%s\n' 1 2 3 4 | xargs -P 4 -I{} sh -c \
   '$PY tests/rule_cases.py --cases $RULE_CASES --seed {} --progress 100 > $OUT/rule-{}.log 2>&1'"

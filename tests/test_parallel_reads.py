@@ -138,11 +138,10 @@ def test_an_fsspec_url_is_read_on_several_threads():
 
 
 def test_default_reading_threads(tmp_path):
-    """The usable cores (at most 4), as the writer's default, where this process has not started
-    CUDA (with CUDA in use: one thread unless asked, see docs/api.md); asked-for counts are kept."""
+    """The usable cores (at most 4), as the writer's default, with or without CUDA in use;
+    asked-for counts are kept."""
     from qdcp.storage.pipeline import default_thread_count
 
     _save(tmp_path / "c")
-    expected = 1 if torch.cuda.is_initialized() else default_thread_count()
-    assert qdcp.CheckpointReader(tmp_path / "c").read_threads() == expected
+    assert qdcp.CheckpointReader(tmp_path / "c").read_threads() == default_thread_count()
     assert qdcp.storage_reader(tmp_path / "c", thread_count=3).read_threads() == 3

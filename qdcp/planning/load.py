@@ -67,6 +67,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self._shadows: Shadows | None = None
         self._narrowed: dict[str, torch.Tensor] = {}
         self._reads_left = 0
+        self._streams: set = set()  # CUDA streams with copies from pinned buffers left running
         self.loaded_keys: list[str] = []   #: target keys the checkpoint holds (after planning)
         self.missing_keys: list[str] = []  #: target keys it lacks (a partial load skips them)
         self._actions: dict[str, LoadAction] = {}
@@ -208,16 +209,31 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 narrowed[fqn] = local
         return narrowed
 
+    def _copy_in(self, dest: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """Copy a checked host buffer on to its destination; from a pinned buffer to a device
+        without blocking (waited for after the last read, :meth:`_all_read`)."""
+        if dest.device.type == "cuda" and dest.dtype == host.dtype and host.is_pinned():
+            dest.copy_(host, non_blocking=True)
+            with self._lock:
+                self._streams.add(torch.cuda.current_stream(dest.device))
+        else:
+            dest.copy_(host)
+        return dest
+
     def _one_read(self) -> None:
         """Count a read done (checked, and its action finished); after the last, the shadows go in."""
-        if self._shadows is not None:
-            with self._lock:
-                self._reads_left -= 1
-                last = self._reads_left == 0
-            if last:
-                self._all_read()
+        with self._lock:
+            self._reads_left -= 1
+            last = self._reads_left == 0
+        if last:
+            self._all_read()
 
     def _all_read(self) -> None:
+        """Every read is in: the copies left running finish (the load returns with the targets
+        filled, as DCP's does), then the shadows go in."""
+        streams, self._streams = self._streams, set()
+        for stream in streams:
+            stream.synchronize()
         if self._shadows is not None:
             self._shadows.apply()
 
@@ -236,8 +252,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         hit = self._by_item.get(read_item.dest_index.fqn)
         if self._verify.check(read_item, tensor, hit.action.fqn if hit else read_item.dest_index.fqn):
-            self._destination(read_item).copy_(tensor)  # it was read into a host buffer to check it
-            tensor = self._destination(read_item)
+            tensor = self._copy_in(self._destination(read_item), tensor)  # read into a host buffer to check it
         if hit is None:
             super().commit_tensor(read_item, tensor)
         else:

@@ -129,11 +129,10 @@ class SafeReading:
 
     def read_threads(self) -> int:
         """The threads a load reads files on: ``thread_count`` where given; by default the usable
-        cores (at most 4), but one where this process uses CUDA (reading into CUDA targets on
-        several threads has not yet been measured on a GPU: pass ``thread_count`` to do so)."""
+        cores, at most 4 (into CUDA targets as into host memory)."""
         if self.thread_count is not None:
             return self.thread_count
-        return 1 if torch.cuda.is_initialized() else default_thread_count()
+        return default_thread_count()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -489,7 +488,7 @@ class CheckpointReader(SafeReading, FileSystemReader):
     refuses a checkpoint whose save did not finish.
 
     ``thread_count``: data files read at once (default: :meth:`read_threads`, the usable cores, at
-    most 4, or one in a process that uses CUDA; each file's items in order on one thread, the
+    most 4; each file's items in order on one thread, the
     planner called by one thread at a time)."""
 
     def __init__(self, path: str | os.PathLike, thread_count: int | None = None, **kwargs: Any) -> None:
