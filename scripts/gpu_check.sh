@@ -48,7 +48,7 @@ fi
 if [[ $DRY == 0 ]]; then
   "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
     || die "no CUDA device here (torch $("$PY" -c 'import torch; print(torch.__version__)')): run it on the GPU machine, or pass --cpu-dry-run"
-  DEVICE=cuda; GIB_W=1; GIB_A=0.5; GIB_L=0.1875; REPEAT=2; SCALE=1; RULE_CASES=300
+  DEVICE=cuda; GIB_W=1; GIB_A=0.5; GIB_L=0.1875; REPEAT=2; SCALE=1; RULE_CASES=200
 else  # the CPU is slower at everything: longer limits
   DEVICE=cpu; GIB_W=0.05; GIB_A=0.03; GIB_L=0.02; REPEAT=1; SCALE=6; RULE_CASES=20
 fi
@@ -76,7 +76,7 @@ step gpu-tests 75 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x tests/test_cu
 step fsdp2-1rank 45 bash -c "${TORCHRUN[*]} --nproc-per-node 1 examples/fsdp2_train.py --dir $OUT/fsdp2 --steps 6 \
   --ckpt-every 2 --stager qdcp && ${TORCHRUN[*]} --nproc-per-node 1 examples/fsdp2_train.py --dir $OUT/fsdp2 \
   --steps 6 --ckpt-every 2 --resume --resume-step 4"
-step dist-2ranks-1gpu 75 env QDCP_SHARED_GPU=1 bash -c "for c in reshard-save reshard-load fsdp-save fsdp-load; do \
+step dist-2ranks-1gpu 120 env QDCP_SHARED_GPU=1 QDCP_TRACE_AFTER=$((45 * SCALE)) bash -c "for c in reshard-save reshard-load fsdp-save fsdp-load; do \
   ${TORCHRUN[*]} --nproc-per-node 2 tests/dist_worker.py \$c $OUT/dist || exit 1; done"
 step bench-write 140 "$PY" benchmarks/write_path.py --device "$DEVICE" --gib "$GIB_W" --repeat "$REPEAT" --dir "$OUT"
 step bench-load 90 "$PY" benchmarks/load_path.py --device "$DEVICE" --gib "$GIB_L" --repeat $((REPEAT * 3)) --dir "$OUT"
