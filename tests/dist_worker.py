@@ -28,6 +28,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import random
 import sys
 import threading
 import warnings
@@ -158,6 +159,133 @@ def reshard_save(root: str, mesh) -> None:
         with open(os.path.join(out, "per_tensor_outcomes.json"), "w") as f:
             json.dump(outcomes, f, indent=1)
     dist.barrier()
+    direct_writes(out, mesh)
+
+
+# ----------------------------------------------------------------------------- direct writes at N ranks
+
+DIRECT_CASES = 3  # drawn states; each saved by qdcp.async_save (direct: its default) and qdcp.save (buffered)
+
+
+def _drawn_state(rng: random.Random, mesh, case: int) -> tuple[dict, dict]:
+    """A state of 2-4 entries drawn by ``rng`` (the same draws on every rank), with each rank's
+    local shard between 0.5 and 3 MiB (both sides of the 1 MiB a direct write needs): plain tensors
+    of four dtypes and Int8Tensor weights, ``Shard(0)`` or ``Replicate()``; and the global values
+    each stands for (on CPU; a quantized entry's by its components)."""
+    state: dict = {"step": case}
+    full: dict = {"step": case}
+    for i in range(rng.randint(2, 4)):
+        kind = rng.choice(["float32", "bfloat16", "int16", "uint8", "int8_row"])
+        itemsize = 1 if kind in ("uint8", "int8_row") else (4 if kind == "float32" else 2)
+        cols = rng.choice([256, 384, 1024])
+        shard = rng.random() < 0.7
+        local_bytes = rng.randint(1 << 19, 3 << 20)
+        rows = max(WORLD, (local_bytes * (WORLD if shard else 1)) // (cols * itemsize))
+        g = torch.Generator().manual_seed(1000 * case + i)
+        placement = Shard(0) if shard else Replicate()
+        o, n = row_chunks(rows, WORLD)[RANK] if shard else (0, rows)
+        key = f"e{i}"
+        if kind == "int8_row":
+            hp = torch.randn(rows, cols, generator=g)
+            # each rank's rows quantized on their own, as a sharded quantize does; the global
+            # components are the ranks' components stacked (per-row scales)
+            parts = [CASE["int8_row"].from_hp(hp[a:a + m]) for a, m in row_chunks(rows, WORLD)] if shard \
+                else [CASE["int8_row"].from_hp(hp)]
+            local = (parts[RANK] if shard else parts[0]).to(DEVICE)
+            state[key] = make_dtensor(local, mesh, placement, (rows, cols), torch.float32)
+            full[key] = {"qdata": torch.cat([p.qdata for p in parts if p.qdata.shape[0]]),
+                         "scale": torch.cat([p.scale for p in parts if p.scale.shape[0]])}
+        else:
+            dtype = getattr(torch, kind)
+            if dtype.is_floating_point:
+                value = torch.randn(rows, cols, generator=g).to(dtype)
+            else:
+                value = torch.randint(0, 200, (rows, cols), generator=g).to(dtype)
+            state[key] = make_dtensor(value[o:o + n].to(DEVICE), mesh, placement, (rows, cols), dtype)
+            full[key] = value
+    return state, full
+
+
+def _stored_items(path: str) -> dict[str, bytes]:
+    md = qdcp.read_metadata(path)
+    out = {}
+    for index, info in md.storage_data.items():
+        with open(os.path.join(path, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            out[f"{index.fqn}@{tuple(index.offset or ())}"] = f.read(info.length)
+    return out
+
+
+def _gaps(path: str) -> int:
+    """Bytes of the data files that belong to no item (a direct write's alignment gaps)."""
+    md = qdcp.read_metadata(path)
+    files = {i.relative_path for i in md.storage_data.values()}
+    return sum(os.path.getsize(os.path.join(path, f)) for f in files) - sum(i.length for i in md.storage_data.values())
+
+
+def _empty_like(state: dict, mesh) -> dict:
+    out: dict = {"step": -1}
+    for k, v in state.items():
+        if not isinstance(v, DTensor):
+            continue
+        local = v._local_tensor
+        if hasattr(local, "qdata"):  # another Int8Tensor of the same shape: its bits replaced by the load
+            fresh = CASE["int8_row"].from_hp(torch.zeros(local.shape).to(DEVICE) + 1)
+        else:
+            fresh = torch.zeros_like(local)
+        out[k] = make_dtensor(fresh, mesh, v.placements[0], tuple(v.shape), v.dtype)
+    return out
+
+
+def _same_locals(got: dict, want: dict) -> list[str]:
+    bad = []
+    for k, w in want.items():
+        if not isinstance(w, DTensor):
+            bad += [] if got[k] == w else [f"{k}: {got[k]!r} != {w!r}"]
+            continue
+        a, b = got[k]._local_tensor, w._local_tensor
+        pairs = [(a.qdata, b.qdata), (a.scale, b.scale)] if hasattr(b, "qdata") else [(a, b)]
+        bad += [f"{k}: the local shard differs" for x, y in pairs if not torch.equal(x.cpu(), y.cpu())]
+    return bad
+
+
+def direct_writes(out: str, mesh) -> None:
+    """Drawn states saved at N ranks by ``qdcp.async_save`` (each rank's upload writes its large
+    items straight from its staging buffers) and by ``qdcp.save`` (buffered): the same stored items
+    byte for byte, the direct one with alignment gaps; the direct one read back at N ranks by
+    ``qdcp.load`` and by DCP's reader with the planner, every local shard bit-exact; the global
+    values written for the test process to load at one rank."""
+    rng = random.Random(20261126)
+    for case in range(DIRECT_CASES):
+        state, full = _drawn_state(rng, mesh, case)
+        d, b = os.path.join(out, f"direct{case}"), os.path.join(out, f"buffered{case}")
+        try:
+            fut = qdcp.async_save(state, d)
+            getattr(fut, "upload_completion", fut).result()
+            qdcp.save(state, b)
+        except BaseException as e:  # noqa: BLE001
+            section_error("direct_writes", f"case {case}: saving", e)
+            return
+        dist.barrier()
+        if RANK == 0:
+            check("direct_writes", _stored_items(d) == _stored_items(b),
+                  f"case {case}: the direct save's stored items differ from the buffered save's")
+            check("direct_writes", _gaps(d) > 0 and _gaps(b) == 0,
+                  f"case {case}: gaps {_gaps(d)} (direct) / {_gaps(b)} (buffered): expected some / none")
+            torch.save(full, os.path.join(out, f"direct{case}-expected.pt"))
+        for how in ("qdcp.load", "dcp.load"):
+            target = _empty_like(state, mesh)
+            try:
+                if how == "qdcp.load":
+                    qdcp.load(target, d)
+                else:
+                    dcp.load(target, checkpoint_id=d, planner=QuantizedLoadPlanner())
+            except BaseException as e:  # noqa: BLE001
+                section_error("direct_writes", f"case {case}: {how}", e)
+                continue
+            for msg in _same_locals(target, state):
+                check("direct_writes", False, f"case {case}, {how}: {msg}")
+        dist.barrier()
 
 
 def check_metadata(path: str, world: int) -> None:
