@@ -76,7 +76,7 @@ step gpu-tests 75 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x tests/test_cu
 step fsdp2-1rank 45 bash -c "${TORCHRUN[*]} --nproc-per-node 1 examples/fsdp2_train.py --dir $OUT/fsdp2 --steps 6 \
   --ckpt-every 2 --stager qdcp && ${TORCHRUN[*]} --nproc-per-node 1 examples/fsdp2_train.py --dir $OUT/fsdp2 \
   --steps 6 --ckpt-every 2 --resume --resume-step 4"
-step dist-2ranks-1gpu 120 env QDCP_SHARED_GPU=1 QDCP_TRACE_AFTER=$((45 * SCALE)) bash -c "for c in reshard-save reshard-load fsdp-save fsdp-load; do \
+step dist-2ranks-1gpu 120 env QDCP_SHARED_GPU=1 QDCP_WORKER_TIMEOUT=$((60 * SCALE)) bash -c "for c in reshard-save reshard-load fsdp-save fsdp-load; do \
   ${TORCHRUN[*]} --nproc-per-node 2 tests/dist_worker.py \$c $OUT/dist || exit 1; done"
 step bench-write 140 "$PY" benchmarks/write_path.py --device "$DEVICE" --gib "$GIB_W" --repeat "$REPEAT" --dir "$OUT"
 step bench-load 90 "$PY" benchmarks/load_path.py --device "$DEVICE" --gib "$GIB_L" --repeat $((REPEAT * 3)) --dir "$OUT"

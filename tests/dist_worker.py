@@ -25,7 +25,6 @@ without view ops (``DTensor.from_local`` calls ``view_as``, which ``Int8Tensor``
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import random
@@ -726,8 +725,6 @@ COMMANDS = {"reshard-save": reshard_save, "reshard-load": reshard_load,
 def main() -> int:
     global ROOT
     ROOT = sys.argv[2]
-    if os.environ.get("QDCP_TRACE_AFTER"):  # scripts/gpu_check.sh: a rank still running then prints its threads' stacks
-        faulthandler.dump_traceback_later(float(os.environ["QDCP_TRACE_AFTER"]), repeat=True)
     return run(COMMANDS, lambda: init_torchrun_mesh(DEVICE))
 
 
