@@ -103,7 +103,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self._verify = sums.ReadVerifier(sums.record(metadata) if self.checksums else None)
         self._actions, self._by_item, self._handled, self._groups = {}, {}, set(), {}
         self._shadows = Shadows() if self.atomic else None
-        self._narrowed = {}
+        self._narrowed, self._streams = {}, set()
         keys = KeyPlanner(metadata, allow_partial_load=self.allow_partial_load)
         self.loaded_keys, self.missing_keys = [], []
         with planning():
