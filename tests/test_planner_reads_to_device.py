@@ -5,6 +5,8 @@ filled, as vanilla's does. Run on CPU by the suite and on CUDA by scripts/gpu_ch
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -100,3 +102,49 @@ def test_a_corrupt_item_bound_for_the_device_is_refused(tmp_path, device):
             assert_bitwise_equal(target[k].cpu(), v)
         else:
             assert target[k] == v
+
+
+def test_background_hashes_hold_a_bounded_amount_of_host_memory(tmp_path, monkeypatch):
+    """Items waiting for their background hash hold at most ``_PENDING_MAX`` bytes: with hashing
+    made slower than reading and the cap at 3 MiB, DCP's reader never has more than two 2-MiB items
+    waiting (at the default cap every item of this load would be); the load is still exact, and
+    a corrupt item is still refused naming its key."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qdcp import checksums
+
+    waiting, most = [0], [0]
+    pool = ThreadPoolExecutor(2)
+
+    class SlowPool:  # hashes 0.2 s late; counts the hashes submitted and not yet collected
+        def submit(self, fn, data):
+            waiting[0] += 1
+            most[0] = max(most[0], waiting[0])
+            fut = pool.submit(lambda: (time.sleep(0.2), fn(data))[1])
+            result = fut.result
+
+            def collected(timeout=None):
+                value = result(timeout)
+                waiting[0] -= 1
+                return value
+            fut.result = collected
+            return fut
+
+    g = torch.Generator().manual_seed(3)
+    source = {f"p{i}": torch.randn(512, 1024, generator=g) for i in range(8)}  # 2 MiB each
+    qdcp.save(source, tmp_path / "c")
+    monkeypatch.setattr(checksums, "_hash_pool", lambda: SlowPool())
+    for cap, bound in ((3 << 20, 2), (checksums._PENDING_MAX, 8)):
+        monkeypatch.setattr(checksums, "_PENDING_MAX", cap)
+        most[0] = 0
+        target = {k: torch.zeros_like(v) for k, v in source.items()}
+        dcp.load(target, storage_reader=FileSystemReader(tmp_path / "c"), planner=QuantizedLoadPlanner())
+        assert all(torch.equal(target[k], source[k]) for k in source)
+        assert most[0] == bound, (cap, most[0])
+    monkeypatch.setattr(checksums, "_PENDING_MAX", 3 << 20)
+    flip_stored_bytes(tmp_path / "c", tensor_bytes(source["p1"][7:9]), at=3)
+    with pytest.raises(ChecksumError, match=r"key 'p1'"):
+        raise_inner(lambda: dcp.load({k: torch.zeros_like(v) for k, v in source.items()},
+                                     storage_reader=FileSystemReader(tmp_path / "c"),
+                                     planner=QuantizedLoadPlanner()))
+    pool.shutdown()
