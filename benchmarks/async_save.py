@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import os
 import shutil
 import statistics
@@ -100,13 +101,46 @@ def _tensors(state: dict):
         yield from _tensors(v) if isinstance(v, dict) else (v,)
 
 
+_memcpy_host: torch.Tensor | None = None  # the memcpy baseline's destination, kept for the whole run
+
+
+def empty_host_cache() -> bool:
+    """Give the pinned blocks torch's caching host allocator keeps back to the system, so that a
+    stager's first save allocates (and pins) its own buffers, as the first save of a run does.
+    False where this torch has no ``torch.accelerator.empty_host_cache``."""
+    empty = getattr(torch.accelerator, "empty_host_cache", None)
+    if empty is None:
+        return False
+    gc.collect()
+    if torch.accelerator.is_available():
+        empty()
+    return True
+
+
+def _host_views(srcs: list[torch.Tensor], pinned: bool) -> list[torch.Tensor]:
+    """Host tensors shaped like ``srcs``, views of one buffer kept for the run. Allocated per call
+    and freed, pinned destinations of exactly the components' sizes went back to torch's caching
+    host allocator and became the next stager's "new" buffers: its cold save was not cold."""
+    global _memcpy_host
+    sizes = [-(-s.numel() * s.element_size() // 64) * 64 for s in srcs]
+    if _memcpy_host is None or _memcpy_host.numel() < sum(sizes):
+        _memcpy_host = None
+        _memcpy_host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pinned)
+        empty_host_cache()
+    views, offset = [], 0
+    for s, n in zip(srcs, sizes):
+        views.append(_memcpy_host[offset:offset + s.numel() * s.element_size()].view(s.dtype).view(s.shape))
+        offset += n
+    return views
+
+
 def memcpy_seconds(state: dict, repeat: int) -> float:
     """Typical (median) time to copy every tensor's bytes into already-touched CPU memory: a save
     is timed once, so its baseline is a typical copy, not the luckiest of several."""
     srcs = [b for t in _tensors(state)
             for b in (find_adapter(t).inner_buffers(t).values() if find_adapter(t) else [t])]
     cuda = srcs[0].device.type == "cuda"
-    dsts = [torch.empty_like(s, device="cpu", pin_memory=cuda) for s in srcs]  # host memory, pinned from a GPU
+    dsts = _host_views(srcs, pinned=cuda)  # host memory, pinned from a GPU
     times = []
     for _ in range(repeat + 1):
         t0 = time.perf_counter()
@@ -123,10 +157,12 @@ def run_saves(state: dict, root: str, repeat: int, make_stager=None, planner_cls
     machine's memory bandwidth drifts); the first save is the stager's cold one. Peak memory comes
     from a second series (a fresh stager: one cold save, one warm) sampled by a thread, which
     would otherwise compete with the copies being timed on this 2-core machine."""
+    empty_host_cache()  # the pinned buffers earlier configurations freed: not this stager's to reuse
     stager = make_stager() if make_stager is not None else None
     out = [_one_save(state, root, i, stager, planner_cls, sample=False) for i in range(repeat)]
     if stager is not None:
         stager.close()
+    empty_host_cache()
     stager = make_stager() if make_stager is not None else None
     mem = [_one_save(state, root, i, stager, planner_cls, sample=True)["mem"] for i in range(2)]
     if stager is not None:
@@ -204,6 +240,9 @@ def main() -> None:
     print(f"{len(state)} Int8Tensor weights {SHAPE}, components {nbytes / 2**30:.3f} GiB; "
           f"memcpy {memcpy * 1e3:.1f} ms ({nbytes / memcpy / 2**30:.2f} GiB/s); "
           f"{torch.get_num_threads()} threads, accelerator: {torch.accelerator.is_available()}")
+    if torch.accelerator.is_available() and not empty_host_cache():
+        print(f"torch {torch.__version__} has no torch.accelerator.empty_host_cache: a configuration's cold "
+              f"save may reuse the pinned buffers an earlier one freed (only the first row's cold save is cold)")
 
     root = tempfile.mkdtemp(prefix="qdcp-bench-", dir=args.dir)
     rows, only = [], []
