@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qdcp  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
 from quantized_cases import CASES, SHAPE, bits, buffers_diff, gated_save_planner, inner  # noqa: E402
+from stored_bytes import gap_bytes, stored_items  # noqa: E402
 from worker_results import RANK, WORLD, check, qdcp_error_in, run, section_error, try_load  # noqa: E402
 from worker_results import short as _short  # noqa: E402
 
@@ -205,23 +206,6 @@ def _drawn_state(rng: random.Random, mesh, case: int) -> tuple[dict, dict]:
     return state, full
 
 
-def _stored_items(path: str) -> dict[str, bytes]:
-    md = qdcp.read_metadata(path)
-    out = {}
-    for index, info in md.storage_data.items():
-        with open(os.path.join(path, info.relative_path), "rb") as f:
-            f.seek(info.offset)
-            out[f"{index.fqn}@{tuple(index.offset or ())}"] = f.read(info.length)
-    return out
-
-
-def _gaps(path: str) -> int:
-    """Bytes of the data files that belong to no item (a direct write's alignment gaps)."""
-    md = qdcp.read_metadata(path)
-    files = {i.relative_path for i in md.storage_data.values()}
-    return sum(os.path.getsize(os.path.join(path, f)) for f in files) - sum(i.length for i in md.storage_data.values())
-
-
 def _empty_like(state: dict, mesh) -> dict:
     out: dict = {"step": -1}
     for k, v in state.items():
@@ -267,10 +251,10 @@ def direct_writes(out: str, mesh) -> None:
             return
         dist.barrier()
         if RANK == 0:
-            check("direct_writes", _stored_items(d) == _stored_items(b),
+            check("direct_writes", stored_items(d) == stored_items(b),
                   f"case {case}: the direct save's stored items differ from the buffered save's")
-            check("direct_writes", _gaps(d) > 0 and _gaps(b) == 0,
-                  f"case {case}: gaps {_gaps(d)} (direct) / {_gaps(b)} (buffered): expected some / none")
+            check("direct_writes", gap_bytes(d) > 0 and gap_bytes(b) == 0,
+                  f"case {case}: gaps {gap_bytes(d)} (direct) / {gap_bytes(b)} (buffered): expected some / none")
             torch.save(full, os.path.join(out, f"direct{case}-expected.pt"))
         for how in ("qdcp.load", "dcp.load"):
             target = _empty_like(state, mesh)

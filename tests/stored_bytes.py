@@ -1,4 +1,5 @@
-"""Corrupting a checkpoint on disk the way a bad disk or transfer would: one flipped byte inside the
+"""A checkpoint's bytes on disk: each stored item's bytes and the bytes between them (what direct
+writes leave), and corrupting one the way a bad disk or transfer would: one flipped byte inside the
 stored copy of known data."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ import os
 from pathlib import Path
 
 import torch
+
+import qdcp
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -29,3 +32,21 @@ def flip_stored_bytes(path, needle: bytes, at: int = 7) -> str:
     raw[pos + at] ^= 0x5A
     (Path(path) / name).write_bytes(bytes(raw))
     return name
+
+
+def stored_items(path) -> dict[str, bytes]:
+    """Each stored item's bytes, by ``fqn@offsets``."""
+    md = qdcp.read_metadata(path)
+    out = {}
+    for index, info in md.storage_data.items():
+        with open(Path(path) / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            out[f"{index.fqn}@{tuple(index.offset or ())}"] = f.read(info.length)
+    return out
+
+
+def gap_bytes(path) -> int:
+    """Bytes of the checkpoint's data files that belong to no item (the gaps direct writes leave)."""
+    md = qdcp.read_metadata(path)
+    files = {i.relative_path for i in md.storage_data.values()}
+    return sum(os.path.getsize(Path(path) / f) for f in files) - sum(i.length for i in md.storage_data.values())

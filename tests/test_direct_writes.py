@@ -24,6 +24,7 @@ from cli_in_process import qdcp_cli
 from qdcp import CheckpointWriter, QuantizedSavePlanner, QuantizedStager
 from qdcp.storage import direct
 from qdcp.storage.torch_save import ViewReader, _record_start
+from stored_bytes import gap_bytes, stored_items
 
 BLOCK = direct.BLOCK
 
@@ -160,17 +161,6 @@ def _state(seed: int) -> dict:
     }
 
 
-def _stored(path: Path) -> dict[str, bytes]:
-    """Each stored item's bytes, by ``fqn@offsets``."""
-    md = qdcp.read_metadata(path)
-    out = {}
-    for index, info in md.storage_data.items():
-        with open(path / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            out[f"{index.fqn}@{tuple(index.offset or ())}"] = f.read(info.length)
-    return out
-
-
 def _data_offsets(path: Path) -> dict[str, int]:
     """Where each stored tensor item's data record starts in its file, by fqn."""
     md = qdcp.read_metadata(path)
@@ -195,14 +185,6 @@ def _equal(a, b) -> bool:
 def _empty_like(state: dict) -> dict:
     fresh = _state(99)
     return {k: fresh[k] for k in state}
-
-
-def _gapless(path: Path) -> bool:
-    """Whether every data file of the checkpoint is its items end to end (buffered writes)."""
-    md = qdcp.read_metadata(path)
-    files = {i.relative_path for i in md.storage_data.values()}
-    return all(os.path.getsize(path / f) == sum(i.length for i in md.storage_data.values() if i.relative_path == f)
-               for f in files)
 
 
 def _large(state: dict) -> dict[str, torch.Tensor]:
@@ -236,8 +218,8 @@ def test_a_sync_save_is_buffered_unless_asked_and_then_written_from_the_tensors(
     state = _state(1)
     qdcp.save(state, ddir / "b")
     qdcp.save(state, ddir / "d", storage_options={"direct_io": True})
-    assert _stored(ddir / "d") == _stored(ddir / "b")
-    assert _gapless(ddir / "b") and not _gapless(ddir / "d")
+    assert stored_items(ddir / "d") == stored_items(ddir / "b")
+    assert gap_bytes(ddir / "b") == 0 and gap_bytes(ddir / "d") > 0
     _assert_written_from(ddir / "d", _large(state))
     buffered = _data_offsets(ddir / "b")
     assert any((buffered[f] - t.data_ptr()) % BLOCK for f, t in _large(state).items())  # not so by chance
@@ -273,12 +255,12 @@ def test_an_async_save_writes_from_the_staging_buffers(ddir, how):
         stager = kept or (writer._stager if writer is not None else None)
         if stager is not None:
             _assert_written_from(path, _staged(stager, _large(state)))
-        assert not _gapless(path)
+        assert gap_bytes(path) > 0
     finally:
         if kept is not None:
             kept.close()
     qdcp.save(state, ddir / "b")
-    assert _stored(path) == _stored(ddir / "b")
+    assert stored_items(path) == stored_items(ddir / "b")
     _reads_back(path, state)
 
 
@@ -295,12 +277,12 @@ def test_a_writer_given_a_stager_by_dcp_writes_as_told(ddir, direct_io, shared):
         getattr(fut, "upload_completion", fut).result()
         if direct_io:
             _assert_written_from(ddir / "c", _staged(stager, _large(state)))
-        assert _gapless(ddir / "c") == (not direct_io)
+        assert (gap_bytes(ddir / "c") == 0) == (not direct_io)
     finally:
         stager.close()
     dcp.save(state, storage_writer=CheckpointWriter(ddir / "s", thread_count=3, direct_io=direct_io),
              planner=QuantizedSavePlanner())
-    assert _gapless(ddir / "s") == (not direct_io)
+    assert (gap_bytes(ddir / "s") == 0) == (not direct_io)
     _reads_back(ddir / "c", state)
     _reads_back(ddir / "s", state)
 
@@ -355,7 +337,7 @@ def test_generated_saves_written_directly_store_what_buffered_ones_store(ddir, m
         writer = CheckpointWriter(here / name, thread_count=threads, checksums=True, direct_io=direct_io)
         dcp.save(state, storage_writer=writer, planner=QuantizedSavePlanner(checksums=not trailers))
         out[name] = here / name
-    assert _stored(out["d"]) == _stored(out["b"])
+    assert stored_items(out["d"]) == stored_items(out["b"])
     for path in out.values():
         target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
         qdcp.load(target, path)
@@ -373,5 +355,5 @@ def test_files_not_fsyncd_are_written_buffered(ddir):
     state = _state(6)
     dcp.save(state, storage_writer=CheckpointWriter(ddir / "c", direct_io=True, sync_files=False),
              planner=QuantizedSavePlanner())
-    assert _gapless(ddir / "c")
+    assert gap_bytes(ddir / "c") == 0
     _reads_back(ddir / "c", state)
