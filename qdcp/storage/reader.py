@@ -488,8 +488,7 @@ class CheckpointReader(SafeReading, FileSystemReader):
     refuses a checkpoint whose save did not finish.
 
     ``thread_count``: data files read at once (default: :meth:`read_threads`, the usable cores, at
-    most 4; each file's items in order on one thread, the
-    planner called by one thread at a time)."""
+    most 4; each file's items in order on one thread, the planner called by one thread at a time)."""
 
     def __init__(self, path: str | os.PathLike, thread_count: int | None = None, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
