@@ -98,7 +98,8 @@ def test_merge_fsdp_weights_gives_the_saved_values(shared_dir, tmp_path):
 
 def test_merge_fsdp_weights_of_a_stock_checkpoint_fails(shared_dir, tmp_path):
     """Without the switch, DCP pickles the torchao tensors into the shards, and the merge cannot
-    copy the NF4 weight's shards into a plain tensor."""
+    copy the NF4 weight's shards into a plain tensor (torch 2.15's weights-only load already
+    refuses to unpickle them: NF4Tensor is not among its allowed globals there)."""
     from accelerate.utils import merge_fsdp_weights
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -107,4 +108,6 @@ def test_merge_fsdp_weights_of_a_stock_checkpoint_fails(shared_dir, tmp_path):
     _saved(shared_dir)
     with pytest.raises(CheckpointException) as e:
         merge_fsdp_weights(str(shared_dir / "stock" / "pytorch_model_fsdp_0"), str(tmp_path / "merged"))
-    assert short(e.value).endswith("AttributeError: 'Tensor' object has no attribute 'block_size'")
+    said = short(e.value, 4000)
+    assert said.endswith("AttributeError: 'Tensor' object has no attribute 'block_size'") or (
+        "UnpicklingError: Weights only load failed" in said and "NF4Tensor was not an allowed global" in said), said

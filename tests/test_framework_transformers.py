@@ -19,6 +19,8 @@ import pytest
 import torchrun_jobs
 
 pytest.importorskip("transformers.distributed")
+# transformers loads a model with DistributedConfig through accelerate (the frameworks extra)
+pytest.importorskip("accelerate", reason="transformers' distributed loading needs accelerate")
 pytestmark = pytest.mark.multiproc
 
 _job = torchrun_jobs.Worker("transformers_worker.py", timeout_s=240)
