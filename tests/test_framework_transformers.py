@@ -38,7 +38,10 @@ def test_distributed_save_and_load_under_the_switch_give_the_values(record):
 def test_without_the_switch_the_save_fails(record):
     torchrun_jobs.check_sections(record[1], "transformers at 2 ranks", [], require_all=False)
     stock = json.loads((record[0] / "stock.json").read_text())
-    assert "data pointer on an invalid python storage" in stock["save"], stock
+    # torch 2.13 and 2.15: DCP reads the wrapper's (absent) storage; 2.11 fails before that:
+    # DTensor has no sharding rule for aten.is_pinned
+    assert "data pointer on an invalid python storage" in stock["save"] or \
+        "aten.is_pinned.default does not have a sharding strategy" in stock["save"], stock
 
 
 def test_a_raw_save_of_a_tensor_quantized_after_sharding_is_refused_naming_the_key(record):

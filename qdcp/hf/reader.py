@@ -39,6 +39,7 @@ from torch.futures import Future
 from qdcp import spec as qspec
 from qdcp.hf.directory import HFDirectory
 from qdcp.hf.layout import Item, layout_of
+from qdcp.storage.reader import metadata_error_told
 
 
 class QuantizedHFReader(StorageReader):
@@ -62,7 +63,11 @@ class QuantizedHFReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Present the directory to DCP: the quantized entries its layout names (the layout its
-        config says) as qdcp raw entries, every other tensor plain."""
+        config says) as qdcp raw entries, every other tensor plain. (A directory has no rank-local
+        metadata: DCP's fallback call, ``rank=``, presents it again, or raises its error again.)"""
+        return metadata_error_told(self, kwargs.get("rank"), self._present)
+
+    def _present(self) -> Metadata:
         self._dir = d = HFDirectory.scan(self.path)
         specs: dict[str, qspec.EntrySpec] = {}
         items: dict[str, Item] = {}

@@ -27,7 +27,7 @@ from qdcp.storage.threads import run_jobs
 from qdcp.storage.torch_save import ViewReader, archived_tensor, check_zip_crcs, read_archive_into
 from qdcp.storage.trailer import VerifyingTransforms, checksum_version, verified_view
 
-__all__ = ["SafeReading", "CheckpointReader"]
+__all__ = ["SafeReading", "CheckpointReader", "metadata_error_told"]
 
 # torch 2.11's dcp.load catches every Exception of read_metadata() and of its rank-local fallback
 # read_metadata(rank=...) and then says only "metadata is None" (2.12 on quote them).
@@ -119,6 +119,22 @@ class _MetadataUnreadable(BaseException):
     around ``read_metadata``: DCP wraps it in its CheckpointException, message intact."""
 
 
+def metadata_error_told(reader: Any, rank: int | None, read: Callable[[], Metadata]) -> Metadata:
+    """``read()``: a reader's ``read_metadata`` (``rank``: DCP's rank-local fallback, called when
+    the first call raised), whose qdcp error reaches the user on every torch: the error of the
+    first call is kept on ``reader``, and the fallback's raises it again past torch 2.11's
+    ``except Exception`` (:class:`_MetadataUnreadable`, message intact in DCP's exception)."""
+    try:
+        return read()
+    except CheckpointFormatError as e:
+        first = getattr(reader, "_qdcp_metadata_error", None)
+        if rank is None:
+            reader._qdcp_metadata_error = e
+        elif first is not None and _DCP_HIDES_METADATA_ERRORS:
+            raise _MetadataUnreadable(str(first)) from first
+        raise
+
+
 class SafeReading:
     """Mixin for DCP's file-system readers: safe ``.metadata`` and verified checksums."""
 
@@ -136,15 +152,7 @@ class SafeReading:
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        try:
-            return self._read_metadata(rank)
-        except CheckpointFormatError as e:
-            first = getattr(self, "_qdcp_metadata_error", None)
-            if rank is None:
-                self._qdcp_metadata_error = e
-            elif first is not None and _DCP_HIDES_METADATA_ERRORS:
-                raise _MetadataUnreadable(str(first)) from first
-            raise
+        return metadata_error_told(self, rank, lambda: self._read_metadata(rank))
 
     def _read_metadata(self, rank: int | None) -> Metadata:
         path = self._get_metadata_path(rank)
