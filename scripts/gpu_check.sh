@@ -76,8 +76,12 @@ step gpu-tests 75 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x tests/test_cu
 step fsdp2-1rank 45 bash -c "${TORCHRUN[*]} --nproc-per-node 1 examples/fsdp2_train.py --dir $OUT/fsdp2 --steps 6 \
   --ckpt-every 2 --stager qdcp && ${TORCHRUN[*]} --nproc-per-node 1 examples/fsdp2_train.py --dir $OUT/fsdp2 \
   --steps 6 --ckpt-every 2 --resume --resume-step 4"
-step dist-2ranks-1gpu 120 env QDCP_SHARED_GPU=1 QDCP_WORKER_TIMEOUT=$((60 * SCALE)) bash -c "for c in reshard-save reshard-load fsdp-save fsdp-load; do \
-  ${TORCHRUN[*]} --nproc-per-node 2 tests/dist_worker.py \$c $OUT/dist || exit 1; done"
+# each launch on: the FSDP2 jobs do not need the reshard checkpoints, so one failure (session 18's
+# unexplained hang in reshard-save) still lets the others say whether they pass
+step dist-2ranks-1gpu 150 env QDCP_SHARED_GPU=1 QDCP_WORKER_TIMEOUT=$((60 * SCALE)) bash -c "rc=0; \
+  for c in reshard-save reshard-load fsdp-save fsdp-load; do t0=\$SECONDS; \
+  ${TORCHRUN[*]} --nproc-per-node 2 tests/dist_worker.py \$c $OUT/dist || { rc=1; echo \"== \$c FAILED\"; }; \
+  echo \"== \$c: \$((SECONDS - t0)) s\"; done; exit \$rc"
 step bench-write 140 "$PY" benchmarks/write_path.py --device "$DEVICE" --gib "$GIB_W" --repeat "$REPEAT" --dir "$OUT"
 step bench-load 90 "$PY" benchmarks/load_path.py --device "$DEVICE" --gib "$GIB_L" --repeat $((REPEAT * 3)) --dir "$OUT"
 step bench-async 90 "$PY" benchmarks/async_save.py --device "$DEVICE" --gib "$GIB_A" --repeat $((REPEAT + 1)) --dir "$OUT"
