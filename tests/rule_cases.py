@@ -10,7 +10,11 @@ parallelism as torchao's recipes shard a quantized weight) or quantized from its
 high-precision tensor; and one to three targets, each a layout and a kind (the same config, another
 config or family, plain; a TE target that TE would have to quantize is refused at load, TE needing a
 GPU to quantize). Every rank of a job is planned and stored in this process
-(tests/dcp_in_process.py) through qdcp's real planners.
+(tests/dcp_in_process.py) through qdcp's real planners; a quarter of the cases are saved to real
+files through qdcp's writer and loaded with ``dcp.load`` through qdcp's reader (its threads, its
+checks of the stored chunks it reads in part; in place or all or nothing), then loaded once more
+with one byte of one stored item flipped: every rank whose reads take it must refuse with a
+``ChecksumError`` naming the key and leave its target bitwise as it was.
 
 Each target is checked against the rule, never against qdcp's own choice: the source's bits where
 the rule says so, torchao's quantization of the source's values where it says so, the values
@@ -29,6 +33,7 @@ import dataclasses
 import os
 import random
 import sys
+import tempfile
 import time
 import warnings
 
@@ -58,8 +63,9 @@ import rule_oracle as rule  # noqa: E402
 import rule_te  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
 from qdcp.adapters import rows as row_blocks  # noqa: E402
-from qdcp.errors import QdcpError  # noqa: E402
+from qdcp.errors import ChecksumError, QdcpError  # noqa: E402
 from quantized_cases import CASE_BY_NAME, Case, bits_diff, components_diff  # noqa: E402
+from stored_bytes import flip_item_byte  # noqa: E402
 from training_cases import values as training_values  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -307,19 +313,27 @@ def save_refused_by_rule(source: Source) -> bool:
     return len(grids) > 1  # the shards' blocks form one grid
 
 
-def save_source(source: Source, layout: Layout):
-    """The job's save; (metadata, store), or the qdcp error a planning rank raised."""
+def save_source(source: Source, layout: Layout, path: str | None = None):
+    """The job's save: (metadata, store), or (metadata, path) where it goes to files at ``path``;
+    or the qdcp error a planning rank raised (a refused save to files leaves none)."""
     def state(rank):
         return placed_state(layout, source.locals[rank][1], source.shape)
     try:
-        return job.save(state, layout.world, QuantizedSavePlanner)
+        if path is None:
+            return job.save(state, layout.world, QuantizedSavePlanner)
+        return job.save_files(state, layout.world, QuantizedSavePlanner, path, sync_files=False), path
     except QdcpError as e:
+        if path is not None:
+            left = os.listdir(path) if os.path.isdir(path) else []
+            assert not left, f"the refused save left {left} at its path"
         return e
 
 
-def check_target(source: Source, saved, layout: Layout, kind: str, seed: int, device: str = "cpu") -> str:
+def check_target(source: Source, saved, layout: Layout, kind: str, seed: int, device: str = "cpu",
+                 corrupt: bool = False) -> str:
     """Load ``saved`` into a ``kind`` target on ``device`` at ``layout``, rank by rank; the rule's
-    outcome (``"... on cuda"`` for a target on another device than the source's)."""
+    outcome (``"... on cuda"`` for a target on another device than the source's). ``corrupt``: the
+    files hold a flipped byte; a rank whose load reads it must refuse, its target as it was."""
     name = source.name if kind == "same" else FAMILIES[source.name][1]
     case = CASE_BY_NAME.get(name)
     make = make_local(name, seed + 1, source.shape, FAMILIES.get(name, (False,))[0] and seed % 2) \
@@ -340,11 +354,12 @@ def check_target(source: Source, saved, layout: Layout, kind: str, seed: int, de
                         target = target.to(device)
                     except Exception:  # noqa: BLE001 (the library cannot move it: not a case)
                         return f"no target on {device}"
-            outcomes.add(_load_and_check(source, saved, layout, rank, chunk, target, case, seed))
+            outcomes.add(_load_and_check(source, saved, layout, rank, chunk, target, case, seed, corrupt))
     return "+".join(sorted(outcomes)) + ("" if device == "cpu" else f" on {device}")
 
 
-def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, target, case, seed: int) -> str:
+def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, target, case, seed: int,
+                    corrupt: bool = False) -> str:
     region = (slice(chunk[0][0], chunk[0][0] + chunk[1][0]), slice(chunk[0][1], chunk[0][1] + chunk[1][1]))
     values = source.values[region]
     if type(target) is torch.Tensor or wraps_values(target):
@@ -362,11 +377,22 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
             expect, outcome = quantize_like(target, case, values.to(target.device, case.dtype).contiguous()), \
                 "quantized"
     metadata, store = saved
+    before = inner_bits(target)
     with rule_te.context(), _dequantized_by_rows(seed):
         try:
-            job.load(placed_state(layout, target, source.shape), rank, layout.world, metadata, store,
-                     QuantizedLoadPlanner(), order=_read_order(seed, rank))
+            state = placed_state(layout, target, source.shape)
+            if isinstance(store, str):  # files: dcp.load through qdcp's reader, in place or all or nothing
+                job.load_files(state, store, QuantizedLoadPlanner(atomic=corrupt or _atomic(seed, rank)))
+            else:
+                job.load(state, rank, layout.world, metadata, store, QuantizedLoadPlanner(),
+                         order=_read_order(seed, rank))
             assert outcome != "refused at load", f"rank {rank}: TE would have to quantize, the load was accepted"
+        except ChecksumError as e:
+            assert corrupt, f"rank {rank}: {e}"
+            assert "'w'" in str(e), f"the error names no key: {e}"
+            assert _bits_equal(inner_bits(target), before), f"rank {rank}: a load refused for a corrupt byte " \
+                f"changed its target"
+            return "refused: corrupt byte"
         except QdcpError as e:
             assert outcome == "refused at load", f"rank {rank}: the load was refused, the rule accepts it: {e}"
             assert "'w'" in str(e), f"the error names no key: {e}"
@@ -384,6 +410,25 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
         diff = components_diff(target, expect)
         assert diff is None, f"rank {rank}: not torchao's quantization of the values: {diff}"
     return outcome
+
+
+def inner_bits(t: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of the bytes of every tensor ``t`` holds its data in (its inner buffers, nested)."""
+    if type(t) is torch.Tensor:
+        flat = t.detach().to("cpu").reshape(-1)
+        return [torch.empty(flat.shape, dtype=flat.dtype).copy_(flat).view(torch.uint8)]
+    names, _ = t.__tensor_flatten__()
+    return [b for n in names if isinstance(getattr(t, n), torch.Tensor) for b in inner_bits(getattr(t, n))]
+
+
+def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _atomic(seed: int, rank: int) -> bool:
+    """A load from files is all or nothing (``atomic=True``, ``qdcp.load``'s default) for about half
+    the cases, in place (DCP's way) for the others."""
+    return random.Random(seed * 6151 + rank).random() < 0.5
 
 
 def _read_order(seed: int, rank: int) -> int | None:
@@ -445,14 +490,47 @@ def run_case(name: str, rows: int, cols: int, seed: int, source_layout: Layout, 
     source = make_source(name, (rows, cols), seed, source_layout, sliced)
     if source is None:
         return ["no source"]
-    saved = save_source(source, source_layout)
-    refused = save_refused_by_rule(source)
-    if isinstance(saved, QdcpError):
-        assert refused, f"the save was refused, the rule accepts it: {saved}"
-        assert "'w'" in str(saved), f"the error names no key: {saved}"
-        return ["refused at save"]
-    assert not refused, "the rule refuses this save, qdcp saved it"
-    return [check_target(source, saved, layout, kind, seed, *device) for layout, kind, *device in targets]
+    with _files(seed) as path:
+        saved = save_source(source, source_layout, path)
+        refused = save_refused_by_rule(source)
+        if isinstance(saved, QdcpError):
+            assert refused, f"the save was refused, the rule accepts it: {saved}"
+            assert "'w'" in str(saved), f"the error names no key: {saved}"
+            return ["refused at save"]
+        assert not refused, "the rule refuses this save, qdcp saved it"
+        outcomes = [check_target(source, saved, layout, kind, seed, *device) for layout, kind, *device in targets]
+        if path is not None:
+            outcomes.append(check_corrupt_byte(source, saved, targets[0], seed))
+        return outcomes
+
+
+# The share of cases saved to files and loaded with dcp.load through qdcp's reader (its threads,
+# its checks of the items it reads in part, all-or-nothing loads), a flipped byte loaded last
+FILES_SHARE = 0.25
+
+
+@contextlib.contextmanager
+def _files(seed: int):
+    """A fresh directory to save the case to (None: the case runs in memory)."""
+    if random.Random(seed * 31337).random() >= FILES_SHARE:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="qdcp-rule-") as tmp:
+        yield os.path.join(tmp, "ckpt")
+
+
+def check_corrupt_byte(source: Source, saved, target: tuple, seed: int) -> str:
+    """One byte of one stored item's data flipped (a bad disk), the first target loaded again all or
+    nothing: a rank whose reads take that item refuses with a ChecksumError naming the key, its
+    target bitwise as it was; the others load as the rule says; one rank at least reads it."""
+    layout, kind, *device = target
+    if flip_item_byte(saved[1], seed) is None:
+        return "no stored byte"
+    outcome = check_target(source, saved, layout, kind, seed, *device, corrupt=True)
+    if outcome.startswith("no ") or "refused at load" in outcome:
+        return outcome
+    assert "refused: corrupt byte" in outcome.split("+"), f"no rank's load noticed the flipped byte: {outcome}"
+    return "refused: corrupt byte"
 
 
 def case_strategy(families: st.SearchStrategy[str] = st.sampled_from(sorted(FAMILIES))) -> st.SearchStrategy:

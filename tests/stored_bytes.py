@@ -4,7 +4,9 @@ stored copy of known data."""
 
 from __future__ import annotations
 
+import io
 import os
+import zipfile
 from pathlib import Path
 
 import torch
@@ -32,6 +34,33 @@ def flip_stored_bytes(path, needle: bytes, at: int = 7) -> str:
     raw[pos + at] ^= 0x5A
     (Path(path) / name).write_bytes(bytes(raw))
     return name
+
+
+def flip_item_byte(path, pick: int) -> str | None:
+    """Flip one byte of the data of one stored item, chosen by ``pick`` among the items that hold
+    data (a byte of its ``data/0`` record, the tensor's elements); that item's fqn, None if none has."""
+    md = qdcp.read_metadata(path)
+    spans = []
+    for index, info in sorted(md.storage_data.items(), key=lambda kv: (kv[0].fqn, tuple(kv[0].offset or ()))):
+        with open(Path(path) / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(info.length)
+        records = [i for i in zipfile.ZipFile(io.BytesIO(blob)).infolist() if i.filename.endswith("/data/0")]
+        if records and records[0].file_size:
+            zi = records[0]
+            name_len, extra_len = int.from_bytes(blob[zi.header_offset + 26:zi.header_offset + 28], "little"), \
+                int.from_bytes(blob[zi.header_offset + 28:zi.header_offset + 30], "little")
+            start = info.offset + zi.header_offset + 30 + name_len + extra_len
+            spans.append((index.fqn, info.relative_path, start, zi.file_size))
+    if not spans:
+        return None
+    fqn, rel, start, size = spans[pick % len(spans)]
+    with open(Path(path) / rel, "r+b") as f:
+        f.seek(start + (pick // len(spans)) % size)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x5A]))
+    return fqn
 
 
 def stored_items(path) -> dict[str, bytes]:

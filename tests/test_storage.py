@@ -94,7 +94,7 @@ def test_checkpoints_written_before_checksums_still_load(tmp_path, name):
                                       planner=QuantizedLoadPlanner()))
 
 
-def _reshard_worker(rank: int, root: str, readers: tuple[str, ...], results) -> None:
+def _reshard_worker(rank: int, root: str, loads: tuple[tuple[str, str], ...], results) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
@@ -102,28 +102,28 @@ def _reshard_worker(rank: int, root: str, readers: tuple[str, ...], results) -> 
 
     init_file_store_group(root, rank, 2)
     mesh = init_device_mesh("cpu", (2,))
-    for reader in readers:
+    for reader, name in loads:
         target = {"w": distribute_tensor(torch.zeros(64, 32), mesh, [Shard(0)])}
-        storage = CheckpointReader(os.path.join(root, "ckpt")) if reader == "qdcp" else \
-            dcp.FileSystemReader(os.path.join(root, "ckpt"))
+        storage = CheckpointReader(os.path.join(root, name)) if reader == "qdcp" else \
+            dcp.FileSystemReader(os.path.join(root, name))
         try:
             dcp.load(target, storage_reader=storage, planner=QuantizedLoadPlanner())
-            results[reader, rank] = ("loaded", target["w"].to_local().clone())
+            results[reader, name, rank] = ("loaded", target["w"].to_local().clone())
         except BaseException as e:  # noqa: BLE001 (CheckpointException)
             inner = next(iter(e.failures.values())) if isinstance(e, CheckpointException) else e
             inner = inner[0] if isinstance(inner, tuple) else inner
-            results[reader, rank] = (type(inner).__name__, str(inner))
+            results[reader, name, rank] = (type(inner).__name__, str(inner))
         dist.barrier()
     dist.destroy_process_group()
 
 
-def _reshard(tmp_path, *readers: str) -> dict:
-    """``{reader: {rank: outcome}}`` of loading the checkpoint at 2 ranks through each reader in turn
-    (one pair of spawned processes)."""
+def _reshard(tmp_path, *loads: tuple[str, str]) -> dict:
+    """``{(reader, checkpoint): {rank: outcome}}`` of loading each checkpoint (a directory under
+    ``tmp_path``) at 2 ranks through the reader named beside it, in turn (one pair of spawned processes)."""
     results = mp.Manager().dict()
-    mp.spawn(_reshard_worker, args=(str(tmp_path), readers, results), nprocs=2, join=True)
+    mp.spawn(_reshard_worker, args=(str(tmp_path), loads, results), nprocs=2, join=True)
     (tmp_path / "store").unlink(missing_ok=True)
-    return {reader: {rank: results[reader, rank] for rank in range(2)} for reader in readers}
+    return {load: {rank: results[(*load, rank)] for rank in range(2)} for load in loads}
 
 
 def test_items_read_in_part_are_verified_by_checkpoint_reader(tmp_path):
@@ -132,12 +132,12 @@ def test_items_read_in_part_are_verified_by_checkpoint_reader(tmp_path):
     stock DCP's reader does not, and a rank whose half holds no flipped byte loads fine."""
     w = torch.randn(64, 32)
     dcp.save({"w": w}, checkpoint_id=tmp_path / "ckpt", planner=QuantizedSavePlanner())
-    ok = _reshard(tmp_path, "qdcp")["qdcp"]
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "bad")
+    flip_stored_bytes(tmp_path / "bad", tensor_bytes(w[50:52]))  # a byte of rank 1's rows
+    after = _reshard(tmp_path, ("qdcp", "ckpt"), ("qdcp", "bad"), ("stock", "bad"))
+    ok, bad, stock = after["qdcp", "ckpt"], after["qdcp", "bad"], after["stock", "bad"]
     assert all(r[0] == "loaded" for r in ok.values())
     assert torch.equal(torch.cat([ok[0][1], ok[1][1]]), w)
-    flip_stored_bytes(tmp_path / "ckpt", tensor_bytes(w[50:52]))  # a byte of rank 1's rows
-    after = _reshard(tmp_path, "qdcp", "stock")
-    bad, stock = after["qdcp"], after["stock"]
     assert all(r[0] == "ChecksumError" and "key 'w'" in r[1] for r in bad.values()), bad
     assert stock[0][0] == "loaded" and torch.equal(stock[0][1], w[:32])
 
