@@ -1,20 +1,22 @@
 """Generated checkpoint cases checked against the load rule of docs/api.md (tests/rule_oracle.py).
 
-A case: a type and config (torchao's affine types per row and per group, MXFP8, NVFP4, NF4, the
-``torchao.optim`` 8-bit, 4-bit and FP8 states, torchao.float8's training weight; TransformerEngine's
-Float8 and MXFP8 tensors, tests/rule_te.py, where TE is installed); a source layout (1 to 8 ranks,
-1-D or 2-D mesh, ``Shard(0)``, ``Shard(1)``, ``_StridedShard`` x ``Shard(0)`` as torchtitan's
-column-parallel FSDP2 x TP, ``Replicate`` and HSDP, uneven shards, one rank holding a plain tensor);
-each rank's local tensor either cut from the whole quantized tensor by torchao's own slicing (tensor
-parallelism as torchao's recipes shard a quantized weight) or quantized from its own block of the
-high-precision tensor; and one to three targets, each a layout and a kind (the same config, another
-config or family, plain; a TE target that TE would have to quantize is refused at load, TE needing a
-GPU to quantize). Every rank of a job is planned and stored in this process
-(tests/dcp_in_process.py) through qdcp's real planners; a quarter of the cases are saved to real
-files through qdcp's writer and loaded with ``dcp.load`` through qdcp's reader (its threads, its
-checks of the stored chunks it reads in part; in place or all or nothing), then loaded once more
-with one byte of one stored item flipped: every rank whose reads take it must refuse with a
-``ChecksumError`` naming the key and leave its target bitwise as it was.
+A case: a type and config (torchao's affine types per row, group and tensor, symmetric and
+asymmetric, float8 e4m3 and e5m2; MX fp8 / fp4 and NVFP4 with and without a per-tensor scale (its
+quantization from the whole tensor's amax), scales swizzled or not (in torchao's layout, padding
+zero, after a load); NF4, the ``torchao.optim`` 8-bit, 4-bit and FP8 states, torchao.float8's
+training weight; TransformerEngine's Float8 and MXFP8 tensors, tests/rule_te.py, where TE is
+installed); a source layout (1 to 8 ranks, 1-D or 2-D mesh, ``Shard(0)``, ``Shard(1)``,
+``_StridedShard`` x ``Shard(0)`` as torchtitan's column-parallel FSDP2 x TP, ``Replicate`` and HSDP,
+uneven shards, one rank holding a plain tensor); each rank's local tensor either cut from the whole
+quantized tensor by torchao's own slicing (tensor parallelism as torchao's recipes shard a quantized
+weight) or quantized from its own block of the high-precision tensor; and one to three targets, each
+a layout and a kind (the same config, another config or family, plain; a TE target that TE would
+have to quantize is refused at load, TE needing a GPU to quantize). Every rank of a job is planned
+and stored in this process (tests/dcp_in_process.py) through qdcp's real planners; a quarter of the
+cases are saved to real files through qdcp's writer and loaded with ``dcp.load`` through qdcp's
+reader (its threads, its checks of the stored chunks it reads in part; in place or all or nothing),
+then loaded once more with one byte of one stored item flipped: every rank whose reads take it must
+refuse with a ``ChecksumError`` naming the key and leave its target bitwise as it was.
 
 Each target is checked against the rule, never against qdcp's own choice: the source's bits where
 the rule says so, torchao's quantization of the source's values where it says so, the values
@@ -50,6 +52,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 from torchao.float8 import LinearMMConfig  # noqa: E402
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: E402
+from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale  # noqa: E402
 from torchao.quantization import (  # noqa: E402
     Float8Tensor,
     Int8Tensor,
@@ -74,10 +77,20 @@ warnings.filterwarnings("ignore")
 FAMILIES = {
     "int8_row": (True, "int8_group32"),
     "int8_group32": (True, "int8_row"),
+    "int8_tensor": (True, "int8_row"),
+    "int8_asym_row": (True, "int8_row"),
     "float8_row": (True, "float8_group64"),
+    "float8_tensor_e5m2": (True, "float8_row"),
     "intx_int4_group32": (True, "intx_int8_row"),
+    "intx_int4_group32_asym": (True, "intx_int4_group32"),
     "nvfp4": (True, "mx_fp8"),
+    "nvfp4_per_tensor": (True, "nvfp4"),
+    "nvfp4_swizzled": (False, "nvfp4_per_tensor_swizzled"),
+    "nvfp4_per_tensor_swizzled": (False, "nvfp4"),
     "mx_fp8": (False, "nvfp4"),
+    "mx_fp4": (False, "mx_fp8"),
+    "mx_fp8_e5m2_swizzled": (False, "mx_fp8"),
+    "mx_fp4_swizzled": (False, "mx_fp4"),
     "optim8bit_signed": (False, "optimfp8"),
     "optim4bit": (False, "optim8bit_signed"),
     "optimfp8": (False, "optim4bit"),
@@ -374,8 +387,8 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
         elif rule_te.is_te(target):  # TE cannot quantize here
             expect, outcome = maps_of(target), "refused at load"
         else:  # the library's quantization, with the target's config, on the target's device
-            expect, outcome = quantize_like(target, case, values.to(target.device, case.dtype).contiguous()), \
-                "quantized"
+            expect, outcome = quantize_like(target, case, values.to(target.device, case.dtype).contiguous(),
+                                            source.values), "quantized"
     metadata, store = saved
     before = inner_bits(target)
     with rule_te.context(), _dequantized_by_rows(seed):
@@ -404,6 +417,7 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
         assert bits_diff(training_values(target), expect) is None, f"rank {rank}: not the source's values"
     elif outcome == "bits":
         assert rule.maps_equal(maps_of(target), expect), f"rank {rank}: not the source's bits"
+        assert rule.swizzled_as_torchao_lays_out(target), f"rank {rank}: swizzled scales not in torchao's layout"
     elif outcome == "plain":
         assert bits_diff(target, expect) is None, f"rank {rank}: {bits_diff(target, expect)}"
     else:
@@ -453,13 +467,17 @@ def _dequantized_by_rows(seed: int):
         row_blocks.DEQUANTIZE_ELEMENTS = before
 
 
-def quantize_like(target: torch.Tensor, case: Case, values: torch.Tensor) -> torch.Tensor:
+def quantize_like(target: torch.Tensor, case: Case, values: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     """torchao's own quantization of ``values`` with ``target``'s config. The case's config,
     except for torchao's affine types, whose blocks are the target's own: a column cut of a
     per-group tensor that ends inside a group has blocks of its own columns (torchao's slicing sets
-    ``block_size`` to them, e.g. 22 columns of a group-32 tensor: ``[1, 22]``)."""
+    ``block_size`` to them, e.g. 22 columns of a group-32 tensor: ``[1, 22]``); and for NVFP4 with
+    a per-tensor scale, whose scale is that of ``whole``'s (the whole tensor's values) amax."""
     block = getattr(target, "block_size", None)
     kind = type(target).__name__
+    if kind == "NVFP4Tensor" and target.per_tensor_scale is not None:
+        scale = per_tensor_amax_to_scale(whole.abs().amax()).to(values.device)
+        return NVFP4Tensor.to_nvfp4(values, per_tensor_scale=scale, is_swizzled_scales=target.is_swizzled_scales)
     if kind in ("Int8Tensor", "Float8Tensor") and block is not None and block[0] == 1:
         granularity = PerGroup(block[-1])
         return Int8Tensor.from_hp(values, granularity) if kind == "Int8Tensor" else \

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torchao.prototype.mx_formats.utils import from_blocked, to_blocked
 
 BLOCK_COMPONENTS = ("scale", "zero_point", "per_tensor_scale")
 
@@ -65,9 +66,22 @@ def element_maps(t: torch.Tensor) -> dict[str, torch.Tensor]:
             continue
         if value.numel() == 1:
             out[comp] = as_ints(value.reshape(1, 1)).expand(shape)
+        elif comp == "scale" and getattr(t, "is_swizzled_scales", False):  # torchao's blocked layout
+            grid = (shape[0] // block[0], shape[1] // block[1])
+            out[comp] = _repeat(as_ints(from_blocked(value.reshape(-1), *grid)), block, shape)
         else:
             out[comp] = _repeat(as_ints(value), block, shape)
     return out
+
+
+def swizzled_as_torchao_lays_out(t: torch.Tensor) -> bool:
+    """A tensor with swizzled scales (torchao's ``is_swizzled_scales``) holds them in torchao's own
+    blocked layout of its compact scales, padding zero (docs/format.md); True for any other."""
+    if not getattr(t, "is_swizzled_scales", False):
+        return True
+    block = int(t.block_size)
+    compact = from_blocked(t.scale.reshape(-1), t.shape[0], t.shape[1] // block)
+    return torch.equal(as_ints(t.scale.reshape(-1)), as_ints(to_blocked(compact)))
 
 
 def _codes(codes: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

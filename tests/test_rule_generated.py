@@ -1,8 +1,9 @@
 """The load rule of docs/api.md (*When a target gets the source's bits*), on generated cases.
 
-Each case (tests/rule_cases.py) is a type and config (torchao's affine, MX/NVFP4, NF4, low-bit
-optimizer states, float8 training weights; TransformerEngine's Float8 and MXFP8 where TE is
-installed) saved at a generated layout and loaded
+Each case (tests/rule_cases.py) is a type and config (torchao's affine types per row, group and
+tensor, symmetric and asymmetric, float8 e4m3 and e5m2; MX fp8 / fp4 and NVFP4 with and without a
+per-tensor scale, scales swizzled or not; NF4, low-bit optimizer states, float8 training weights;
+TransformerEngine's Float8 and MXFP8 where TE is installed) saved at a generated layout and loaded
 at up to three generated layouts and target kinds, every rank planned and stored in this process
 through qdcp's real planners, and checked against tests/rule_oracle.py, which is written from the
 docs, not from qdcp's decisions: the source's bits, torchao's quantization of the values, the
@@ -26,8 +27,11 @@ import rule_cases
 # the families in three parts (cases each), so two workers share them; NF4 is slow to quantize
 # (torchao's to_nf4 on CPU), so its part is smaller. TE's families run where TE is installed.
 PARTS = {
-    "affine": (["float8_row", "int8_group32", "int8_row", "intx_int4_group32"], 950),
-    "block_scaled_and_optimizer": (["mx_fp8", "nvfp4", "optim4bit", "optim8bit_signed", "optimfp8"], 950),
+    "affine": (["float8_row", "float8_tensor_e5m2", "int8_asym_row", "int8_group32", "int8_row", "int8_tensor",
+                "intx_int4_group32", "intx_int4_group32_asym"], 950),
+    "block_scaled_and_optimizer": (["mx_fp4", "mx_fp4_swizzled", "mx_fp8", "mx_fp8_e5m2_swizzled", "nvfp4",
+                                    "nvfp4_per_tensor", "nvfp4_per_tensor_swizzled", "nvfp4_swizzled", "optim4bit",
+                                    "optim8bit_signed", "optimfp8"], 950),
     "nf4_training_te": (["float8_training", "nf4_b16", *sorted(rule_cases.rule_te.FAMILIES)], 400),
 }
 
