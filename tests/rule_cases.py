@@ -32,6 +32,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import os
 import random
 import sys
@@ -58,8 +59,10 @@ from torchao.quantization import (  # noqa: E402
     Int8Tensor,
     IntxUnpackedToInt8Tensor,
     PerGroup,
+    PerTensor,
     to_nf4,
 )
+from torchao.quantization.quant_primitives import MappingType  # noqa: E402
 
 import dcp_in_process as job  # noqa: E402
 import rule_oracle as rule  # noqa: E402
@@ -197,6 +200,7 @@ class Source:
     maps: dict
     groups: tuple | None
     config: tuple
+    dequantized: bool = False  # saved with dequantize=True: plain entries of its values
 
 
 def make_local(name: str, seed: int, shape, sliced: bool):
@@ -331,10 +335,11 @@ def save_source(source: Source, layout: Layout, path: str | None = None):
     or the qdcp error a planning rank raised (a refused save to files leaves none)."""
     def state(rank):
         return placed_state(layout, source.locals[rank][1], source.shape)
+    planner = functools.partial(QuantizedSavePlanner, dequantize=source.dequantized)
     try:
         if path is None:
-            return job.save(state, layout.world, QuantizedSavePlanner)
-        return job.save_files(state, layout.world, QuantizedSavePlanner, path, sync_files=False), path
+            return job.save(state, layout.world, planner)
+        return job.save_files(state, layout.world, planner, path, sync_files=False), path
     except QdcpError as e:
         if path is not None:
             left = os.listdir(path) if os.path.isdir(path) else []
@@ -377,6 +382,12 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
     values = source.values[region]
     if type(target) is torch.Tensor or wraps_values(target):
         expect, outcome = values.to(target.dtype), "plain"
+    elif source.dequantized:  # plain entries of the values: quantized like the target
+        if rule_te.is_te(target):  # TE cannot quantize here
+            expect, outcome = maps_of(target), "refused at load"
+        else:
+            expect, outcome = quantize_like(target, case, values.to(target.device, case.dtype).contiguous(),
+                                            source.values), "quantized"
     else:
         maps = {k: v[region] for k, v in source.maps.items()}
         groups = (source.groups[0][region], source.groups[1]) if source.groups is not None else None
@@ -478,12 +489,17 @@ def quantize_like(target: torch.Tensor, case: Case, values: torch.Tensor, whole:
     if kind == "NVFP4Tensor" and target.per_tensor_scale is not None:
         scale = per_tensor_amax_to_scale(whole.abs().amax()).to(values.device)
         return NVFP4Tensor.to_nvfp4(values, per_tensor_scale=scale, is_swizzled_scales=target.is_swizzled_scales)
+    # torchao's int tensors do not record their mapping: all-zero zero points are symmetric (docs/adapters.md)
+    zero = getattr(target, "zero_point", None)
+    mapping = MappingType.SYMMETRIC if zero is None or not zero.any() else MappingType.ASYMMETRIC
+    if kind == "Int8Tensor" and tuple(block) == tuple(target.shape):
+        return Int8Tensor.from_hp(values, PerTensor(), mapping_type=mapping)
     if kind in ("Int8Tensor", "Float8Tensor") and block is not None and block[0] == 1:
         granularity = PerGroup(block[-1])
-        return Int8Tensor.from_hp(values, granularity) if kind == "Int8Tensor" else \
-            Float8Tensor.from_hp(values, granularity=granularity)
+        return Int8Tensor.from_hp(values, granularity, mapping_type=mapping) if kind == "Int8Tensor" else \
+            Float8Tensor.from_hp(values, granularity=granularity, float8_dtype=target.qdata.dtype)
     if kind == "IntxUnpackedToInt8Tensor":
-        return IntxUnpackedToInt8Tensor.from_hp(values, tuple(block), target.target_dtype)
+        return IntxUnpackedToInt8Tensor.from_hp(values, tuple(block), target.target_dtype, mapping_type=mapping)
     return case.from_hp(values)
 
 
@@ -508,9 +524,10 @@ def run_case(name: str, rows: int, cols: int, seed: int, source_layout: Layout, 
     source = make_source(name, (rows, cols), seed, source_layout, sliced)
     if source is None:
         return ["no source"]
+    source.dequantized = random.Random(seed * 7177).random() < DEQUANTIZED_SHARE
     with _files(seed) as path:
         saved = save_source(source, source_layout, path)
-        refused = save_refused_by_rule(source)
+        refused = not source.dequantized and save_refused_by_rule(source)
         if isinstance(saved, QdcpError):
             assert refused, f"the save was refused, the rule accepts it: {saved}"
             assert "'w'" in str(saved), f"the error names no key: {saved}"
@@ -521,6 +538,9 @@ def run_case(name: str, rows: int, cols: int, seed: int, source_layout: Layout, 
             outcomes.append(check_corrupt_byte(source, saved, targets[0], seed))
         return outcomes
 
+
+# The share of cases saved with dequantize=True (plain entries of the values, any layout)
+DEQUANTIZED_SHARE = 0.15
 
 # The share of cases saved to files and loaded with dcp.load through qdcp's reader (its threads,
 # its checks of the items it reads in part, all-or-nothing loads), a flipped byte loaded last

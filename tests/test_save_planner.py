@@ -3,10 +3,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
+from torchao.quantization import Int8Tensor, PerGroup, PerRow
 
-from qdcp import QuantizedSavePlanner
+import dcp_in_process as job
+import rule_cases
+from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
 from qdcp import spec as qspec
 from qdcp.adapters import find_adapter
+from qdcp.errors import QdcpError
 from quantized_cases import CASE_BY_NAME, CASES, SHAPE
 
 
@@ -52,3 +57,42 @@ def test_dequantize_callable_chooses_per_entry():
 def test_a_bad_dequantize_choice_is_refused_before_planning():
     with pytest.raises(TypeError, match="dequantize must be a bool or a callable"):
         QuantizedSavePlanner(dequantize="yes")
+
+
+def test_shards_of_different_configs_save_dequantized_as_the_refusal_advises(tmp_path):
+    """Two ranks whose shards of one entry were quantized each its own way (per row and per group):
+    the raw save is refused naming the key and advising to save it dequantized; that save is taken
+    (the shards' values are one plain tensor; the spec keeps the attributes both share) and loads
+    back the values bitwise, into plain and quantized targets, from memory and from files."""
+    hp = torch.randn(16, 64, dtype=torch.bfloat16)
+    shards = [Int8Tensor.from_hp(hp[:8], PerRow()), Int8Tensor.from_hp(hp[8:], PerGroup(32))]
+    values = torch.cat([s.dequantize() for s in shards])
+    layout = rule_cases.Layout((2,), (Shard(0),))
+
+    def state(rank):
+        return rule_cases.placed_state(layout, shards[rank], (16, 64))
+
+    with pytest.raises(QdcpError, match="'w'.*dequantized|dequantized.*'w'"):
+        job.save(state, 2, QuantizedSavePlanner)
+    deq = lambda: QuantizedSavePlanner(dequantize=True)  # noqa: E731
+    metadata, store = job.save(state, 2, deq)
+    on_disk = job.save_files(state, 2, deq, str(tmp_path / "ckpt"))
+    for md in (metadata, on_disk):
+        spec = qspec.loads(md.planner_data[qspec.PLANNER_DATA_KEY])["w"]
+        assert spec.storage == qspec.DEQUANTIZED and spec.type == "torchao.Int8Tensor"
+        assert "block_size" not in spec.attrs and spec.attrs["dtype"] == {"dtype": "bfloat16"}
+    for rank in range(2):
+        with job.as_rank(rank, 2):
+            for where in ("memory", "files"):
+                plain = torch.zeros(8, 64, dtype=torch.bfloat16)
+                quantized = Int8Tensor.from_hp(torch.zeros(8, 64, dtype=torch.bfloat16), PerRow())
+                for target in (plain, quantized):
+                    state = rule_cases.placed_state(layout, target, (16, 64))
+                    if where == "memory":
+                        job.load(state, rank, 2, metadata, store, QuantizedLoadPlanner())
+                    else:
+                        job.load_files(state, str(tmp_path / "ckpt"), QuantizedLoadPlanner(atomic=True))
+                mine = values[8 * rank:8 * rank + 8]
+                assert torch.equal(plain.view(torch.int16), mine.view(torch.int16))
+                expect = Int8Tensor.from_hp(mine, PerRow())
+                assert torch.equal(quantized.qdata, expect.qdata) and torch.equal(quantized.scale, expect.scale)

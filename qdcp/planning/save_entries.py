@@ -21,6 +21,7 @@ last of its items that needs them is given to the writer (or copied to the host)
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from typing import Any, Callable, Union
 
@@ -403,7 +404,8 @@ def _swapped(plan: SavePlan, part: dict, fqn: str, spec: qspec.EntrySpec, replac
 def merge_specs(rank_texts: list[str | None]) -> str:
     """One spec document from every rank's (None: a rank with no entries; ranks may hold different
     entries, e.g. pipeline stages). Ranks that disagree on an entry's spec (its type, config, mode or
-    blocks) raise :class:`~qdcp.LoadMismatchError` naming the key."""
+    blocks) raise :class:`~qdcp.LoadMismatchError` naming the key, except for an entry saved
+    dequantized, whose attributes only describe the shards (:func:`_describing_both`)."""
     texts = [t or qspec.dumps({}) for t in rank_texts]
     if all(t == texts[0] for t in texts):
         return texts[0]
@@ -412,10 +414,38 @@ def merge_specs(rank_texts: list[str | None]) -> str:
         for fqn, entry in qspec.loads(text).items():
             other = merged.setdefault(fqn, entry)
             if other != entry:
-                raise LoadMismatchError(
-                    f"key {fqn!r}: ranks disagree on how it is stored ({other.to_json()} vs "
-                    f"{entry.to_json()}); every rank must hold the same type, config and mode.")
+                both = _describing_both(other, entry)
+                if both is None:
+                    raise LoadMismatchError(
+                        f"key {fqn!r}: ranks disagree on how it is stored ({_differences(other, entry)}); "
+                        f"every rank must hold the same type, config and mode (shards quantized each "
+                        f"with its own configuration: quantize them alike, or {_DEQUANTIZED}).")
+                merged[fqn] = both
     return qspec.dumps(merged)
+
+
+def _differences(a: qspec.EntrySpec, b: qspec.EntrySpec) -> str:
+    """What two ranks' specs of one entry differ in: ``field: a vs b``, attributes by name."""
+    ja, jb = a.to_json(), b.to_json()
+    ja.update({f"attrs.{k}": v for k, v in ja.pop("attrs").items()})
+    jb.update({f"attrs.{k}": v for k, v in jb.pop("attrs").items()})
+    out = [f"{k}: {json.dumps(ja.get(k))} vs {json.dumps(jb.get(k))}" for k in sorted(set(ja) | set(jb))
+           if ja.get(k) != jb.get(k)]
+    return "; ".join(text if len(text) <= 200 else text[:197] + "..." for text in out)
+
+
+def _describing_both(a: qspec.EntrySpec, b: qspec.EntrySpec) -> qspec.EntrySpec | None:
+    """Two ranks' specs of an entry saved dequantized whose shards' configurations differ (each
+    quantized on its own, or blocks that torchao's slicing set per shard: what the advice to save
+    such an entry dequantized is for): one spec with the attributes and facts both shards share,
+    the stored values being the same plain tensor either way. None where the two differ in more
+    than what describes the shards (the mode, type, shape or dtypes)."""
+    if a.storage != qspec.DEQUANTIZED or b.storage != qspec.DEQUANTIZED:
+        return None
+    if dataclasses.replace(a, attrs={}, info={}) != dataclasses.replace(b, attrs={}, info={}):
+        return None
+    return dataclasses.replace(a, attrs={k: v for k, v in a.attrs.items() if b.attrs.get(k, object()) == v},
+                               info={k: v for k, v in a.info.items() if b.info.get(k, object()) == v})
 
 
 _DEQUANTIZED = "save this entry dequantized (QuantizedSavePlanner(dequantize=...))"
