@@ -65,8 +65,10 @@ from torchao.quantization import (  # noqa: E402
 from torchao.quantization.quant_primitives import MappingType  # noqa: E402
 
 import dcp_in_process as job  # noqa: E402
+import qdcp  # noqa: E402
 import rule_oracle as rule  # noqa: E402
 import rule_te  # noqa: E402
+from cli_in_process import qdcp_cli  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
 from qdcp.adapters import rows as row_blocks  # noqa: E402
 from qdcp.errors import ChecksumError, QdcpError  # noqa: E402
@@ -535,6 +537,7 @@ def run_case(name: str, rows: int, cols: int, seed: int, source_layout: Layout, 
         assert not refused, "the rule refuses this save, qdcp saved it"
         outcomes = [check_target(source, saved, layout, kind, seed, *device) for layout, kind, *device in targets]
         if path is not None:
+            outcomes.append(check_read_without_target(source, path))
             outcomes.append(check_corrupt_byte(source, saved, targets[0], seed))
         return outcomes
 
@@ -557,6 +560,17 @@ def _files(seed: int):
         yield os.path.join(tmp, "ckpt")
 
 
+def check_read_without_target(source: Source, path: str) -> str:
+    """``qdcp.read_entry(path, key, dequantize=True)``, with no target and no process group: the whole
+    tensor's values, bitwise those a plain target gets (the source's ``dequantize()``); ``qdcp verify``
+    finds nothing wrong (and, in :func:`check_corrupt_byte`, names the key once a byte is flipped)."""
+    values = qdcp.read_entry(path, "w", dequantize=True)
+    assert bits_diff(values, source.values) is None, f"read_entry: {bits_diff(values, source.values)}"
+    verified = qdcp_cli("verify", path)
+    assert verified.returncode == 0 and "OK: 1 entry, 0 problems" in verified.stdout, verified
+    return "read without a target"
+
+
 def check_corrupt_byte(source: Source, saved, target: tuple, seed: int) -> str:
     """One byte of one stored item's data flipped (a bad disk), the first target loaded again all or
     nothing: a rank whose reads take that item refuses with a ChecksumError naming the key, its
@@ -564,6 +578,8 @@ def check_corrupt_byte(source: Source, saved, target: tuple, seed: int) -> str:
     layout, kind, *device = target
     if flip_item_byte(saved[1], seed) is None:
         return "no stored byte"
+    verified = qdcp_cli("verify", saved[1])
+    assert verified.returncode == 1 and "FAIL w: ChecksumError: key 'w'" in verified.stdout, verified
     outcome = check_target(source, saved, layout, kind, seed, *device, corrupt=True)
     if outcome.startswith("no ") or "refused at load" in outcome:
         return outcome
