@@ -16,9 +16,10 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["CLAIM_FILE", "LocalStore", "FsspecStore", "honours_exclusive"]
+__all__ = ["CLAIM_FILE", "CLAIM_PREFIX", "LocalStore", "FsspecStore", "honours_exclusive"]
 
-CLAIM_FILE = ".qdcp-save.claim"  #: the claim, in the checkpoint directory
+CLAIM_PREFIX = ".qdcp-save."  #: every file of a claim's (the claim, its heartbeat, its asides) starts so
+CLAIM_FILE = f"{CLAIM_PREFIX}claim"  #: the claim, in the checkpoint directory
 
 #: fsspec protocols whose ``"xb"`` mode refuses an existing file (s3fs: S3's conditional write,
 #: tested on moto; fsspec's memory and local file systems)
@@ -136,19 +137,19 @@ class FsspecStore:
 
     def last_beat(self, token: str) -> float | None:
         """The later of the claim's and its heartbeat object's modification times."""
-        times = [t for t in (self._mtime(CLAIM_FILE), self._mtime(f".qdcp-save.{token}.beat") if token else None)
+        times = [t for t in (self._mtime(CLAIM_FILE), self._mtime(f"{CLAIM_PREFIX}{token}.beat") if token else None)
                  if t is not None]
         return max(times) if times else None
 
     def beat(self, token: str, data: bytes) -> None:
         """Rewrite this claim's heartbeat object (never the claim itself)."""
         if self.read(CLAIM_FILE) == data:
-            self.fs.pipe_file(self._path(f".qdcp-save.{token}.beat"), str(time.time()).encode())
+            self.fs.pipe_file(self._path(f"{CLAIM_PREFIX}{token}.beat"), str(time.time()).encode())
 
     def drop_beat(self, token: str) -> None:
         """Delete this claim's heartbeat object."""
         try:
-            self.fs.rm_file(self._path(f".qdcp-save.{token}.beat"))
+            self.fs.rm_file(self._path(f"{CLAIM_PREFIX}{token}.beat"))
         except FileNotFoundError:
             pass
 

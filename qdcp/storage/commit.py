@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 from torch.distributed.checkpoint.metadata import Metadata
 
 from qdcp.errors import ConcurrentSaveError
-from qdcp.storage.claim_stores import honours_exclusive
+from qdcp.storage.claim_stores import CLAIM_PREFIX, honours_exclusive
 from qdcp.storage.metadata import METADATA_FILE, safe_load_metadata
 
 __all__ = ["save_prefix", "data_prefix", "metadata_tmp", "token_of", "referenced", "publish_local", "publish_remote",
@@ -128,10 +128,11 @@ def publish_remote(fs, root: str, metadata: Metadata, overwrite: bool, check: Ca
 
 def debris(names: Iterable[str], keep: set[str], replaced: set[str], token: str) -> list[str]:
     """What a save that published ``token`` (data files ``keep``) removes: the files the replaced
-    ``.metadata`` referenced, and qdcp save files of other tokens (their saves no longer run)."""
+    ``.metadata`` referenced, and qdcp save files of other tokens (their saves no longer run). Never
+    ``.metadata`` itself nor a claim's files, whatever a damaged old ``.metadata`` lists."""
     out = []
     for name in names:
-        if name in keep:
+        if name in keep or name == METADATA_FILE or name.startswith(CLAIM_PREFIX):
             continue
         owner = token_of(name)
         if name in replaced or (owner is not None and owner != token):

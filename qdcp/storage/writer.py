@@ -336,13 +336,17 @@ class AtomicWriting:
             self._write_local_tmp(metadata, token)
             commit.publish_local(os.fspath(self.path), token, self.qdcp_overwrite, self._claim.check)
         self._published = True
-        try:
+        try:  # committed; what is left (a name that cannot be removed, a directory) stays
             if self.sync_files and not is_url(self.path):
                 _fsync_dir(os.fspath(self.path))
-            for name in commit.debris(files.names(), commit.referenced(metadata), replaced, token):
-                self._remove_unreferenced(name)
+            names = files.names()
         except OSError:
-            pass  # committed; what is left is removed by the next save here
+            return
+        for name in commit.debris(names, commit.referenced(metadata), replaced, token):
+            try:
+                self._remove_unreferenced(name)
+            except OSError:
+                continue  # e.g. a directory of that name: never removed; the others still are
 
     def _remove_unreferenced(self, name: str) -> None:
         """Remove a file the committed checkpoint does not reference (the replaced checkpoint's, a
