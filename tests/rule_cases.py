@@ -33,6 +33,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import inspect
 import os
 import random
 import sys
@@ -119,7 +120,7 @@ def wraps_values(t: torch.Tensor) -> bool:
     return isinstance(t, WeightWithDynamicFloat8CastTensor)
 
 
-KINDS = ("same", "other", "plain")
+KINDS = ("same", "other", "plain", "wide")  # wide: a plain float32 target of a bfloat16 source
 # the target's device: another device than the source's (saved from the CPU) where one is here
 DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 OUTCOMES = collections.Counter()
@@ -202,6 +203,7 @@ class Source:
     maps: dict
     groups: tuple | None
     config: tuple
+    wide: torch.Tensor | None  # the values computed in float32 by the library (bfloat16 sources)
     dequantized: bool = False  # saved with dequantize=True: plain entries of its values
 
 
@@ -238,6 +240,15 @@ def values_of(name: str, t: torch.Tensor) -> torch.Tensor:
     return rule_te.family_of(t).values(t) if rule_te.is_te(t) else CASE_BY_NAME[name].dequantize(t)
 
 
+def wide_values_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor's values computed in float32 by its library (``dequantize(output_dtype=...)``): what a
+    float32 plain target gets (docs/adapters.md: never values rounded through bfloat16); None where
+    the library computes no other precision."""
+    if wraps_values(t) or rule_te.is_te(t) or "output_dtype" not in inspect.signature(t.dequantize).parameters:
+        return None
+    return t.dequantize(output_dtype=torch.float32)
+
+
 def config_of(t: torch.Tensor):
     if rule_te.is_te(t):
         return rule_te.config(t)
@@ -248,6 +259,7 @@ def make_source(name: str, shape, seed: int, layout: Layout, sliced: bool) -> So
     make = make_local(name, seed, shape, sliced)
     dtype = CASE_BY_NAME[name].dtype if name in CASE_BY_NAME else torch.bfloat16
     locals_, maps, values = [], {}, torch.zeros(shape, dtype=dtype)
+    wide = torch.zeros(shape, dtype=torch.float32) if dtype == torch.bfloat16 else None
     group_ids = torch.zeros(shape, dtype=torch.int64)
     for rank in range(layout.world):
         with job.as_rank(rank, layout.world):
@@ -258,6 +270,11 @@ def make_source(name: str, shape, seed: int, layout: Layout, sliced: bool) -> So
         locals_.append((chunk, local))
         region = (slice(chunk[0][0], chunk[0][0] + chunk[1][0]), slice(chunk[0][1], chunk[0][1] + chunk[1][1]))
         values[region] = values_of(name, local)
+        local_wide = wide_values_of(local) if wide is not None else None
+        if local_wide is None:
+            wide = None
+        else:
+            wide[region] = local_wide
         for k, v in maps_of(local).items():
             maps.setdefault(k, torch.zeros(shape, dtype=v.dtype))[region] = v
         if flat_blocks(name):
@@ -266,7 +283,7 @@ def make_source(name: str, shape, seed: int, layout: Layout, sliced: bool) -> So
     if flat_blocks(name):
         _, dense = torch.unique(group_ids, return_inverse=True)
         groups = (dense, torch.bincount(dense.reshape(-1)))
-    return Source(name, shape, locals_, values, maps, groups, config_of(locals_[0][1]))
+    return Source(name, shape, locals_, values, maps, groups, config_of(locals_[0][1]), wide)
 
 
 def flat_blocks(name: str) -> bool:
@@ -357,14 +374,17 @@ def check_target(source: Source, saved, layout: Layout, kind: str, seed: int, de
     name = source.name if kind == "same" else FAMILIES[source.name][1]
     case = CASE_BY_NAME.get(name)
     make = make_local(name, seed + 1, source.shape, FAMILIES.get(name, (False,))[0] and seed % 2) \
-        if kind != "plain" else None
+        if kind in ("same", "other") else None
+    if kind == "wide" and source.wide is None and not source.dequantized:
+        return "no target"
     outcomes = set()
     for rank in range(layout.world):
         with job.as_rank(rank, layout.world):
             chunk = chunk_of(spec_of(layout, source.shape, torch.bfloat16), source.shape) if layout.mesh \
                 else ((0, 0), source.shape)
-            if kind == "plain":
-                target = torch.zeros(chunk[1], dtype=source.values.dtype, device=device)
+            if kind in ("plain", "wide"):
+                dtype = source.values.dtype if kind == "plain" else torch.float32
+                target = torch.zeros(chunk[1], dtype=dtype, device=device)
             else:
                 target = make(chunk, rank)
                 if target is None:
@@ -382,7 +402,9 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
                     corrupt: bool = False) -> str:
     region = (slice(chunk[0][0], chunk[0][0] + chunk[1][0]), slice(chunk[0][1], chunk[0][1] + chunk[1][1]))
     values = source.values[region]
-    if type(target) is torch.Tensor or wraps_values(target):
+    if type(target) is torch.Tensor and target.dtype != values.dtype and not source.dequantized:
+        expect, outcome = source.wide[region].to(target.device), "wide"  # the library's own float32
+    elif type(target) is torch.Tensor or wraps_values(target):
         expect, outcome = values.to(target.dtype), "plain"
     elif source.dequantized:  # plain entries of the values: quantized like the target
         if rule_te.is_te(target):  # TE cannot quantize here
@@ -431,8 +453,8 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
     elif outcome == "bits":
         assert rule.maps_equal(maps_of(target), expect), f"rank {rank}: not the source's bits"
         assert rule.swizzled_as_torchao_lays_out(target), f"rank {rank}: swizzled scales not in torchao's layout"
-    elif outcome == "plain":
-        assert bits_diff(target, expect) is None, f"rank {rank}: {bits_diff(target, expect)}"
+    elif outcome in ("plain", "wide"):
+        assert bits_diff(target, expect) is None, f"rank {rank}: {outcome}: {bits_diff(target, expect)}"
     else:
         diff = components_diff(target, expect)
         assert diff is None, f"rank {rank}: not torchao's quantization of the values: {diff}"
