@@ -7,16 +7,17 @@ zero, after a load); NF4, the ``torchao.optim`` 8-bit, 4-bit and FP8 states, tor
 training weight; TransformerEngine's Float8 and MXFP8 tensors, tests/rule_te.py, where TE is
 installed); a source layout (1 to 8 ranks, 1-D or 2-D mesh, ``Shard(0)``, ``Shard(1)``,
 ``_StridedShard`` x ``Shard(0)`` as torchtitan's column-parallel FSDP2 x TP, ``Replicate`` and HSDP,
-uneven shards, one rank holding a plain tensor); each rank's local tensor either cut from the whole
-quantized tensor by torchao's own slicing (tensor parallelism as torchao's recipes shard a quantized
-weight) or quantized from its own block of the high-precision tensor; and one to three targets, each
-a layout and a kind (the same config, another config or family, plain; a TE target that TE would
-have to quantize is refused at load, TE needing a GPU to quantize). Every rank of a job is planned
-and stored in this process (tests/dcp_in_process.py) through qdcp's real planners; a quarter of the
-cases are saved to real files through qdcp's writer and loaded with ``dcp.load`` through qdcp's
-reader (its threads, its checks of the stored chunks it reads in part; in place or all or nothing),
-then loaded once more with one byte of one stored item flipped: every rank whose reads take it must
-refuse with a ``ChecksumError`` naming the key and leave its target bitwise as it was.
+uneven shards, one process holding the tensor itself, no DTensor); each rank's local tensor either
+cut from the whole quantized tensor by torchao's own slicing (tensor parallelism as torchao's
+recipes shard a quantized weight) or quantized from its own block of the high-precision tensor; and
+one to three targets, each a layout and a kind (the same config, another config or family, plain,
+plain float32; a TE target that TE would have to quantize is refused at load, TE needing a GPU to
+quantize). Every rank of a job is planned and stored in this process (tests/dcp_in_process.py)
+through qdcp's real planners; a quarter of the cases are saved to real files through qdcp's writer
+and loaded with ``dcp.load`` through qdcp's reader (its threads, its checks of the stored chunks it
+reads in part; in place or all or nothing), then loaded once more with one byte of one stored item
+flipped: every rank whose reads take it must refuse with a ``ChecksumError`` naming the key and
+leave its target bitwise as it was.
 
 Each target is checked against the rule, never against qdcp's own choice: the source's bits where
 the rule says so, torchao's quantization of the source's values where it says so, the values
