@@ -17,7 +17,8 @@ through qdcp's real planners; a quarter of the cases are saved to real files thr
 and loaded with ``dcp.load`` through qdcp's reader (its threads, its checks of the stored chunks it
 reads in part; in place or all or nothing), then loaded once more with one byte of one stored item
 flipped: every rank whose reads take it must refuse with a ``ChecksumError`` naming the key and
-leave its target bitwise as it was.
+leave its target bitwise as it was. About one case in seven is saved with ``dequantize=True``
+(plain entries at any layout, whatever each shard's configuration: quantized like each target).
 
 Each target is checked against the rule, never against qdcp's own choice: the source's bits where
 the rule says so, torchao's quantization of the source's values where it says so, the values
