@@ -84,7 +84,8 @@ warnings.filterwarnings("ignore")
 # family -> (can torchao slice its columns, another config of it or another family)
 FAMILIES = {
     "int8_row": (True, "int8_group32"),
-    "int8_group32": (True, "int8_row"),
+    "int8_group32": (True, "intx_int8_group32"),  # another affine type of one element kind and block
+    "intx_int8_group32": (True, "int8_group32"),
     "int8_tensor": (True, "int8_row"),
     "int8_asym_row": (True, "int8_row"),
     "float8_row": (True, "float8_group64"),
@@ -109,7 +110,8 @@ FAMILIES = {
     **({"te_float8": (True, "te_mxfp8"), "te_mxfp8": (True, "mx_fp8")} if rule_te.FAMILIES else {}),
 }
 # NF4 with blocks small enough for the generator's shapes (torchao's default needs 16,384 elements)
-CASE_BY_NAME = {**CASE_BY_NAME, **{
+CASE_BY_NAME = {**CASE_BY_NAME, "intx_int8_group32": Case(
+    "intx_int8_group32", lambda hp: IntxUnpackedToInt8Tensor.from_hp(hp, (1, 32), torch.int8)), **{
     name: Case(name, lambda hp, b=b, s=s: to_nf4(hp.contiguous(), b, s), dequantize=lambda t: t.get_original_weight())
     for name, b, s in (("nf4_b16", 16, 16), ("nf4_b32", 32, 8))},
     "float8_training": Case("float8_training", lambda hp: WeightWithDynamicFloat8CastTensor(
@@ -419,7 +421,10 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
         groups = (source.groups[0][region], source.groups[1]) if source.groups is not None else None
         te_view = rule_te.is_te(target) or source.name in rule_te.FAMILIES
         view = rule_te.view(target) if te_view else rule.view(_on_cpu(target))  # its layout, on any device
-        if rule.gets_source_bits(maps, groups, view, source.config):
+        converted = raw_conversion(source, maps, target, chunk)
+        if converted is not None:  # another affine type of the same element kind and block
+            expect, outcome = converted, "bits of another type"
+        elif rule.gets_source_bits(maps, groups, view, source.config):
             expect, outcome = maps, "bits"
         elif rule_te.is_te(target):  # TE cannot quantize here
             expect, outcome = maps_of(target), "refused at load"
@@ -452,8 +457,8 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
         assert rule.maps_equal(maps_of(target), expect), f"rank {rank}: a refused load changed the target"
     elif wraps_values(target):
         assert bits_diff(training_values(target), expect) is None, f"rank {rank}: not the source's values"
-    elif outcome == "bits":
-        assert rule.maps_equal(maps_of(target), expect), f"rank {rank}: not the source's bits"
+    elif outcome in ("bits", "bits of another type"):
+        assert rule.maps_equal(maps_of(target), expect), f"rank {rank}: not the source's bits ({outcome})"
         assert rule.swizzled_as_torchao_lays_out(target), f"rank {rank}: swizzled scales not in torchao's layout"
     elif outcome in ("plain", "wide"):
         assert bits_diff(target, expect) is None, f"rank {rank}: {outcome}: {bits_diff(target, expect)}"
@@ -480,6 +485,39 @@ def _atomic(seed: int, rank: int) -> bool:
     """A load from files is all or nothing (``atomic=True``, ``qdcp.load``'s default) for about half
     the cases, in place (DCP's way) for the others."""
     return random.Random(seed * 6151 + rank).random() < 0.5
+
+
+AFFINE_INT = ("Int8Tensor", "IntxUnpackedToInt8Tensor")
+
+
+def raw_conversion(source: Source, maps: dict, target: torch.Tensor, chunk) -> dict | None:
+    """docs/api.md: a raw entry of another of torchao's affine types of one element kind and block
+    (``Int8Tensor`` <-> ``IntxUnpackedToInt8Tensor`` int8) is copied raw where the target's scale
+    dtype holds the scales exactly and a symmetric target gets symmetric data: the element maps the
+    target then holds (its codes the source's, its block values the source's in its dtypes); None
+    for any other pair, or where those conditions do not hold (then the rule's case 2)."""
+    src = source.locals[0][1]
+    kinds = {type(src).__name__, type(target).__name__}
+    if len(kinds) != 2 or not kinds <= set(AFFINE_INT) or target.device.type != "cpu":
+        return None
+    if any(getattr(t, "target_dtype", torch.int8) != torch.int8 for t in (src, target)):
+        return None  # another element kind
+    block = tuple(target.block_size)
+    if any(tuple(t.block_size) != block for _, t in source.locals) or \
+            any(o % b for o, b in zip(chunk[0], block)):
+        return None  # not the source's blocks
+    src_dtypes = dict(source.config[2])
+    out = {"code": maps["code"]}
+    for name in ("scale", "zero_point"):
+        stored = maps[name].view(src_dtypes[name])
+        held = stored.to(getattr(target, name).dtype)
+        if not torch.equal(held.to(stored.dtype), stored):
+            return None  # the target's dtype does not hold the source's values
+        out[name] = rule.as_ints(held)
+    symmetric_target = not getattr(target, "zero_point").any()
+    if symmetric_target and maps["zero_point"].any():
+        return None
+    return out
 
 
 def _read_order(seed: int, rank: int) -> int | None:
