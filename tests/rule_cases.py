@@ -74,7 +74,7 @@ import rule_te  # noqa: E402
 from cli_in_process import qdcp_cli  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
 from qdcp.adapters import rows as row_blocks  # noqa: E402
-from qdcp.errors import ChecksumError, QdcpError  # noqa: E402
+from qdcp.errors import ChecksumError, QdcpError, UnsupportedTensorError  # noqa: E402
 from quantized_cases import CASE_BY_NAME, Case, bits_diff, components_diff  # noqa: E402
 from stored_bytes import flip_item_byte  # noqa: E402
 from training_cases import values as training_values  # noqa: E402
@@ -623,11 +623,27 @@ def _files(seed: int):
 
 
 def check_read_without_target(source: Source, path: str) -> str:
-    """``qdcp.read_entry(path, key, dequantize=True)``, with no target and no process group: the whole
-    tensor's values, bitwise those a plain target gets (the source's ``dequantize()``); ``qdcp verify``
+    """``qdcp.read_entry(path, key, dequantize=True)`` and ``qdcp.consolidate(path)``, with no target
+    and no process group: the whole tensor's values, bitwise those a plain target gets (the
+    source's ``dequantize()``); ``consolidate(path, dequantize=False)``: the whole tensor rebuilt as
+    its own type holding the source's bits (a dequantized entry: its values); ``qdcp verify``
     finds nothing wrong (and, in :func:`check_corrupt_byte`, names the key once a byte is flipped)."""
     values = qdcp.read_entry(path, "w", dequantize=True)
     assert bits_diff(values, source.values) is None, f"read_entry: {bits_diff(values, source.values)}"
+    whole = qdcp.consolidate(path)["w"]
+    assert bits_diff(whole, source.values) is None, f"consolidate: {bits_diff(whole, source.values)}"
+    grid = source.name.startswith("optim") and any(cols != source.shape[1] for (_, (_, cols)), _ in source.locals)
+    try:
+        rebuilt = qdcp.consolidate(path, dequantize=False)["w"]
+    except UnsupportedTensorError as e:  # docs/adapters.md: an optimizer state cut by columns has no whole form
+        assert grid and not source.dequantized and "'w'" in str(e), e
+        return "read without a target"
+    assert not grid or source.dequantized, "an optimizer state cut by columns was rebuilt whole"
+    if source.dequantized or wraps_values(source.locals[0][1]):  # stored as the plain tensor of its values
+        assert bits_diff(rebuilt, source.values) is None, f"consolidate: {bits_diff(rebuilt, source.values)}"
+    else:  # the whole tensor, rebuilt as its own type: the source's bits
+        assert type(rebuilt) is type(source.locals[0][1]), f"consolidate rebuilt a {type(rebuilt).__name__}"
+        assert rule.maps_equal(maps_of(rebuilt), source.maps), "consolidate: not the source's bits"
     verified = qdcp_cli("verify", path)
     assert verified.returncode == 0 and "OK: 1 entry, 0 problems" in verified.stdout, verified
     return "read without a target"

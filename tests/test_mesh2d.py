@@ -83,7 +83,7 @@ def test_column_cut_optimizer_state_reads_back_through_the_cli(shared_dir):
         key = f"{name}.rowwise"
         got = qdcp.read_entry(ckpt, key, dequantize=True)
         assert bits_diff(got, mesh2d_worker.values(name, blocks[key])) is None, key
-        with pytest.raises(qdcp.UnsupportedTensorError, match="not row ranges.*read it dequantized"):
+        with pytest.raises(qdcp.UnsupportedTensorError, match=f"key {key!r}: .*not row ranges.*read it dequantized"):
             qdcp.read_entry(ckpt, key)
 
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from qdcp import spec as qspec
 from qdcp.adapters.base import StoredEntry, adapter_for_type
 from qdcp.dcp_copies import read_items
-from qdcp.errors import CheckpointFormatError
+from qdcp.errors import CheckpointFormatError, UnsupportedTensorError
 from qdcp.layouts import ceil_div, narrow
 from qdcp.storage import storage_reader
 from qdcp.storage.metadata import load_object
@@ -129,7 +129,12 @@ class CheckpointEntries:
         if entry is not None and entry.storage == qspec.RAW:
             stored = self.stored(key)
             adapter = adapter_for_type(entry.type, key)
-            return adapter.dequantize_stored(stored, dtype) if dequantize else adapter.rebuild(stored)
+            try:
+                return adapter.dequantize_stored(stored, dtype) if dequantize else adapter.rebuild(stored)
+            except UnsupportedTensorError as e:  # the adapter's reason, said of this key
+                if f"key {key!r}" in str(e):
+                    raise
+                raise UnsupportedTensorError(f"key {key!r}: {e}") from e
         item = self.metadata.state_dict_metadata.get(key)
         if item is None:
             raise KeyError(f"key {key!r} is not in the checkpoint at {os.fspath(self.path)!r}")
