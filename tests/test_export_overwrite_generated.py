@@ -69,7 +69,7 @@ def entries():
     return st.dictionaries(st.sampled_from(EXPORT_FILES + USER_FILES), kinds, max_size=5)
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, database=None, phases=(Phase.generate,),
+@settings(max_examples=60, deadline=None, derandomize=True, database=None, phases=(Phase.generate,),
           suppress_health_check=list(HealthCheck))
 @given(there=entries(), size=st.sampled_from(["1GB", "20KB"]))
 def test_export_overwrite_replaces_only_an_export(ckpt, fresh, there, size):

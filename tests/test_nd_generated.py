@@ -51,7 +51,7 @@ def cut(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
     return t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, database=None, phases=(Phase.generate,),
+@settings(max_examples=150, deadline=None, derandomize=True, database=None, phases=(Phase.generate,),
           suppress_health_check=list(HealthCheck))
 @given(family=st.sampled_from(sorted(FAMILIES)), shape=st.tuples(st.sampled_from([1, 2, 3, 4, 6]),
        st.sampled_from([4, 8, 16]), st.sampled_from([64, 128])), seed=st.integers(0, 2**16),

@@ -60,7 +60,7 @@ def state(seed: int) -> dict:
     return {"w": CASE_BY_NAME["int8_row"].make(seed, (32, 64)), "b": torch.full((8,), float(seed)), "step": seed}
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None, phases=(Phase.generate,),
+@settings(max_examples=80, deadline=None, derandomize=True, database=None, phases=(Phase.generate,),
           suppress_health_check=list(HealthCheck))
 @given(old=st.sampled_from(["none", "qdcp", "stock", "damaged"]), damaged=st.sampled_from(DAMAGED_LISTS),
        user=st.sets(st.sampled_from(USER_FILES)), dead=st.lists(st.integers(1, 2**48 - 1), max_size=2),

@@ -89,7 +89,7 @@ entry = st.tuples(st.sampled_from(FAMILIES), st.sampled_from(SHAPES), st.integer
 step = st.dictionaries(st.sampled_from(KEYS), st.one_of(st.just("keep"), st.just("drop"), entry), min_size=1)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True, database=None, phases=(Phase.generate,),
+@settings(max_examples=25, deadline=None, derandomize=True, database=None, phases=(Phase.generate,),
           suppress_health_check=list(HealthCheck))
 @given(first=st.dictionaries(st.sampled_from(KEYS), entry, min_size=1), steps=st.lists(step, min_size=1, max_size=3),
        async_staging=st.booleans())
