@@ -301,7 +301,7 @@ def _template_of(fqn: str, placed: Placed, adapter: Adapter, comps: dict, attrs:
             raise AlignmentError(
                 f"key {fqn!r}: component {name!r} has local shape {tuple(value.shape)} but the "
                 f"shard {placed.chunk} of {placed.global_shape} needs {chunk[1]}; the shard does "
-                f"not own whole blocks{_nearest(item_layouts, placed) or '. ' + _DEQUANTIZED.capitalize()}.")
+                f"not own whole blocks{_nearest(item_layouts, placed) or '. S' + _DEQUANTIZED[1:]}.")
         specs.append(qspec.ComponentSpec(name, tuple(global_shape), value.dtype, spec_layouts[name].to_json()))
         if chunk is not None:
             item = _write_item(name, chunk, global_shape, value.dtype, sharded=placed.is_dtensor)
