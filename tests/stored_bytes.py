@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 import zipfile
 from pathlib import Path
 
@@ -36,6 +37,19 @@ def flip_stored_bytes(path, needle: bytes, at: int = 7) -> str:
     return name
 
 
+def record_span(blob: bytes, record: str) -> tuple[int, int] | None:
+    """``(start, size)`` in ``blob`` (one stored item: a torch.save zip archive) of the bytes of its
+    uncompressed record whose name ends with ``/record`` (``data/0``: the tensor's elements;
+    ``data.pkl``), read from the record's local header; None if the item has no such record."""
+    found = [i for i in zipfile.ZipFile(io.BytesIO(blob)).infolist() if i.filename.endswith("/" + record)]
+    assert len(found) <= 1, f"{len(found)} records named {record!r}"
+    if not found:
+        return None
+    zi = found[0]
+    name_len, extra_len = struct.unpack("<HH", blob[zi.header_offset + 26:zi.header_offset + 30])
+    return zi.header_offset + 30 + name_len + extra_len, zi.file_size
+
+
 def flip_item_byte(path, pick: int) -> str | None:
     """Flip one byte of the data of one stored item, chosen by ``pick`` among the items that hold
     data (a byte of its ``data/0`` record, the tensor's elements); that item's fqn, None if none has."""
@@ -44,14 +58,9 @@ def flip_item_byte(path, pick: int) -> str | None:
     for index, info in sorted(md.storage_data.items(), key=lambda kv: (kv[0].fqn, tuple(kv[0].offset or ()))):
         with open(Path(path) / info.relative_path, "rb") as f:
             f.seek(info.offset)
-            blob = f.read(info.length)
-        records = [i for i in zipfile.ZipFile(io.BytesIO(blob)).infolist() if i.filename.endswith("/data/0")]
-        if records and records[0].file_size:
-            zi = records[0]
-            name_len, extra_len = int.from_bytes(blob[zi.header_offset + 26:zi.header_offset + 28], "little"), \
-                int.from_bytes(blob[zi.header_offset + 28:zi.header_offset + 30], "little")
-            start = info.offset + zi.header_offset + 30 + name_len + extra_len
-            spans.append((index.fqn, info.relative_path, start, zi.file_size))
+            span = record_span(f.read(info.length), "data/0")
+        if span is not None and span[1]:
+            spans.append((index.fqn, info.relative_path, info.offset + span[0], span[1]))
     if not spans:
         return None
     fqn, rel, start, size = spans[pick % len(spans)]

@@ -22,7 +22,6 @@ import struct
 import subprocess
 import sys
 import warnings
-import zipfile
 from typing import Callable
 
 import pytest
@@ -41,6 +40,7 @@ from qdcp.errors import CheckpointFormatError, LoadMismatchError, QdcpError
 from qdcp.spec import check_component_bytes
 from qdcp.spec import layouts_of as _layouts_from_spec
 from quantized_cases import CASE_BY_NAME, SHAPE, assert_same_buffers, bits
+from stored_bytes import record_span
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 QNAMES = ("int8_group32", "nf4", "mx_fp4_swizzled", "optim8bit_signed", "float8_row")
@@ -143,12 +143,8 @@ def record_offset(path, fqn, record: str, frac: float = 0.5) -> int:
     info = info_of(md, fqn)
     with open(data_file(path), "rb") as f:
         f.seek(info.offset)
-        blob = f.read(info.length)
-    z = zipfile.ZipFile(io.BytesIO(blob))
-    (zi,) = [i for i in z.infolist() if i.filename.endswith("/" + record)]
-    name_len, extra_len = struct.unpack("<HH", blob[zi.header_offset + 26: zi.header_offset + 30])
-    start = zi.header_offset + 30 + name_len + extra_len
-    return info.offset + start + int(zi.compress_size * frac)
+        start, size = record_span(f.read(info.length), record)
+    return info.offset + start + int(size * frac)
 
 
 def flip(path, offset: int) -> None:
