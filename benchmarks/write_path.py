@@ -13,8 +13,9 @@ fresh), in ONE run:
   ``FileSystemWriter`` at its defaults (``thread_count=1``) and at ``thread_count=--files``;
 - ``dcp.save(state, planner=QuantizedSavePlanner())`` (DCP's own writer);
 - ``qdcp.save`` (synchronous) and ``qdcp.async_save`` (the whole save: the call until its future is
-  done), both at qdcp's defaults (the sync save buffered, the async one with direct writes,
-  :mod:`qdcp.storage.direct`), and each again the other way (``direct_io=True`` / ``False``);
+  done), both at qdcp's defaults (the sync save buffered; the async one with direct writes,
+  :mod:`qdcp.storage.direct`, on a host of fewer than 8 usable cores, buffered on more), the sync
+  save again direct (``direct_io=True``) and the async one both ways (``direct_io=True`` / ``False``);
   ``async_save`` also with a ``QuantizedStager`` kept across saves (its steady state: buffers reused);
 - the staging copy alone (``QuantizedStager.stage`` into kept buffers): DCP starts an async save's
   upload only once staging has returned, so storage / (storage + staging) bounds the whole save;
@@ -49,6 +50,8 @@ import qdcp
 from common import add_profile_argument, device_of, plain_twin, profile, quantized_state
 from qdcp import QuantizedSavePlanner, QuantizedStager
 from qdcp.adapters.base import find_adapter
+from qdcp.storage.pipeline import usable_cores
+from qdcp.storage.writer import DIRECT_UPLOAD_BELOW_CORES
 
 
 def host_bytes(state: dict) -> list[torch.Tensor]:
@@ -184,7 +187,7 @@ def main() -> None:
     kept, copier = QuantizedStager(), QuantizedStager()
     whole = lambda fut: getattr(fut, "upload_completion", fut).result()  # noqa: E731
     files = args.files
-    buffered = {"direct_io": False}
+    buffered, direct = {"direct_io": False}, {"direct_io": True}
     cases = {
         "storage, 1 file": (lambda: write_files(raw, d["raw"], 1), clean(d["raw"])),
         f"storage, {files} files": (lambda: write_files(raw, d["raw"], files), clean(d["raw"])),
@@ -200,9 +203,11 @@ def main() -> None:
         "qdcp.save": (lambda: qdcp.save(state, d["q"]), clean(d["q"])),
         "qdcp.async_save (whole save)": (lambda: whole(qdcp.async_save(state, d["q"])), clean(d["q"])),
         "qdcp.async_save, kept stager": (lambda: whole(qdcp.async_save(state, d["q"], stager=kept)), clean(d["q"])),
-        # the same two saves the other way: the sync one direct, the async one buffered (page cache)
-        "qdcp.save, direct_io=True": (lambda: qdcp.save(state, d["q"], storage_options={"direct_io": True}),
+        # the sync save direct; the async one each way (its default is one of them: which, by cores)
+        "qdcp.save, direct_io=True": (lambda: qdcp.save(state, d["q"], storage_options=direct),
                                       clean(d["q"])),
+        "qdcp.async_save (whole), direct_io=True": (
+            lambda: whole(qdcp.async_save(state, d["q"], storage_options=direct)), clean(d["q"])),
         "qdcp.async_save (whole), direct_io=False": (
             lambda: whole(qdcp.async_save(state, d["q"], storage_options=buffered)), clean(d["q"])),
         # what an async save does before DCP starts its upload: the staging copy alone (kept buffers)
@@ -220,8 +225,11 @@ def main() -> None:
         keep = {f"storage, {files} files", f"storage, {files} files, early writeback",
                 "vanilla dcp.save (thread_count=1)", "staging copy alone (QuantizedStager.stage)", *args.only}
         cases = {k: v for k, v in cases.items() if k in keep or (args.fsspec and k.startswith("storage via"))}
+    cores = usable_cores()
     print(f"{len(state)} Int8Tensor weights on {device}, {nbytes / 2**30:.3f} GiB of components; "
-          f"{os.cpu_count()} CPUs; writing under {root}; best of {args.repeat}")
+          f"{os.cpu_count()} CPUs; writing under {root}; best of {args.repeat}; an async upload's default "
+          f"here: {'direct' if cores < DIRECT_UPLOAD_BELOW_CORES else 'buffered'} writes ({cores} usable "
+          f"cores; direct below {DIRECT_UPLOAD_BELOW_CORES})")
     try:
         # steady state, as a run's periodic checkpoints: every stager's buffers allocated (pinned
         # on a GPU: 0.66 s per GiB on an H100) before timing; a run's first save is async_save.py's
@@ -232,7 +240,7 @@ def main() -> None:
         runs = timed(cases, args.repeat)
         times = {k: min(t for t, _ in v) for k, v in runs.items()}
         training = {}
-        for name, opts in (() if args.only else (("direct writes (default)", {}),
+        for name, opts in (() if args.only else (("direct (direct_io=True)", direct),
                                                   ("buffered (direct_io=False)", buffered))):
             def save(opts=opts):
                 shutil.rmtree(d["q"], ignore_errors=True)

@@ -53,13 +53,15 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     ``stager``: a :class:`qdcp.QuantizedStager` kept for the whole run (its buffers are reused
     from save to save; ``stager.prepare(state_dict)`` before training makes the first save as fast as
     the later ones); without one the writer stages through a ``QuantizedStager`` shared by this
-    process's qdcp writers (its buffers reused too). The upload writes the staged buffers' large
-    items straight to the disk (direct writes, :mod:`qdcp.storage.direct`; ``storage_options=
-    {"direct_io": False}``: through the page cache).
+    process's qdcp writers (its buffers reused too). On a host where this process may use fewer
+    than 8 cores the upload writes the staged buffers' large items straight to the disk (direct
+    writes, :mod:`qdcp.storage.direct`), taking little CPU from training; with more it writes
+    through the page cache, which finishes sooner there (``storage_options={"direct_io": True}`` /
+    ``False`` chooses either on any host).
     Wait for the previous save's future before the next save.
     """
     # the writer stages (DCP's hook for a writer that is an AsyncStager), through ``stager`` if given:
-    # a writer that staged its save knows the upload runs beside training (direct writes)
+    # a writer that staged its save knows the upload runs beside training (direct writes on few cores)
     writer = storage_writer(path, overwrite=overwrite, stager=stager, **(storage_options or {}))
     try:
         result = dcp.async_save(state_dict, storage_writer=writer, planner=QuantizedSavePlanner(dequantize=dequantize),

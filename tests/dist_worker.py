@@ -164,7 +164,7 @@ def reshard_save(root: str, mesh) -> None:
 
 # ----------------------------------------------------------------------------- direct writes at N ranks
 
-DIRECT_CASES = 3  # drawn states; each saved by qdcp.async_save (direct: its default) and qdcp.save (buffered)
+DIRECT_CASES = 3  # drawn states; each saved by qdcp.async_save (direct_io=True) and qdcp.save (buffered)
 
 
 def _drawn_state(rng: random.Random, mesh, case: int) -> tuple[dict, dict]:
@@ -243,7 +243,7 @@ def direct_writes(out: str, mesh) -> None:
         state, full = _drawn_state(rng, mesh, case)
         d, b = os.path.join(out, f"direct{case}"), os.path.join(out, f"buffered{case}")
         try:
-            fut = qdcp.async_save(state, d)
+            fut = qdcp.async_save(state, d, storage_options={"direct_io": True})  # direct on any host
             getattr(fut, "upload_completion", fut).result()
             qdcp.save(state, b)
         except BaseException as e:  # noqa: BLE001

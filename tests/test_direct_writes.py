@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 import qdcp
 from cli_in_process import qdcp_cli
 from qdcp import CheckpointWriter, QuantizedSavePlanner, QuantizedStager
-from qdcp.storage import direct
+from qdcp.storage import direct, pipeline
 from qdcp.storage.torch_save import ViewReader, _record_start
+from qdcp.storage.writer import DIRECT_UPLOAD_BELOW_CORES
 from stored_bytes import gap_bytes, stored_items
 
 BLOCK = direct.BLOCK
@@ -238,10 +239,20 @@ def _staged(stager: QuantizedStager, sources: dict[str, torch.Tensor]) -> dict[s
     return out
 
 
+@pytest.fixture
+def cores(monkeypatch):
+    """Pin the cores the writers see this process may use (``qdcp.storage.pipeline.usable_cores``)."""
+    def pin(n: int) -> None:
+        monkeypatch.setattr(pipeline, "usable_cores", lambda: n)
+    return pin
+
+
 @pytest.mark.parametrize("how", ["qdcp.async_save", "qdcp.async_save, kept stager", "dcp.async_save + writer"])
-def test_an_async_save_writes_from_the_staging_buffers(ddir, how):
-    """An async save (its upload runs beside training) writes each large item straight from the
-    stager's buffer that holds it; the items are those a buffered save stores; all read back."""
+def test_an_async_save_writes_from_the_staging_buffers(ddir, cores, how):
+    """An async save (its upload runs beside training) on a host of few cores writes each large
+    item straight from the stager's buffer that holds it; the items are those a buffered save
+    stores; all read back."""
+    cores(DIRECT_UPLOAD_BELOW_CORES - 1)
     state = _state(2)
     path = ddir / "c"
     kept = QuantizedStager() if "kept" in how else None
@@ -262,6 +273,26 @@ def test_an_async_save_writes_from_the_staging_buffers(ddir, how):
     qdcp.save(state, ddir / "b")
     assert stored_items(path) == stored_items(ddir / "b")
     _reads_back(path, state)
+
+
+@pytest.mark.parametrize("usable, direct_io", [(2, None), (DIRECT_UPLOAD_BELOW_CORES - 1, None),
+                                               (DIRECT_UPLOAD_BELOW_CORES, None), (64, None), (64, True), (2, False)])
+def test_an_async_upload_is_written_buffered_on_a_host_of_many_cores(ddir, cores, usable, direct_io):
+    """``direct_io=None``: an async save's upload is written directly where the process may use
+    fewer than ``DIRECT_UPLOAD_BELOW_CORES`` cores, buffered (no alignment gaps) where it may use
+    as many or more; ``True`` / ``False`` hold on any host; a synchronous save is buffered unless
+    asked. Either way the stored items are those of a buffered save and read back."""
+    cores(usable)
+    state = _state(2)
+    for name, save in (("a", qdcp.async_save), ("s", qdcp.save)):
+        result = save(state, ddir / name, storage_options={"direct_io": direct_io})
+        if name == "a":
+            getattr(result, "upload_completion", result).result()
+    direct = direct_io if direct_io is not None else usable < DIRECT_UPLOAD_BELOW_CORES
+    assert (gap_bytes(ddir / "a") > 0) == direct
+    assert (gap_bytes(ddir / "s") > 0) == bool(direct_io)
+    assert stored_items(ddir / "a") == stored_items(ddir / "s")
+    _reads_back(ddir / "a", state)
 
 
 @pytest.mark.parametrize("direct_io, shared", [(None, False), (True, False), (False, False), (True, True)])

@@ -45,7 +45,7 @@ from qdcp import checksums
 from qdcp.storage.direct import open_direct
 from qdcp.storage.threads import run_jobs
 
-__all__ = ["default_thread_count", "write_items", "serialize_tensor"]
+__all__ = ["default_thread_count", "usable_cores", "write_items", "serialize_tensor"]
 
 #: the most files/threads a rank writes with by default (4 reach a local NVMe's or a network file
 #: system's parallel bandwidth; more compete with the training process for cores)
@@ -57,14 +57,18 @@ MIN_FILE_BYTES = 32 << 20
 WRITEBACK_BYTES = 8 << 20
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity; the machine's count where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover (not Linux)
+        return os.cpu_count() or 1
+
+
 def default_thread_count() -> int:
     """Files (and threads) a qdcp writer writes each rank's items into by default: the cores this
     process may use, at most :data:`MAX_DEFAULT_THREADS`."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover (not Linux)
-        cpus = os.cpu_count() or 1
-    return max(1, min(MAX_DEFAULT_THREADS, cpus))
+    return max(1, min(MAX_DEFAULT_THREADS, usable_cores()))
 
 
 # ----------------------------------------------------------------------------- serialization

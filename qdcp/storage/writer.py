@@ -24,7 +24,7 @@ from torch.futures import Future
 
 from qdcp import checksums
 from qdcp.errors import QdcpError
-from qdcp.storage import claims, commit
+from qdcp.storage import claims, commit, pipeline
 from qdcp.storage.causes import raise_with_cause
 from qdcp.storage.claim_stores import FsspecStore, LocalStore
 from qdcp.storage.hooks import records_checksums
@@ -38,6 +38,13 @@ __all__ = ["AtomicWriting", "CheckpointWriter", "refuse_existing_checkpoint"]
 _in_flight_lock = threading.Lock()
 _in_flight: set[str] = set()
 
+
+#: ``direct_io=None``: an async save's upload (a save this writer staged) is written directly where
+#: the process may use fewer cores than this, buffered where it may use this many or more. Measured
+#: (docs/benchmarks.md, issue 39): on 2 cores training beside a direct upload ran 2-3x as fast as
+#: beside a buffered one; on a 16-core H100 host buffered uploads finished 10-40% sooner (four runs),
+#: training beside them at 0.63-0.78x its speed alone against 0.74-0.79x beside direct ones (three).
+DIRECT_UPLOAD_BELOW_CORES = 8
 
 # ----------------------------------------------------------------------------- overwrite guard
 
@@ -133,7 +140,7 @@ class AtomicWriting:
     # AsyncStager (FileSystemWriter is one). This writer does no staging of its own: it hands the
     # call to the stager it was given, else to one from the default factory (set_default_stager).
     def stage(self, state_dict):
-        self.qdcp_staged = True  # this save's upload runs beside training (qdcp_direct_io None: direct)
+        self.qdcp_staged = True  # this save's upload runs beside training (see _writes_direct)
         if self._stager is None:
             if _default_stager is None:
                 return super().stage(state_dict)  # DCP's own (FileSystemWriter's) staging
@@ -169,11 +176,12 @@ class AtomicWriting:
 
     def _writes_direct(self) -> bool:
         """Whether this save's large items go to the disk from their memory (:mod:`qdcp.storage.direct`):
-        where ``direct_io`` asks (None: where this writer staged the save, an async one), files
-        are fsync'd and lie on the local file system."""
+        where ``direct_io`` asks (None: where this writer staged the save, an async one, and this
+        process may use fewer than :data:`DIRECT_UPLOAD_BELOW_CORES` cores), files are fsync'd and
+        lie on the local file system."""
         wanted = getattr(self, "qdcp_direct_io", None)
         if wanted is None:
-            wanted = self.qdcp_staged
+            wanted = self.qdcp_staged and pipeline.usable_cores() < DIRECT_UPLOAD_BELOW_CORES
         return bool(wanted) and self.sync_files and isinstance(self.fs, FileSystem)
 
     def _key(self) -> str:
@@ -452,9 +460,11 @@ class CheckpointWriter(AtomicWriting, FileSystemWriter):
             (:mod:`qdcp.storage.direct`; items may then start up to 4 KiB apart), where files are
             fsync'd (``sync_files``, the default) on a local file system that offers ``O_DIRECT``
             (Linux). None (default): for the saves this writer stages (``dcp.async_save`` through
-            it, ``qdcp.async_save``), whose upload runs beside training: a direct write takes a
-            fraction of the CPU time of a buffered one; a synchronous save, which training waits
-            for, is written buffered. True: every save; False: none (buffered, as DCP's writer).
+            it, ``qdcp.async_save``), whose upload runs beside training, where this process may
+            use fewer than :data:`DIRECT_UPLOAD_BELOW_CORES` (8) cores: a direct write takes a
+            fraction of the CPU time of a buffered one, which a few cores feel; with more, buffered
+            uploads finish sooner. A synchronous save, which training waits for, is written
+            buffered. True: every save; False: none (buffered, as DCP's writer).
         **kwargs: other ``FileSystemWriter`` options (``sync_files``, ``per_thread_copy_ahead``...).
 
     Each rank's items are written by :mod:`qdcp.storage.pipeline`: split by bytes over
