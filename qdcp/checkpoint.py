@@ -76,7 +76,7 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = True,
          allow_partial_load: bool = False, weights_only: bool = True, process_group=None,
-         storage_options: dict[str, Any] | None = None) -> None:
+         no_dist: bool = False, storage_options: dict[str, Any] | None = None) -> None:
     """Load the checkpoint at ``path`` into ``state_dict``, in place, with ``dcp.load``.
 
     Fills whatever ``state_dict`` holds (same quantized types bit-exact, other types requantized,
@@ -84,12 +84,15 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = 
     metadata is read without unpickling code. ``atomic`` (default True): the targets are changed
     only once every read of this rank is in and verified, so a failed load leaves them as they
     were (it holds one extra copy of the loaded state meanwhile; False loads in place, as DCP does).
-    Errors are raised as :func:`save` raises them.
+    ``no_dist``: this process loads alone, whatever process group is initialized (DCP's
+    ``no_dist``; e.g. rank 0 of a job reading a whole checkpoint). Errors are raised as
+    :func:`save` raises them.
     """
     with _own_error():
         dcp.load(state_dict, storage_reader=storage_reader(path, **(storage_options or {})),
                  planner=QuantizedLoadPlanner(atomic=atomic, allow_partial_load=allow_partial_load,
-                                              weights_only=weights_only), process_group=process_group)
+                                              weights_only=weights_only), process_group=process_group,
+                 no_dist=no_dist)
 
 
 @contextlib.contextmanager

@@ -160,6 +160,7 @@ def reshard_save(root: str, mesh) -> None:
             json.dump(outcomes, f, indent=1)
     dist.barrier()
     direct_writes(out, mesh)
+    rule_generated(out)
 
 
 # ----------------------------------------------------------------------------- direct writes at N ranks
@@ -270,6 +271,24 @@ def direct_writes(out: str, mesh) -> None:
             for msg in _same_locals(target, state):
                 check("direct_writes", False, f"case {case}, {how}: {msg}")
         dist.barrier()
+
+
+# ----------------------------------------------------------------------------- the load rule at N ranks
+
+RULE_CASES = 30  # drawn cases per world size (tests/rule_ranks.py); the in-process generator runs thousands
+
+
+def rule_generated(out: str) -> None:
+    """The generated load-rule cases at this job's ranks (tests/rule_ranks.py): saved and loaded with
+    DCP's and qdcp's calls across real processes, each rank's target checked against the rule; the
+    outcomes' counts written for the test."""
+    import rule_ranks
+
+    counts = rule_ranks.generated_cases(os.path.join(out, "rule"), RULE_CASES, seed=20261127)
+    if RANK == 0:
+        with open(os.path.join(out, "rule_outcomes.json"), "w") as f:
+            json.dump(counts, f, indent=1)
+    dist.barrier()
 
 
 def check_metadata(path: str, world: int) -> None:

@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import warnings
+from typing import Callable
 
 # the tests' helpers, and this checkout's qdcp before any installed one
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -259,15 +260,24 @@ def config_of(t: torch.Tensor):
     return None if wraps_values(t) else rule.config(t)
 
 
-def make_source(name: str, shape, seed: int, layout: Layout, sliced: bool) -> Source | None:
+def source_dtype(name: str) -> torch.dtype:
+    return CASE_BY_NAME[name].dtype if name in CASE_BY_NAME else torch.bfloat16
+
+
+def make_source(name: str, shape, seed: int, layout: Layout, sliced: bool, chunks: list | None = None) -> Source | None:
+    """Every rank's local tensor and the whole tensor's values and maps; ``chunks``: each rank's
+    (offsets, sizes), where a real job gathered them (else computed here, rank by rank)."""
     make = make_local(name, seed, shape, sliced)
-    dtype = CASE_BY_NAME[name].dtype if name in CASE_BY_NAME else torch.bfloat16
+    dtype = source_dtype(name)
     locals_, maps, values = [], {}, torch.zeros(shape, dtype=dtype)
     wide = torch.zeros(shape, dtype=torch.float32) if dtype == torch.bfloat16 else None
     group_ids = torch.zeros(shape, dtype=torch.int64)
     for rank in range(layout.world):
-        with job.as_rank(rank, layout.world):
-            chunk = chunk_of(spec_of(layout, shape, dtype), shape) if layout.mesh else ((0, 0), shape)
+        if chunks is not None:
+            chunk = chunks[rank]
+        else:
+            with job.as_rank(rank, layout.world):
+                chunk = chunk_of(spec_of(layout, shape, dtype), shape) if layout.mesh else ((0, 0), shape)
         local = make(chunk, rank)
         if local is None:
             return None
@@ -375,35 +385,75 @@ def check_target(source: Source, saved, layout: Layout, kind: str, seed: int, de
     """Load ``saved`` into a ``kind`` target on ``device`` at ``layout``, rank by rank; the rule's
     outcome (``"... on cuda"`` for a target on another device than the source's). ``corrupt``: the
     files hold a flipped byte; a rank whose load reads it must refuse, its target as it was."""
-    name = source.name if kind == "same" else FAMILIES[source.name][1]
-    case = CASE_BY_NAME.get(name)
-    make = make_local(name, seed + 1, source.shape, FAMILIES.get(name, (False,))[0] and seed % 2) \
-        if kind in ("same", "other") else None
     if kind == "wide" and source.wide is None and not source.dequantized:
         return "no target"
+    targets = target_maker(source, kind, seed)
     outcomes = set()
     for rank in range(layout.world):
         with job.as_rank(rank, layout.world):
             chunk = chunk_of(spec_of(layout, source.shape, torch.bfloat16), source.shape) if layout.mesh \
                 else ((0, 0), source.shape)
-            if kind in ("plain", "wide"):
-                dtype = source.values.dtype if kind == "plain" else torch.float32
-                target = torch.zeros(chunk[1], dtype=dtype, device=device)
-            else:
-                target = make(chunk, rank)
-                if target is None:
-                    return "no target"
-                if device != "cpu":
-                    try:
-                        target = target.to(device)
-                    except Exception:  # noqa: BLE001 (the library cannot move it: not a case)
-                        return f"no target on {device}"
+            target, case = targets(chunk, rank, device)
+            if isinstance(target, str):
+                return target
             outcomes.add(_load_and_check(source, saved, layout, rank, chunk, target, case, seed, corrupt))
     return "+".join(sorted(outcomes)) + ("" if device == "cpu" else f" on {device}")
 
 
+def target_maker(source: Source, kind: str, seed: int) -> Callable:
+    """``(chunk, rank, device) -> (target, its Case)`` for a ``kind`` target of ``source``; the
+    target is a string (``"no target"``) where the library cannot make that chunk."""
+    name = source.name if kind == "same" else FAMILIES[source.name][1]
+    case = CASE_BY_NAME.get(name)
+    make = make_local(name, seed + 1, source.shape, FAMILIES.get(name, (False,))[0] and seed % 2) \
+        if kind in ("same", "other") else None
+
+    def target(chunk, rank: int, device: str):
+        if kind in ("plain", "wide"):
+            dtype = source.values.dtype if kind == "plain" else torch.float32
+            return torch.zeros(chunk[1], dtype=dtype, device=device), case
+        made = make(chunk, rank)
+        if made is None:
+            return "no target", case
+        if device != "cpu":
+            try:
+                made = made.to(device)
+            except Exception:  # noqa: BLE001 (the library cannot move it: not a case)
+                return f"no target on {device}", case
+        return made, case
+    return target
+
+
 def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, target, case, seed: int,
                     corrupt: bool = False) -> str:
+    expect, outcome = expected(source, chunk, target, case)
+    metadata, store = saved
+    before = inner_bits(target)
+    with rule_te.context(), _dequantized_by_rows(seed):
+        try:
+            state = placed_state(layout, target, source.shape)
+            if isinstance(store, str):  # files: dcp.load through qdcp's reader, in place or all or nothing
+                job.load_files(state, store, QuantizedLoadPlanner(atomic=corrupt or _atomic(seed, rank)))
+            else:
+                job.load(state, rank, layout.world, metadata, store, QuantizedLoadPlanner(),
+                         order=_read_order(seed, rank))
+            assert outcome != "refused at load", f"rank {rank}: TE would have to quantize, the load was accepted"
+        except ChecksumError as e:
+            assert corrupt, f"rank {rank}: {e}"
+            assert "'w'" in str(e), f"the error names no key: {e}"
+            assert _bits_equal(inner_bits(target), before), f"rank {rank}: a load refused for a corrupt byte " \
+                f"changed its target"
+            return "refused: corrupt byte"
+        except QdcpError as e:
+            assert outcome == "refused at load", f"rank {rank}: the load was refused, the rule accepts it: {e}"
+            assert "'w'" in str(e), f"the error names no key: {e}"
+    check_loaded(target, expect, outcome, rank)
+    return outcome
+
+
+def expected(source: Source, chunk, target: torch.Tensor, case) -> tuple:
+    """What the rule says ``target`` (the chunk ``chunk`` of the tensor) holds after a load of
+    ``source``, and the outcome's name: (expected maps / tensor, outcome)."""
     region = (slice(chunk[0][0], chunk[0][0] + chunk[1][0]), slice(chunk[0][1], chunk[0][1] + chunk[1][1]))
     values = source.values[region]
     if type(target) is torch.Tensor and target.dtype != values.dtype and not source.dequantized:
@@ -431,26 +481,11 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
         else:  # the library's quantization, with the target's config, on the target's device
             expect, outcome = quantize_like(target, case, values.to(target.device, case.dtype).contiguous(),
                                             source.values), "quantized"
-    metadata, store = saved
-    before = inner_bits(target)
-    with rule_te.context(), _dequantized_by_rows(seed):
-        try:
-            state = placed_state(layout, target, source.shape)
-            if isinstance(store, str):  # files: dcp.load through qdcp's reader, in place or all or nothing
-                job.load_files(state, store, QuantizedLoadPlanner(atomic=corrupt or _atomic(seed, rank)))
-            else:
-                job.load(state, rank, layout.world, metadata, store, QuantizedLoadPlanner(),
-                         order=_read_order(seed, rank))
-            assert outcome != "refused at load", f"rank {rank}: TE would have to quantize, the load was accepted"
-        except ChecksumError as e:
-            assert corrupt, f"rank {rank}: {e}"
-            assert "'w'" in str(e), f"the error names no key: {e}"
-            assert _bits_equal(inner_bits(target), before), f"rank {rank}: a load refused for a corrupt byte " \
-                f"changed its target"
-            return "refused: corrupt byte"
-        except QdcpError as e:
-            assert outcome == "refused at load", f"rank {rank}: the load was refused, the rule accepts it: {e}"
-            assert "'w'" in str(e), f"the error names no key: {e}"
+    return expect, outcome
+
+
+def check_loaded(target: torch.Tensor, expect, outcome: str, rank: int) -> None:
+    """``target`` after its load holds what :func:`expected` said (a refused load: as it was)."""
     assert _devices(target) <= {target.device.type}, f"rank {rank}: inner buffers left {target.device}"
     target, expect = _on_cpu(target), _on_cpu(expect)  # compared on the host
     if outcome == "refused at load":
@@ -465,7 +500,6 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
     else:
         diff = components_diff(target, expect)
         assert diff is None, f"rank {rank}: not torchao's quantization of the values: {diff}"
-    return outcome
 
 
 def inner_bits(t: torch.Tensor) -> list[torch.Tensor]:

@@ -111,6 +111,22 @@ def test_direct_writes_at_n_ranks(shared_dir, n):
 
 
 @pytest.mark.parametrize("n", RESHARD_WORLDS)
+def test_generated_rule_cases_at_n_ranks(shared_dir, n):
+    """The generated load-rule cases (tests/rule_ranks.py) in a real job of N processes: drawn
+    types, layouts of the N ranks (1-D, 2-D, FSDP2 x TP, HSDP, uneven) and targets, saved with
+    ``dcp.save`` + ``QuantizedSavePlanner``, ``qdcp.save`` or ``qdcp.async_save`` and loaded with
+    ``dcp.load`` + ``QuantizedLoadPlanner`` (DCP's reader or qdcp's) or ``qdcp.load`` at another
+    layout; every rank's target is what docs/api.md's rule says (the worker's section), refusals
+    are every rank's and name the key, and rank 0 reads each checkpoint back whole with no other
+    rank taking part (``read_entry``, ``consolidate``, ``qdcp verify``)."""
+    record = _job(shared_dir, "reshard", "reshard-save", n)
+    _sections(record, f"save at {n} ranks", ["rule_generated"])
+    counts = json.loads((shared_dir / "reshard" / f"n{n}" / "rule_outcomes.json").read_text())
+    checked = {k: counts.get(k, 0) for k in ("bits", "quantized", "plain", "read without a target")}
+    assert all(checked.values()), f"at {n} ranks the drawn cases checked too little: {counts}"
+
+
+@pytest.mark.parametrize("n", RESHARD_WORLDS)
 def test_per_tensor_scale_shards_int8_float8_save_outcome(shared_dir, n):
     """Int8/Float8 PerTensor, each shard quantized on its own: the local ``block_size`` is the
     local shape, so the scale is saved as one block per shard. Even shards (N=2, 4) save and load

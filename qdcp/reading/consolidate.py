@@ -37,11 +37,12 @@ def consolidate(path: str | os.PathLike, *, dequantize: bool = True) -> dict[str
     ``dequantize=True``: quantized entries are plain tensors of their values (the library's own
     ``dequantize()``, in the entry's dtype); ``False``: rebuilt as their own type (torchao's, ...;
     the library must be importable). Read through qdcp's reader: checksums verified, objects
-    unpickled without running code. Memory: the whole checkpoint.
+    unpickled without running code. Memory: the whole checkpoint. This process reads it alone: a
+    rank of a job may call it with no other rank taking part (no collective runs).
     """
     md = read_metadata(path)
     flat = empty_entries(md, dequantize=dequantize)
-    load(flat, path)
+    load(flat, path, no_dist=True)
     if not dequantize:
         entries = CheckpointEntries(path, md)
         for key, entry in entries.specs.items():
