@@ -104,6 +104,13 @@ def inner(t: torch.Tensor) -> dict[str, torch.Tensor]:
     return {n: getattr(t, n) for n in names}
 
 
+def data_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors ``t`` holds its data in: itself, or its inner buffers (nested), live."""
+    if type(t) is torch.Tensor:
+        return [t]
+    return [b for v in inner(t).values() if isinstance(v, torch.Tensor) for b in data_tensors(v)]
+
+
 def seeded(seed: int) -> torch.Generator:
     """A CPU generator seeded with ``seed`` (deterministic test data)."""
     return torch.Generator().manual_seed(seed)

@@ -76,7 +76,7 @@ from cli_in_process import qdcp_cli  # noqa: E402
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner  # noqa: E402
 from qdcp.adapters import rows as row_blocks  # noqa: E402
 from qdcp.errors import ChecksumError, QdcpError, UnsupportedTensorError  # noqa: E402
-from quantized_cases import CASE_BY_NAME, Case, bits_diff, components_diff  # noqa: E402
+from quantized_cases import CASE_BY_NAME, Case, bits_diff, components_diff, data_tensors  # noqa: E402
 from stored_bytes import flip_item_byte  # noqa: E402
 from training_cases import values as training_values  # noqa: E402
 
@@ -504,11 +504,8 @@ def check_loaded(target: torch.Tensor, expect, outcome: str, rank: int) -> None:
 
 def inner_bits(t: torch.Tensor) -> list[torch.Tensor]:
     """Copies of the bytes of every tensor ``t`` holds its data in (its inner buffers, nested)."""
-    if type(t) is torch.Tensor:
-        flat = t.detach().to("cpu").reshape(-1)
-        return [torch.empty(flat.shape, dtype=flat.dtype).copy_(flat).view(torch.uint8)]
-    names, _ = t.__tensor_flatten__()
-    return [b for n in names if isinstance(getattr(t, n), torch.Tensor) for b in inner_bits(getattr(t, n))]
+    flats = [b.detach().to("cpu").reshape(-1) for b in data_tensors(t)]
+    return [torch.empty(f.shape, dtype=f.dtype).copy_(f).view(torch.uint8) for f in flats]
 
 
 def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

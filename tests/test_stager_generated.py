@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import qdcp
-from quantized_cases import CASE_BY_NAME
+from quantized_cases import CASE_BY_NAME, data_tensors
 
 FAMILIES = ("int8_row", "int8_group32", "int8_asym_row", "float8_row", "intx_int4_group32", "mx_fp8", "mx_fp4",
             "nvfp4", "nvfp4_per_tensor", "nf4", "optim8bit_signed", "optim4bit", "plain")
@@ -34,19 +34,11 @@ def make(family: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
     return CASE_BY_NAME[family].make(seed, shape)
 
 
-def buffers(t: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors ``t`` holds its data in: itself, or its inner buffers (nested)."""
-    if type(t) is torch.Tensor:
-        return [t]
-    names, _ = t.__tensor_flatten__()
-    return [b for n in names if isinstance(getattr(t, n), torch.Tensor) for b in buffers(getattr(t, n))]
-
-
 def scribble(state: dict) -> None:
     """Overwrite every byte the state's tensors hold, in place (training's next step)."""
     for v in state.values():
         if isinstance(v, torch.Tensor):
-            for b in buffers(v):
+            for b in data_tensors(v):
                 if b.numel():
                     flipped = b.detach().clone(memory_format=torch.contiguous_format)
                     flipped.view(-1).view(torch.uint8).bitwise_not_()
