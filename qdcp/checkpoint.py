@@ -27,7 +27,7 @@ __all__ = ["save", "async_save", "load"]
 
 
 def save(state_dict: dict[str, Any], path: str | os.PathLike, *, overwrite: bool = False,
-         dequantize: DequantizeChoice = False, process_group=None,
+         dequantize: DequantizeChoice = False, process_group=None, no_dist: bool = False,
          storage_options: dict[str, Any] | None = None) -> Metadata:
     """Save ``state_dict`` to ``path`` (a directory or an fsspec URL) with ``dcp.save``.
 
@@ -35,18 +35,20 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, overwrite: bool
     atomically; an existing checkpoint at ``path`` is refused unless ``overwrite=True`` (then
     replaced atomically: a failed save leaves the old one loadable). Errors are raised as they
     were raised on this rank (``qdcp.ChecksumError``...), not wrapped in DCP's CheckpointException.
+    ``no_dist``: this process saves alone, whatever process group is initialized (DCP's
+    ``no_dist``; e.g. rank 0 of a job saving what it alone holds).
     """
     with _own_error():
         writer = storage_writer(path, overwrite=overwrite, **(storage_options or {}))
         try:
             return dcp.save(state_dict, storage_writer=writer, planner=QuantizedSavePlanner(dequantize=dequantize),
-                            process_group=process_group)
+                            process_group=process_group, no_dist=no_dist)
         finally:
             writer.abandon()  # after a failure on any rank: this save's files removed, its claim released
 
 
 def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=None, overwrite: bool = False,
-               dequantize: DequantizeChoice = False, process_group=None,
+               dequantize: DequantizeChoice = False, process_group=None, no_dist: bool = False,
                storage_options: dict[str, Any] | None = None):
     """:func:`save` in the background with ``dcp.async_save``; returns what it returns (a Future).
 
@@ -57,7 +59,7 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     than 8 cores the upload writes the staged buffers' large items straight to the disk (direct
     writes, :mod:`qdcp.storage.direct`), taking little CPU from training; with more it writes
     through the page cache, which finishes sooner there (``storage_options={"direct_io": True}`` /
-    ``False`` chooses either on any host).
+    ``False`` chooses either on any host). ``no_dist``: as in :func:`save`.
     Wait for the previous save's future before the next save.
     """
     # the writer stages (DCP's hook for a writer that is an AsyncStager), through ``stager`` if given:
@@ -65,7 +67,7 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     writer = storage_writer(path, overwrite=overwrite, stager=stager, **(storage_options or {}))
     try:
         result = dcp.async_save(state_dict, storage_writer=writer, planner=QuantizedSavePlanner(dequantize=dequantize),
-                                process_group=process_group)
+                                process_group=process_group, no_dist=no_dist)
     except BaseException:
         writer.abandon()
         raise

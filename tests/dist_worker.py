@@ -161,6 +161,7 @@ def reshard_save(root: str, mesh) -> None:
     dist.barrier()
     direct_writes(out, mesh)
     rule_generated(out)
+    rank_alone(out)
 
 
 # ----------------------------------------------------------------------------- direct writes at N ranks
@@ -271,6 +272,34 @@ def direct_writes(out: str, mesh) -> None:
             for msg in _same_locals(target, state):
                 check("direct_writes", False, f"case {case}, {how}: {msg}")
         dist.barrier()
+
+
+# ----------------------------------------------------------------------------- one rank alone
+
+def rank_alone(out: str) -> None:
+    """The last rank of the job, alone (the others wait at a barrier): ``qdcp.save`` /
+    ``qdcp.async_save`` / ``qdcp.load`` with ``no_dist=True``, and ``qdcp.consolidate`` /
+    ``read_entry``, which run no collective: each returns, the entries bit for bit."""
+    check("rank_alone", True, "")
+    if RANK == WORLD - 1:
+        try:
+            state = {"w": CASE["int8_row"].make(3), "b": torch.arange(6, dtype=torch.float32)}
+            qdcp.save(state, os.path.join(out, "alone-sync"), no_dist=True)
+            fut = qdcp.async_save(state, os.path.join(out, "alone-async"), no_dist=True)
+            getattr(fut, "upload_completion", fut).result()
+            for how in ("sync", "async"):
+                path = os.path.join(out, f"alone-{how}")
+                target = {"w": CASE["int8_row"].make(4), "b": torch.zeros(6)}
+                qdcp.load(target, path, no_dist=True)
+                same = buffers_diff(target["w"], state["w"]) is None and torch.equal(target["b"], state["b"])
+                check("rank_alone", same, f"{how}: loaded alone, not the saved bits")
+                whole = qdcp.consolidate(path, dequantize=False)
+                check("rank_alone", buffers_diff(whole["w"], state["w"]) is None,
+                      f"{how}: consolidate: not the saved bits")
+                check("rank_alone", torch.equal(qdcp.read_entry(path, "b"), state["b"]), f"{how}: read_entry")
+        except BaseException as e:  # noqa: BLE001
+            section_error("rank_alone", "saving and loading alone", e)
+    dist.barrier()
 
 
 # ----------------------------------------------------------------------------- the load rule at N ranks

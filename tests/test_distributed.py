@@ -127,6 +127,16 @@ def test_generated_rule_cases_at_n_ranks(shared_dir, n):
 
 
 @pytest.mark.parametrize("n", RESHARD_WORLDS)
+def test_one_rank_of_a_job_saves_and_loads_alone(shared_dir, n):
+    """One rank of an N-rank job, the others waiting: ``qdcp.save`` / ``async_save`` / ``load``
+    with ``no_dist=True`` and ``qdcp.consolidate`` / ``read_entry`` (no collective) return, bit
+    for bit (the worker's section; without no_dist a save from one rank waits for the others, as
+    DCP's does; consolidate hung that way before it read alone)."""
+    record = _job(shared_dir, "reshard", "reshard-save", n)
+    _sections(record, f"save at {n} ranks", ["rank_alone"])
+
+
+@pytest.mark.parametrize("n", RESHARD_WORLDS)
 def test_per_tensor_scale_shards_int8_float8_save_outcome(shared_dir, n):
     """Int8/Float8 PerTensor, each shard quantized on its own: the local ``block_size`` is the
     local shape, so the scale is saved as one block per shard. Even shards (N=2, 4) save and load
