@@ -1,19 +1,63 @@
 """Helpers of the Hugging Face export / import tests: the torchao cases torchao's layout holds, a
-tiny transformers model config, a directory's tensors and metadata, and compressed-tensors' own
-decompression of a directory."""
+tiny transformers model config, drawn checkpoints saved at N ranks cut by rows, a directory's
+tensors and metadata, and compressed-tensors' own decompression of a directory."""
 
 from __future__ import annotations
 
 import json
 import os
+from typing import Callable
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torchao.prototype.safetensors.safetensors_utils import ALLOWED_TENSORS_SUBCLASSES
 
-from quantized_cases import CASES
+import dcp_in_process as job
+import qdcp
+from qdcp import QuantizedSavePlanner
+from quantized_cases import CASE_BY_NAME, CASES
 
 TORCHAO_CASES = [c for c in CASES if c.make(0).__class__.__name__ in ALLOWED_TENSORS_SUBCLASSES]
+
+
+def make(family: str, hp: torch.Tensor) -> torch.Tensor:
+    """``hp`` quantized as ``family`` (a quantized_cases name), or a copy of it (``"plain"``)."""
+    return hp.clone() if family == "plain" else CASE_BY_NAME[family].from_hp(hp)
+
+
+def row_chunk(world: int, shape) -> tuple[DTensorSpec, slice]:
+    """The current (fake) rank's ``Shard(0)`` spec of a bf16 ``shape`` tensor at ``world`` ranks, and its rows."""
+    stride = torch.empty(shape, device="meta").stride()
+    spec = DTensorSpec(job.mesh((world,)), (Shard(0),), TensorMeta(torch.Size(shape), stride, torch.bfloat16))
+    chunk = DTensor(torch.empty(0), spec, requires_grad=False).__create_chunk_list__()[0]
+    return spec, slice(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])
+
+
+def save_drawn(entries, world: int, path: str, key: Callable[[int, str], str]) -> tuple[dict, dict]:
+    """Save drawn ``entries`` (family, shape, seed) at ``world`` ranks cut by rows, every rank's
+    rows quantized on their own (the whole tensor's quantization for row-wise blocks), under
+    ``key(i, family)``: qdcp.save of the whole tensors at one rank, qdcp's writer given every
+    rank's plan otherwise. Returns ``{key: (family, bf16 values)}`` and ``{key: the whole tensor}``."""
+    hps, whole = {}, {}
+    for i, (family, shape, seed) in enumerate(entries):
+        hp = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        hps[key(i, family)], whole[key(i, family)] = (family, hp), make(family, hp)
+
+    def state(rank):
+        out = {}
+        for k, (family, hp) in hps.items():
+            spec, rows = row_chunk(world, hp.shape)
+            out[k] = DTensor(make(family, hp[rows].contiguous()), spec, requires_grad=False)
+        return out
+
+    if world == 1:
+        qdcp.save(whole, path)
+    else:
+        job.save_files(state, world, QuantizedSavePlanner, path)
+    return hps, whole
 
 
 def tiny_llama_config(layers: int = 1):

@@ -25,14 +25,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor import DTensor
 
 import dcp_in_process as job
 import qdcp
-from hf_helpers import ct_decompress, read_dir
-from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner
-from quantized_cases import CASE_BY_NAME, bits_diff, components_diff
+from hf_helpers import ct_decompress, make, read_dir, row_chunk, save_drawn
+from qdcp import QuantizedLoadPlanner
+from quantized_cases import bits_diff, components_diff
 
 warnings.filterwarnings("ignore")
 
@@ -40,18 +39,6 @@ warnings.filterwarnings("ignore")
 FAMILIES = {"int8_row": 8, "int8_group32": 8, "int8_asym_row": 8, "intx_int4_group32": 4,
             "intx_int4_group32_asym": 4, "float8_row": None, "float8_group64": None, "mx_fp8": None,
             "nvfp4": None, "plain": None}
-
-
-def make(family: str, hp: torch.Tensor) -> torch.Tensor:
-    return hp.clone() if family == "plain" else CASE_BY_NAME[family].from_hp(hp)
-
-
-def row_chunk(world: int, shape) -> tuple[DTensorSpec, slice]:
-    """The current (fake) rank's Shard(0) spec of a bf16 ``shape`` tensor at ``world`` ranks, and its rows."""
-    stride = torch.empty(shape, device="meta").stride()
-    spec = DTensorSpec(job.mesh((world,)), (Shard(0),), TensorMeta(torch.Size(shape), stride, torch.bfloat16))
-    chunk = DTensor(torch.empty(0), spec, requires_grad=False).__create_chunk_list__()[0]
-    return spec, slice(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])
 
 
 entry = st.tuples(st.sampled_from(sorted(FAMILIES)), st.sampled_from([(32, 64), (64, 128), (48, 192)]),
@@ -63,25 +50,11 @@ entry = st.tuples(st.sampled_from(sorted(FAMILIES)), st.sampled_from([(32, 64), 
 @given(entries=st.lists(entry, min_size=1, max_size=4), world=st.integers(1, 4), into=st.integers(1, 3),
        shard_size=st.sampled_from(["5GB", "8KB"]))
 def test_the_library_decompresses_and_qdcp_imports_every_entry(entries, world, into, shard_size):
-    hps, whole = {}, {}
-    for i, (family, shape, seed) in enumerate(entries):
-        key = f"model.layers.{i}.{'mlp.up.weight' if family != 'plain' else 'norm.weight'}"
-        hps[key] = (family, torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16))
-        whole[key] = make(family, hps[key][1])
-
-    def saved(rank):
-        out = {}
-        for key, (family, hp) in hps.items():
-            spec, rows = row_chunk(world, hp.shape)
-            out[key] = DTensor(make(family, hp[rows].contiguous()), spec, requires_grad=False)
-        return out
-
     with tempfile.TemporaryDirectory(prefix="qdcp-ct-gen-") as tmp:
         ckpt, out = f"{tmp}/ckpt", f"{tmp}/out"
-        if world == 1:
-            qdcp.save(whole, ckpt)
-        else:
-            job.save_files(saved, world, QuantizedSavePlanner, ckpt)
+        module = "model.layers.{}.{}.weight".format  # a norm for plain entries, else a Linear
+        hps, whole = save_drawn(entries, world, ckpt,
+                                lambda i, family: module(i, "norm" if family == "plain" else "mlp.up"))
         qdcp.export(ckpt, out, format="compressed-tensors", max_shard_size=shard_size)
 
         stored, _ = read_dir(Path(out))

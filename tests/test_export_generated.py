@@ -20,13 +20,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-import dcp_in_process as job
 import qdcp
-from qdcp import QuantizedSavePlanner
-from quantized_cases import CASE_BY_NAME, bits_diff
+from hf_helpers import save_drawn
+from quantized_cases import bits_diff
 
 warnings.filterwarnings("ignore")
 
@@ -35,10 +32,6 @@ from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_s
 # torchao types export_torchao.md maps whose blocks run along rows (a row cut keeps them whole)
 FAMILIES = ("int8_row", "int8_group32", "int8_asym_row", "float8_row", "intx_int4_group32",
             "intx_int4_group32_asym", "mx_fp8", "mx_fp4", "mx_fp8_e5m2_swizzled", "nvfp4", "nvfp4_swizzled", "plain")
-
-
-def make(family: str, hp: torch.Tensor) -> torch.Tensor:
-    return hp.clone() if family == "plain" else CASE_BY_NAME[family].from_hp(hp)
 
 
 def torchao_load(out: str) -> dict:
@@ -75,28 +68,10 @@ entry = st.tuples(st.sampled_from(FAMILIES), st.sampled_from([(32, 64), (64, 128
 @given(entries=st.lists(entry, min_size=1, max_size=4), world=st.integers(1, 4),
        shard_size=st.sampled_from(["5GB", "8KB"]))
 def test_torchao_loader_rebuilds_every_entry_bit_for_bit(entries, world, shard_size):
-    whole = {}
-    hps = {}
-    for i, (family, shape, seed) in enumerate(entries):
-        key = f"layers.{i}.{'weight' if family != 'plain' else 'norm'}"
-        hps[key] = (family, torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16))
-        whole[key] = make(family, hps[key][1])
-
-    def state(rank):
-        out = {}
-        for key, (family, hp) in hps.items():
-            spec = DTensorSpec(job.mesh((world,)), (Shard(0),), TensorMeta(hp.shape, hp.stride(), hp.dtype))
-            chunk = DTensor(torch.empty(0), spec, requires_grad=False).__create_chunk_list__()[0]
-            rows = slice(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])
-            out[key] = DTensor(make(family, hp[rows].contiguous()), spec, requires_grad=False)
-        return out
-
     with tempfile.TemporaryDirectory(prefix="qdcp-export-gen-") as tmp:
         ckpt, out = f"{tmp}/ckpt", f"{tmp}/out"
-        if world == 1:
-            qdcp.save(whole, ckpt)
-        else:
-            job.save_files(state, world, QuantizedSavePlanner, ckpt)
+        hps, whole = save_drawn(entries, world, ckpt,
+                                lambda i, family: f"layers.{i}.{'norm' if family == 'plain' else 'weight'}")
         qdcp.export(ckpt, out, format="torchao", max_shard_size=shard_size)
         got = torchao_load(out)
         assert set(got) == set(whole), (sorted(got), sorted(whole))
