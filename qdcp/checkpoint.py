@@ -42,7 +42,7 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, overwrite: bool
         writer = storage_writer(path, overwrite=overwrite, **(storage_options or {}))
         try:
             return dcp.save(state_dict, storage_writer=writer, planner=QuantizedSavePlanner(dequantize=dequantize),
-                            process_group=process_group, no_dist=no_dist)
+                            process_group=process_group, **_alone(no_dist))
         finally:
             writer.abandon()  # after a failure on any rank: this save's files removed, its claim released
 
@@ -67,7 +67,7 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     writer = storage_writer(path, overwrite=overwrite, stager=stager, **(storage_options or {}))
     try:
         result = dcp.async_save(state_dict, storage_writer=writer, planner=QuantizedSavePlanner(dequantize=dequantize),
-                                process_group=process_group, no_dist=no_dist)
+                                process_group=process_group, **_alone(no_dist))
     except BaseException:
         writer.abandon()
         raise
@@ -94,7 +94,12 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = 
         dcp.load(state_dict, storage_reader=storage_reader(path, **(storage_options or {})),
                  planner=QuantizedLoadPlanner(atomic=atomic, allow_partial_load=allow_partial_load,
                                               weights_only=weights_only), process_group=process_group,
-                 no_dist=no_dist)
+                 **_alone(no_dist))
+
+
+def _alone(no_dist: bool) -> dict[str, bool]:
+    """DCP's ``no_dist`` where asked for (passed only then: the calls stay as they were otherwise)."""
+    return {"no_dist": True} if no_dist else {}
 
 
 @contextlib.contextmanager
