@@ -441,7 +441,7 @@ def _load_and_check(source: Source, saved, layout: Layout, rank: int, chunk, tar
         except ChecksumError as e:
             assert corrupt, f"rank {rank}: {e}"
             assert "'w'" in str(e), f"the error names no key: {e}"
-            assert _bits_equal(inner_bits(target), before), f"rank {rank}: a load refused for a corrupt byte " \
+            assert bits_equal(inner_bits(target), before), f"rank {rank}: a load refused for a corrupt byte " \
                 f"changed its target"
             return "refused: corrupt byte"
         except QdcpError as e:
@@ -508,7 +508,7 @@ def inner_bits(t: torch.Tensor) -> list[torch.Tensor]:
     return [torch.empty(f.shape, dtype=f.dtype).copy_(f).view(torch.uint8) for f in flats]
 
 
-def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+def bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 

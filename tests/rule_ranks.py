@@ -175,7 +175,7 @@ def check_target(meshes: Meshes, source, path: str, layout: Layout, kind: str, s
             q = qdcp_error_in(err) if err is not None else None
             assert q is not None and "'w'" in str(q), f"not refused with a qdcp error naming 'w': {short(err)}" \
                 if err is not None else "the load was accepted; the rule refuses it on some rank"
-            assert rc._bits_equal(rc.inner_bits(target), before), "a refused load changed the target"
+            assert rc.bits_equal(rc.inner_bits(target), before), "a refused load changed the target"
             return "refused at load"
         assert err is None, f"the load was refused, the rule accepts it: {short(err)}"
         rc.check_loaded(target, expect, outcome, RANK)
