@@ -156,10 +156,11 @@ def layouts() -> st.SearchStrategy[Layout]:
     return st.one_of(st.just(Layout((), ())), one_d, two_d)
 
 
-def spec_of(layout: Layout, shape, dtype) -> DTensorSpec:
-    """The DTensor spec of a ``shape`` tensor at ``layout``, seen from the current (fake) rank."""
+def spec_of(layout: Layout, shape, dtype, mesh: Callable = job.mesh) -> DTensorSpec:
+    """The DTensor spec of a ``shape`` tensor at ``layout``, seen from the current rank (of a fake
+    job; ``mesh``: the maker of a mesh of a shape, another for a real job)."""
     stride = torch.empty(shape, device="meta").stride()
-    return DTensorSpec(job.mesh(layout.mesh), layout.placements, TensorMeta(torch.Size(shape), stride, dtype))
+    return DTensorSpec(mesh(layout.mesh), layout.placements, TensorMeta(torch.Size(shape), stride, dtype))
 
 
 def chunk_of(spec: DTensorSpec, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -191,10 +192,10 @@ def build_local(name: str, hp: torch.Tensor, whole: torch.Tensor | None, chunk) 
         return None
 
 
-def placed_state(layout: Layout, local: torch.Tensor, shape) -> dict:
+def placed_state(layout: Layout, local: torch.Tensor, shape, mesh: Callable = job.mesh) -> dict:
     if not layout.mesh:
         return {"w": local}
-    return {"w": DTensor(local, spec_of(layout, shape, local.dtype), requires_grad=False)}
+    return {"w": DTensor(local, spec_of(layout, shape, local.dtype, mesh), requires_grad=False)}
 
 
 @dataclasses.dataclass

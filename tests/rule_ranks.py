@@ -25,8 +25,8 @@ import random
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import qdcp
@@ -70,20 +70,18 @@ class Meshes:
     def __init__(self) -> None:
         self._made: dict[tuple, object] = {}
 
-    def spec(self, layout: Layout, shape, dtype) -> DTensorSpec:
-        if layout.mesh not in self._made:
-            self._made[layout.mesh] = torch.distributed.device_mesh.init_device_mesh("cpu", layout.mesh)
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensorSpec(self._made[layout.mesh], layout.placements, TensorMeta(torch.Size(shape), stride, dtype))
+    def mesh(self, shape: tuple):
+        if shape not in self._made:
+            self._made[shape] = init_device_mesh("cpu", shape)
+        return self._made[shape]
 
     def chunk(self, layout: Layout, shape, dtype) -> tuple:
         """This rank's (offsets, sizes) of a ``shape`` tensor at ``layout``."""
-        return rc.chunk_of(self.spec(layout, shape, dtype), shape) if layout.mesh else ((0, 0), tuple(shape))
+        return rc.chunk_of(rc.spec_of(layout, shape, dtype, self.mesh), shape) if layout.mesh \
+            else ((0, 0), tuple(shape))
 
     def placed(self, layout: Layout, local: torch.Tensor, shape) -> dict:
-        if not layout.mesh:
-            return {"w": local}
-        return {"w": DTensor(local, self.spec(layout, shape, local.dtype), requires_grad=False)}
+        return rc.placed_state(layout, local, shape, self.mesh)
 
 
 def gathered(obj) -> list:
