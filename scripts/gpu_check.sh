@@ -13,6 +13,7 @@
 #   2. examples/fsdp2_train.py at one rank on the GPU, then resumed;
 #   3. the multi-rank torchrun workers (tests/dist_worker.py reshard-save/-load, fsdp-save/-load) at
 #      2 ranks with CUDA tensors on that one GPU, over gloo (QDCP_SHARED_GPU=1: cpu:gloo,cuda:gloo);
+#      reshard-save runs tests/rule_ranks.py's generated load-rule cases, half their targets on CUDA;
 #   4. benchmarks/write_path.py, load_path.py and async_save.py with --device cuda;
 #   5. generated cases of the load rule (tests/rule_cases.py, four seeds in parallel) whose targets
 #      are drawn on the CPU and on CUDA (the source saved from the CPU): "another device".
@@ -81,7 +82,8 @@ step fsdp2-1rank 45 bash -c "${TORCHRUN[*]} --nproc-per-node 1 examples/fsdp2_tr
 step dist-2ranks-1gpu 150 env QDCP_SHARED_GPU=1 QDCP_WORKER_TIMEOUT=$((60 * SCALE)) bash -c "rc=0; \
   for c in reshard-save reshard-load fsdp-save fsdp-load; do t0=\$SECONDS; \
   ${TORCHRUN[*]} --nproc-per-node 2 tests/dist_worker.py \$c $OUT/dist || { rc=1; echo \"== \$c FAILED\"; }; \
-  echo \"== \$c: \$((SECONDS - t0)) s\"; done; exit \$rc"
+  echo \"== \$c: \$((SECONDS - t0)) s\"; done; echo '== rule_outcomes (2 ranks; targets on the CPU or CUDA)'; \
+  find $OUT/dist -name rule_outcomes.json -exec cat {} +; exit \$rc"
 step bench-write 140 "$PY" benchmarks/write_path.py --device "$DEVICE" --gib "$GIB_W" --repeat "$REPEAT" --dir "$OUT"
 step bench-load 90 "$PY" benchmarks/load_path.py --device "$DEVICE" --gib "$GIB_L" --repeat $((REPEAT * 3)) --dir "$OUT"
 step bench-async 90 "$PY" benchmarks/async_save.py --device "$DEVICE" --gib "$GIB_A" --repeat $((REPEAT + 1)) --dir "$OUT"
@@ -96,6 +98,8 @@ for b in write load async; do
   echo; echo "-- bench-$b"
   sed -n '/^case\|^configuration/,$p' "$OUT/bench-$b.log" 2>/dev/null | grep -v '^$' | head -n 30
 done
+echo; echo "-- generated rule cases at 2 ranks (tests/rule_ranks.py in reshard-save; targets by outcome)"
+sed -n '/^== rule_outcomes/,$p' "$OUT/dist-2ranks-1gpu.log" 2>/dev/null | tail -n +2 | head -n 30
 echo; echo "-- rule-cases-cuda (targets by outcome; '... on cuda': a CUDA target of a CPU save)"
 for s in 1 2 3 4; do
   if grep -q 'cases from seed' "$OUT/rule-$s.log" 2>/dev/null; then sed -n '/cases from seed/,$p' "$OUT/rule-$s.log"

@@ -313,7 +313,7 @@ def rule_generated(out: str) -> None:
     outcomes' counts written for the test."""
     import rule_ranks
 
-    counts = rule_ranks.generated_cases(os.path.join(out, "rule"), RULE_CASES, seed=20261127)
+    counts = rule_ranks.generated_cases(os.path.join(out, "rule"), RULE_CASES, seed=20261127, device=DEVICE.type)
     if RANK == 0:
         with open(os.path.join(out, "rule_outcomes.json"), "w") as f:
             json.dump(counts, f, indent=1)

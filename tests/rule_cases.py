@@ -169,6 +169,21 @@ def chunk_of(spec: DTensorSpec, shape) -> tuple[tuple[int, ...], tuple[int, ...]
     return tuple(c.offsets), tuple(c.sizes)
 
 
+_CHUNKS: dict = {}
+
+
+def rank_chunk(layout: Layout, shape, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Rank ``rank``'s (offsets, sizes) of a ``shape`` tensor at ``layout`` (DTensor's own cut, seen
+    from that rank of a fake job; each kept, since a mesh costs a millisecond to make)."""
+    if not layout.mesh:
+        return (0, 0), tuple(shape)
+    key = (layout, tuple(shape), rank)
+    if key not in _CHUNKS:
+        with job.as_rank(rank, layout.world):
+            _CHUNKS[key] = chunk_of(spec_of(layout, shape, torch.bfloat16), shape)
+    return _CHUNKS[key]
+
+
 def cut(t: torch.Tensor, chunk) -> torch.Tensor | None:
     (r, c), (nr, nc) = chunk
     if type(t).__name__ == "NF4Tensor":  # torchao's NF4 splits only into equal chunks of rows (FSDP2's)
@@ -274,11 +289,7 @@ def make_source(name: str, shape, seed: int, layout: Layout, sliced: bool, chunk
     wide = torch.zeros(shape, dtype=torch.float32) if dtype == torch.bfloat16 else None
     group_ids = torch.zeros(shape, dtype=torch.int64)
     for rank in range(layout.world):
-        if chunks is not None:
-            chunk = chunks[rank]
-        else:
-            with job.as_rank(rank, layout.world):
-                chunk = chunk_of(spec_of(layout, shape, dtype), shape) if layout.mesh else ((0, 0), shape)
+        chunk = chunks[rank] if chunks is not None else rank_chunk(layout, shape, rank)
         local = make(chunk, rank)
         if local is None:
             return None
@@ -391,9 +402,8 @@ def check_target(source: Source, saved, layout: Layout, kind: str, seed: int, de
     targets = target_maker(source, kind, seed)
     outcomes = set()
     for rank in range(layout.world):
+        chunk = rank_chunk(layout, source.shape, rank)
         with job.as_rank(rank, layout.world):
-            chunk = chunk_of(spec_of(layout, source.shape, torch.bfloat16), source.shape) if layout.mesh \
-                else ((0, 0), source.shape)
             target, case = targets(chunk, rank, device)
             if isinstance(target, str):
                 return target

@@ -55,11 +55,13 @@ def layouts_of(world: int) -> list[Layout]:
     return out
 
 
-def draw(rng: random.Random, world: int) -> tuple:
-    """A case as rule_cases.case_strategy draws one, its layouts over ``world`` ranks, its targets
-    on the CPU (the GPU's share is rule_cases' own)."""
+def draw(rng: random.Random, world: int, devices: tuple[str, ...] = ("cpu",)) -> tuple:
+    """A case as rule_cases.case_strategy draws one, its layouts over ``world`` ranks, each target
+    on one of ``devices`` (the source is saved from the CPU; a job on CPUs only draws what it drew
+    before devices were drawn)."""
     ways = layouts_of(world)
-    targets = [(rng.choice(ways), rng.choice(rc.KINDS)) for _ in range(rng.randint(1, 2))]
+    targets = [(rng.choice(ways), rng.choice(rc.KINDS), rng.choice(devices) if len(devices) > 1 else "cpu")
+               for _ in range(rng.randint(1, 2))]
     return (rng.choice(sorted(rc.FAMILIES)), rng.choice([8, 16, 24, 32]), rng.choice([64, 96, 128, 256]),
             rng.randrange(2**16), rng.choice(ways), rng.random() < 0.5, targets)
 
@@ -70,10 +72,10 @@ class Meshes:
     def __init__(self) -> None:
         self._made: dict[tuple, object] = {}
 
-    def mesh(self, shape: tuple):
-        if shape not in self._made:
-            self._made[shape] = init_device_mesh("cpu", shape)
-        return self._made[shape]
+    def mesh(self, shape: tuple, device: str = "cpu"):
+        if (shape, device) not in self._made:
+            self._made[shape, device] = init_device_mesh(device, shape)
+        return self._made[shape, device]
 
     def chunk(self, layout: Layout, shape, dtype) -> tuple:
         """This rank's (offsets, sizes) of a ``shape`` tensor at ``layout``."""
@@ -81,7 +83,8 @@ class Meshes:
             else ((0, 0), tuple(shape))
 
     def placed(self, layout: Layout, local: torch.Tensor, shape) -> dict:
-        return rc.placed_state(layout, local, shape, self.mesh)
+        """``{"w": local}`` as a DTensor at ``layout`` over a mesh of ``local``'s device type."""
+        return rc.placed_state(layout, local, shape, lambda m: self.mesh(m, local.device.type))
 
 
 def gathered(obj) -> list:
@@ -143,8 +146,8 @@ def run_case(meshes: Meshes, drawn: tuple, path: str, tag: str) -> list[str]:
             check(SECTION, not left, f"{tag}: the refused {how} left {left}")
         dist.barrier()
         return ["refused at save"]
-    outcomes = [check_target(meshes, source, path, t_layout, kind, seed + i, f"{tag}, target {i}")
-                for i, (t_layout, kind) in enumerate(targets)]
+    outcomes = [check_target(meshes, source, path, t_layout, kind, device, seed + i, f"{tag}, target {i}")
+                for i, (t_layout, kind, device) in enumerate(targets)]
     if RANK == 0:
         try:
             outcomes.append(rc.check_read_without_target(source, path))
@@ -154,11 +157,14 @@ def run_case(meshes: Meshes, drawn: tuple, path: str, tag: str) -> list[str]:
     return outcomes
 
 
-def check_target(meshes: Meshes, source, path: str, layout: Layout, kind: str, seed: int, tag: str) -> str:
+def check_target(meshes: Meshes, source, path: str, layout: Layout, kind: str, device: str, seed: int,
+                 tag: str) -> str:
+    """One target of ``kind`` on ``device`` at ``layout``, loaded and checked on every rank; its outcome
+    (``"... on cuda"`` for a CUDA target of the CPU's save, as rule_cases counts it)."""
     if kind == "wide" and source.wide is None and not source.dequantized:
         return "no target"
     chunk = meshes.chunk(layout, source.shape, torch.bfloat16)
-    target, case = rc.target_maker(source, kind, seed)(chunk, RANK, "cpu")
+    target, case = rc.target_maker(source, kind, seed)(chunk, RANK, device)
     if not all(gathered(not isinstance(target, str))):
         return "no target"
     expect, outcome = rc.expected(source, chunk, target, case)
@@ -167,29 +173,31 @@ def check_target(meshes: Meshes, source, path: str, layout: Layout, kind: str, s
     how = LOADS[seed % len(LOADS)]
     with rule_te.context():
         err = load(how, meshes.placed(layout, target, source.shape), path)
-    tag = f"{tag} ({kind} at {layout}, {how})"
+    tag = f"{tag} ({kind} on {device} at {layout}, {how})"
+    on = "" if device == "cpu" else f" on {device}"
     try:
         if refused:  # planning refused on some rank: DCP fails the load on every rank, before any read
             q = qdcp_error_in(err) if err is not None else None
             assert q is not None and "'w'" in str(q), f"not refused with a qdcp error naming 'w': {short(err)}" \
                 if err is not None else "the load was accepted; the rule refuses it on some rank"
             assert rc.bits_equal(rc.inner_bits(target), before), "a refused load changed the target"
-            return "refused at load"
+            return "refused at load" + on
         assert err is None, f"the load was refused, the rule accepts it: {short(err)}"
         rc.check_loaded(target, expect, outcome, RANK)
     except AssertionError as e:
         _fail(tag, e)
-    return outcome
+    return outcome + on
 
 
-def generated_cases(root: str, cases: int, seed: int) -> dict[str, int]:
-    """``cases`` drawn cases from ``seed`` at this job's ranks, each saved under ``root``; the
-    outcomes counted (the same on every rank but for the targets each rank checks)."""
+def generated_cases(root: str, cases: int, seed: int, device: str = "cpu") -> dict[str, int]:
+    """``cases`` drawn cases from ``seed`` at this job's ranks, each saved under ``root``, their
+    targets on the CPU or (half of them) on ``device``; the outcomes counted (the same on every
+    rank but for the targets each rank checks)."""
     check(SECTION, True, "")  # the section ran (it records only what fails)
     meshes, counts = Meshes(), {}
     rng = random.Random(seed * 1000 + WORLD)
     for i in range(cases):
-        drawn = draw(rng, WORLD)
+        drawn = draw(rng, WORLD, ("cpu", device) if device != "cpu" else ("cpu",))
         tag = f"case {i} {drawn[:4]} saved at {drawn[4]}"
         try:
             outcomes = run_case(meshes, drawn, os.path.join(root, f"rule{i}"), tag)

@@ -5,7 +5,9 @@ enough devices: ``dist_worker.py`` chooses) that run ``tests/dist_worker.py``. A
 checks and writes ``{section: [failures]}``; tests assert on sections. torchrun start-up costs
 seconds, so jobs are few and shared: each save job (one per world size) and each load job runs once
 per session, under a file lock in the session's base temp directory (shared by pytest-xdist
-workers), and every test that needs it reuses its result.
+workers), and every test that needs it reuses its result. Where both a reshard and an FSDP2 job run
+at the same world size (saves at 2 and 3 ranks, loads at 1 and 3), they share one launch; every
+load runs in processes of its own, after every save.
 
 - reshard: every torchao case of ``quantized_cases`` as ``Shard(0)`` (raw and dequantized) and
   ``Replicate()`` DTensors, saved at N in {1, 2, 3, 4} ranks (3 ranks: uneven 86/86/84 rows) and
@@ -37,9 +39,19 @@ NVFP4_PER_TENSOR = ("nvfp4_per_tensor", "nvfp4_per_tensor_swizzled")
 
 # ----------------------------------------------------------------------------- running jobs
 
-def _job(shared: Path, root_name: str, command: str, nproc: int) -> dict:
-    """Run (once per session) ``command`` at ``nproc`` ranks on ``shared/root_name``; its record."""
-    return torchrun_jobs.job(shared / root_name, WORKER, command, nproc, JOB_TIMEOUT_S)
+# the reshard and FSDP2 commands write and read their own directories (n<N>/, fsdp_n<N>/) of one root
+_worker = torchrun_jobs.Worker(WORKER.name, timeout_s=JOB_TIMEOUT_S, together={
+    2: [("reshard-save", "fsdp-save")],
+    3: [("reshard-save", "fsdp-save"), ("reshard-load", "fsdp-load")],
+    1: [("reshard-load", "fsdp-load")],
+})
+
+
+def _job(shared: Path, command: str, nproc: int) -> dict:
+    """Run (once per session) ``command`` at ``nproc`` ranks on ``shared/dist``; its record."""
+    if command.endswith("-load"):  # a load reads what every save wrote: all of them first
+        _reshard_saved(shared, first=nproc if nproc in RESHARD_WORLDS else 1)
+    return _worker(shared / "dist", command, nproc)
 
 
 _sections = torchrun_jobs.check_sections
@@ -50,16 +62,17 @@ def _reshard_saved(shared: Path, first: int = 1) -> dict[int, dict]:
     order = RESHARD_WORLDS[RESHARD_WORLDS.index(first):] + RESHARD_WORLDS[:RESHARD_WORLDS.index(first)]
     out = {}
     for n in order:
-        out[n] = _job(shared, "reshard", "reshard-save", n)
+        out[n] = _job(shared, "reshard-save", n)
     for n, record in out.items():
         _sections(record, f"save at {n} ranks", ["save_main"])
-        assert (shared / "reshard" / f"n{n}" / "main" / ".metadata").exists()
+        assert (shared / "dist" / f"n{n}" / "main" / ".metadata").exists()
+    for n in FSDP_SAVE_WORLDS:  # the FSDP2 saves (in the reshard saves' launches there), checked by their test
+        _job(shared, "fsdp-save", n)
     return out
 
 
 def _reshard_loaded(shared: Path, m: int) -> dict:
-    _reshard_saved(shared, first=m)
-    return _job(shared, "reshard", "reshard-load", m)
+    return _job(shared, "reshard-load", m)
 
 
 # ----------------------------------------------------------------------------- reshard
@@ -72,7 +85,7 @@ def test_reshard_save(shared_dir, n):
     NF4 table and scaler mean, per-tensor scales, every component of a Replicate() entry), and N
     chunks for row-blocked components of Shard(0) entries.
     """
-    record = _job(shared_dir, "reshard", "reshard-save", n)
+    record = _job(shared_dir, "reshard-save", n)
     _sections(record, f"save at {n} ranks", ["save_main", "metadata"])
     _sections(record, f"save at {n} ranks", [f"save_per_tensor[{c}]" for c in OK_PER_TENSOR + NVFP4_PER_TENSOR],
               require_all=False)
@@ -92,9 +105,9 @@ def test_direct_writes_at_n_ranks(shared_dir, n):
     from cli_in_process import qdcp_cli
     from quantized_cases import CASE_BY_NAME
 
-    record = _job(shared_dir, "reshard", "reshard-save", n)
+    record = _job(shared_dir, "reshard-save", n)
     _sections(record, f"save at {n} ranks", ["direct_writes"])
-    out = shared_dir / "reshard" / f"n{n}"
+    out = shared_dir / "dist" / f"n{n}"
     for case in range(3):
         path = out / f"direct{case}"
         full = torch.load(out / f"direct{case}-expected.pt", weights_only=True)
@@ -119,9 +132,9 @@ def test_generated_rule_cases_at_n_ranks(shared_dir, n):
     layout; every rank's target is what docs/api.md's rule says (the worker's section), refusals
     are every rank's and name the key, and rank 0 reads each checkpoint back whole with no other
     rank taking part (``read_entry``, ``consolidate``, ``qdcp verify``)."""
-    record = _job(shared_dir, "reshard", "reshard-save", n)
+    record = _job(shared_dir, "reshard-save", n)
     _sections(record, f"save at {n} ranks", ["rule_generated"])
-    counts = json.loads((shared_dir / "reshard" / f"n{n}" / "rule_outcomes.json").read_text())
+    counts = json.loads((shared_dir / "dist" / f"n{n}" / "rule_outcomes.json").read_text())
     checked = {k: counts.get(k, 0) for k in ("bits", "quantized", "plain", "read without a target")}
     assert all(checked.values()), f"at {n} ranks the drawn cases checked too little: {counts}"
 
@@ -132,7 +145,7 @@ def test_one_rank_of_a_job_saves_and_loads_alone(shared_dir, n):
     with ``no_dist=True`` and ``qdcp.consolidate`` / ``read_entry`` (no collective) return, bit
     for bit (the worker's section; without no_dist a save from one rank waits for the others, as
     DCP's does; consolidate hung that way before it read alone)."""
-    record = _job(shared_dir, "reshard", "reshard-save", n)
+    record = _job(shared_dir, "reshard-save", n)
     _sections(record, f"save at {n} ranks", ["rank_alone"])
 
 
@@ -142,8 +155,8 @@ def test_per_tensor_scale_shards_int8_float8_save_outcome(shared_dir, n):
     local shape, so the scale is saved as one block per shard. Even shards (N=2, 4) save and load
     exactly (checked in test_reshard_load); the uneven 3-rank split cannot be described by one
     block size and fails at planning with an AlignmentError naming the key."""
-    _job(shared_dir, "reshard", "reshard-save", n)
-    outcomes = json.loads((shared_dir / "reshard" / f"n{n}" / "per_tensor_outcomes.json").read_text())
+    _job(shared_dir, "reshard-save", n)
+    outcomes = json.loads((shared_dir / "dist" / f"n{n}" / "per_tensor_outcomes.json").read_text())
     for name in OK_PER_TENSOR:
         if n == 3:
             assert outcomes[name].startswith("error AlignmentError") and "'w'" in outcomes[name], outcomes
@@ -195,7 +208,7 @@ def test_fsdp2_nf4_and_low_bit_optimizers_reshard(shared_dir, m):
     ``dcp.async_save`` (DCP's default stager) of the same state, with the next step run before
     its upload finishes, writes data files byte-identical to ``dcp.save``'s."""
     for n in FSDP_SAVE_WORLDS:
-        _sections(_job(shared_dir, "fsdp", "fsdp-save", n), f"FSDP2 save at {n} ranks",
+        _sections(_job(shared_dir, "fsdp-save", n), f"FSDP2 save at {n} ranks",
                   ["fsdp_save", "fsdp_async_default_stager"])
-    record = _job(shared_dir, "fsdp", "fsdp-load", m)
+    record = _job(shared_dir, "fsdp-load", m)
     _sections(record, f"FSDP2 load at {m} ranks", ["fsdp_load", "fsdp_step"])

@@ -25,7 +25,11 @@ import torchrun_jobs
 pytest.importorskip("torchtitan.components.checkpointer")
 pytestmark = pytest.mark.multiproc
 
-_job = torchrun_jobs.Worker("torchtitan_worker.py", timeout_s=300)  # each (command, ranks) runs once per session
+# each (command, ranks) runs once per session; at 2 ranks the save and export runs share one launch
+# (each in its own directories). The loads run in processes of their own, and so does the stock
+# manager: it records what DCP does to a process that never ran qdcp's recipe (run after the
+# recipe's saves in the same processes, its async mode recorded another outcome)
+_job = torchrun_jobs.Worker("torchtitan_worker.py", timeout_s=300, together={2: [("save", "export")]})
 MODES = ["disabled", "async", "async_with_pinned_mem"]
 
 

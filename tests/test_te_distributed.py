@@ -44,9 +44,13 @@ STRADDLING = ("block1d", "block2d")
 
 # ----------------------------------------------------------------------------- running jobs
 
+# at 4 ranks the 1-D and the (2, 2) saves share one launch (their own directories: n4/, m2d_*/)
+_worker = torchrun_jobs.Worker(WORKER.name, timeout_s=JOB_TIMEOUT_S, together={4: [("save", "save2d")]})
+
+
 def _job(shared: Path, command: str, nproc: int) -> dict:
     """Run (once per session) ``command`` at ``nproc`` ranks; its record."""
-    return torchrun_jobs.job(shared, WORKER, command, nproc, JOB_TIMEOUT_S)
+    return _worker(shared, command, nproc)
 
 
 _sections = torchrun_jobs.check_sections
