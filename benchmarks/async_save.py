@@ -5,6 +5,8 @@ components, then measures, in one run:
 
 - blocked: time the ``async_save`` call takes / a plain memcpy (``copy_``) of the same bytes into
   memory that is already touched (goal <= 1.2 on CPU; <= 0.05 with ``async_staging=True``);
+- in stage(): the part of that time spent in ``QuantizedStager.stage`` (the rest is DCP's
+  ``async_save`` around it: its checks, its per-call executor's thread start);
 - done: time until the upload finished (written and fsynced), in seconds;
 - peak mem: peak resident-memory growth during the save / the components' bytes, sampled from
   /proc every 2 ms (staging buffers, which stay allocated for the next save, are counted);
@@ -152,6 +154,20 @@ def memcpy_seconds(state: dict, repeat: int) -> float:
     return statistics.median(times[1:])
 
 
+class TimedStager(QuantizedStager):
+    """A QuantizedStager that keeps how long its last ``stage()`` call took: the part of a save's
+    blocking that is qdcp's (the rest is DCP's ``async_save`` around it)."""
+
+    stage_seconds: float | None = None
+
+    def stage(self, state_dict):
+        t0 = time.perf_counter()
+        try:
+            return super().stage(state_dict)
+        finally:
+            self.stage_seconds = time.perf_counter() - t0
+
+
 def run_saves(state: dict, root: str, repeat: int, make_stager=None, planner_cls=None) -> list[dict]:
     """``repeat`` async saves, each timed against memcpys timed just before and after it (this
     machine's memory bandwidth drifts); the first save is the stager's cold one. Peak memory comes
@@ -191,14 +207,16 @@ def _one_save(state: dict, root: str, i: int, stager, planner_cls, sample: bool)
         done = time.perf_counter() - t0
     memcpy = (before + memcpy_seconds(state, 2)) / 2
     shutil.rmtree(path, ignore_errors=True)
-    return {"blocked": blocked / memcpy, "staged": staged, "done": done,
+    in_stage = getattr(stager, "stage_seconds", None)
+    return {"blocked": blocked / memcpy, "in_stage": in_stage / memcpy if in_stage is not None else None,
+            "staged": staged, "done": done,
             "mem": mem.growth if sample else None,
             "staged_nbytes": stager.staged_nbytes if stager is not None else None}
 
 
 def prepared_stager(state: dict) -> QuantizedStager:
     """A QuantizedStager whose buffers ``prepare(state)`` allocated before its first save."""
-    stager = QuantizedStager()
+    stager = TimedStager()
     stager.prepare(state)
     return stager
 
@@ -225,6 +243,8 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default: a temp dir)")
     parser.add_argument("--repeat", type=int, default=5, help="saves per configuration (default 5)")
     parser.add_argument("--device", default="cpu", help="where the state lives: cpu or cuda (default cpu)")
+    parser.add_argument("--only", default="", help="comma-separated configurations to run (default all): "
+                        "stager, async-staging, prepared, nested, default, plain")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
@@ -246,9 +266,16 @@ def main() -> None:
 
     root = tempfile.mkdtemp(prefix="qdcp-bench-", dir=args.dir)
     rows, only = [], []
+    wanted = set(args.only.split(",")) if args.only else None
+
+    def want(name: str) -> bool:
+        return wanted is None or name in wanted
     try:
-        for label, options in [("QuantizedStager", {}), ("QuantizedStager async_staging", {"async_staging": True})]:
-            runs = run_saves(state, root, args.repeat, lambda: QuantizedStager(**options), QuantizedSavePlanner)
+        for name, label, options in [("stager", "QuantizedStager", {}),
+                                     ("async-staging", "QuantizedStager async_staging", {"async_staging": True})]:
+            if not want(name):
+                continue
+            runs = run_saves(state, root, args.repeat, lambda: TimedStager(**options), QuantizedSavePlanner)
             stager = QuantizedStager(**options)
             stage_only(stager, state, 1)  # allocate its buffers
             only.append((label, stage_only(stager, state, 3)))
@@ -257,25 +284,29 @@ def main() -> None:
             rows.append((label, runs, staged_ratio))
         # prepare(): the buffers allocated (and pinned) before the first save; its "cold" row is
         # the first save of a run (goal: blocks <= 2x a steady one)
-        runs = run_saves(state, root, args.repeat, functools.partial(prepared_stager, state), QuantizedSavePlanner)
-        rows.append(("QuantizedStager, prepare()d", runs, runs[0]["staged_nbytes"] / nbytes))
+        if want("prepared"):
+            runs = run_saves(state, root, args.repeat, functools.partial(prepared_stager, state), QuantizedSavePlanner)
+            rows.append(("QuantizedStager, prepare()d", runs, runs[0]["staged_nbytes"] / nbytes))
         # DCP checks each top-level value for Stateful (about 25 us per torchao tensor) before staging:
         # the usual {"model": ..., "optim": ...} layout pays it once
-        runs = run_saves({"model": state}, root, args.repeat, QuantizedStager, QuantizedSavePlanner)
-        rows.append(('QuantizedStager, {"model": state}', runs, runs[0]["staged_nbytes"] / nbytes))
+        if want("nested"):
+            runs = run_saves({"model": state}, root, args.repeat, TimedStager, QuantizedSavePlanner)
+            rows.append(('QuantizedStager, {"model": state}', runs, runs[0]["staged_nbytes"] / nbytes))
         # the plain call: no async_stager, DCP's DefaultStager (new_empty + a deep copy of __dict__)
-        rows.append(("DCP DefaultStager, Int8Tensor", run_saves(state, root, args.repeat, None,
-                                                               QuantizedSavePlanner), None))
+        if want("default"):
+            rows.append(("DCP DefaultStager, Int8Tensor", run_saves(state, root, args.repeat, None,
+                                                                   QuantizedSavePlanner), None))
         del state
-        plain = {k: v.to(args.device) for k, v in plain_state(nbytes).items()}
-        rows.append(("DCP DefaultStager, plain tensors", run_saves(plain, root, args.repeat), None))
-        runs = run_saves(plain, root, args.repeat, QuantizedStager)
-        rows.append(("QuantizedStager, plain tensors", runs, runs[0]["staged_nbytes"] / nbytes))
+        if want("plain"):
+            plain = {k: v.to(args.device) for k, v in plain_state(nbytes).items()}
+            rows.append(("DCP DefaultStager, plain tensors", run_saves(plain, root, args.repeat), None))
+            runs = run_saves(plain, root, args.repeat, TimedStager)
+            rows.append(("QuantizedStager, plain tensors", runs, runs[0]["staged_nbytes"] / nbytes))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    print(f"\n{'configuration':36} {'save':>5} {'blocked/memcpy':>15} {'staged s':>9} {'done s':>7} "
-          f"{'peak mem/bytes':>15} {'buffers/bytes':>14}")
+    print(f"\n{'configuration':36} {'save':>5} {'blocked/memcpy':>15} {'in stage()':>10} {'staged s':>9} "
+          f"{'done s':>7} {'peak mem/bytes':>15} {'buffers/bytes':>14}")
     for label, runs, staged_ratio in rows:
         warm = runs[1:] or runs
         summary = [("cold", runs[0]), ("warm", {k: (statistics.median(r[k] for r in warm)
@@ -283,7 +314,8 @@ def main() -> None:
         for which, r in summary:
             staged = f"{r['staged']:9.3f}" if r["staged"] is not None else f"{'-':>9}"
             buffers = f"{staged_ratio:14.3f}" if staged_ratio is not None else f"{'-':>14}"
-            print(f"{label:36} {which:>5} {r['blocked']:15.3f} {staged} {r['done']:7.2f} "
+            in_stage = f"{r['in_stage']:10.3f}" if r["in_stage"] is not None else f"{'-':>10}"
+            print(f"{label:36} {which:>5} {r['blocked']:15.3f} {in_stage} {staged} {r['done']:7.2f} "
                   f"{r['mem'] / nbytes:15.3f} {buffers}")
     for label, ratio in only:
         print(f"{label + ': stage() alone':52} {ratio:15.3f}")
