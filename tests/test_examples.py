@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -42,14 +43,27 @@ def test_fsdp2_train_resumes_at_another_world_size(tmp_path):
     assert os.stat(tmp_path / "step_4" / ".metadata").st_mtime_ns != first  # written again
 
 
+DEMO_WAIT_S = 1200  # .ci/run's demo: its install and run, beside the suite's
+
+
 def _demo_output(tmp_path) -> str:
-    """examples/demo.py's stdout: the file ``QDCP_DEMO_OUTPUT`` names where .ci/run ran the demo just
-    before the suite (the README's first command, in its own fresh environment: it runs once), else
-    the demo run here."""
+    """examples/demo.py's stdout: the file ``QDCP_DEMO_OUTPUT`` names where .ci/run runs the demo
+    beside the suite (the README's first command, in its own fresh environment: it runs once; its
+    exit status lands in the file ``QDCP_DEMO_STATUS`` names when it ends), else the demo run here."""
     recorded = os.environ.get("QDCP_DEMO_OUTPUT")
     if recorded:
+        status = os.environ.get("QDCP_DEMO_STATUS")
+        if status:
+            deadline = time.monotonic() + DEMO_WAIT_S
+            while not os.path.exists(status):
+                assert time.monotonic() < deadline, f"the demo .ci/run started did not end in {DEMO_WAIT_S} s"
+                time.sleep(1)
+            with open(status) as f:
+                code = f.read().strip()
         with open(recorded) as f:
-            return f.read()
+            out = f.read()
+        assert not status or code == "0", f"the demo exited {code}:\n{out[-3000:]}"
+        return out
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
