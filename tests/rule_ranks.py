@@ -5,7 +5,8 @@ rule_cases.py plays every rank of a job in one process; here each rank is a proc
 ``dcp.save(state, checkpoint_id=path, planner=QuantizedSavePlanner(...))`` (DCP's writer),
 ``qdcp.save`` or ``qdcp.async_save``; then ``dcp.load`` with ``QuantizedLoadPlanner()`` through DCP's
 reader or qdcp's ``CheckpointReader``, or ``qdcp.load``, into targets at another layout of the same
-ranks. Every rank draws the same cases (one seed), gathers each rank's chunk of a layout from the
+ranks (on the CPU; half of them on the GPU where the job runs on CUDA, as scripts/gpu_check.sh's
+does). Every rank draws the same cases (one seed), gathers each rank's chunk of a layout from the
 DTensors themselves, and checks its own target against the same oracle (rule_cases.expected /
 check_loaded, written from docs/api.md): the source's bits, the library's quantization of its
 values, or the values bitwise. A save the rule refuses must fail on every rank with a qdcp error
