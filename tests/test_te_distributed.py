@@ -16,7 +16,8 @@ Float8 current scaling (Hopper: data and transpose), MXFP8 rowwise compact, bloc
 - Saved at a (2, 2) mesh (FSDP2 x TP's ``_StridedShard`` x ``Shard(0)``, and HSDP), loaded at every
   M like the 1-D checkpoints.
 Jobs run once per session under a file lock (shared by pytest-xdist workers): one save job per N in
-{1, 2, 3, 4}, one load job per M in {1, 2, 3, 4} that loads every saved checkpoint.
+{1, 2, 3, 4}, one load job per M in {1, 2, 3, 4} that loads every saved checkpoint, each in the
+launch it shares with test_te_grouped_distributed.py's at that world size (tests/te_jobs.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 
 import te_cpu
+import te_jobs
 import torchrun_jobs
 
 if not te_cpu.te_installed():
@@ -34,8 +36,6 @@ if not te_cpu.te_installed():
 
 pytestmark = pytest.mark.multiproc
 
-WORKER = Path(__file__).with_name("te_dist_worker.py")
-JOB_TIMEOUT_S = 300
 WORLDS = (1, 2, 3, 4)
 ALIGNED = (1, 2, 4)
 FORMATS = ("float8", "mxfp8", "block1d", "block2d", "nvfp4")
@@ -44,13 +44,15 @@ STRADDLING = ("block1d", "block2d")
 
 # ----------------------------------------------------------------------------- running jobs
 
-# at 4 ranks the 1-D and the (2, 2) saves share one launch (their own directories: n4/, m2d_*/)
-_worker = torchrun_jobs.Worker(WORKER.name, timeout_s=JOB_TIMEOUT_S, together={4: [("save", "save2d")]})
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory) -> Path:
+    """The TE jobs' directory (tests/te_jobs.py): this module's files are under ``dist/``."""
+    return te_jobs.root(tmp_path_factory)
 
 
-def _job(shared: Path, command: str, nproc: int) -> dict:
-    """Run (once per session) ``command`` at ``nproc`` ranks; its record."""
-    return _worker(shared, command, nproc)
+def _job(shared: Path, command: str, nproc: int, first: int = 1) -> dict:
+    """Run (once per session, in the TE jobs' launch of its world size) ``command`` at ``nproc`` ranks; its record."""
+    return te_jobs.job(shared, f"dist.{command}", nproc, first)
 
 
 _sections = torchrun_jobs.check_sections
@@ -66,7 +68,7 @@ def _saved(shared: Path, first: int = 1) -> None:
 
 def _loaded(shared: Path, m: int) -> dict:
     _saved(shared, first=m)
-    return _job(shared, "load", m)
+    return _job(shared, "load", m, first=m)
 
 
 # ----------------------------------------------------------------------------- tests
@@ -76,7 +78,7 @@ def test_te_shard0_save(shared_dir, n):
     """Save every format as Shard(0) DTensors at N ranks (at 3 ranks, the non-straddling ones)."""
     record = _job(shared_dir, "save", n)
     _sections(record, f"save at {n} ranks", ["save"])
-    assert (shared_dir / f"n{n}" / "main" / ".metadata").exists()
+    assert (shared_dir / "dist" / f"n{n}" / "main" / ".metadata").exists()
 
 
 def test_te_unaligned_save_is_refused_at_planning_naming_the_key(shared_dir):
@@ -84,7 +86,7 @@ def test_te_unaligned_save_is_refused_at_planning_naming_the_key(shared_dir):
     that straddle the shard boundaries: an AlignmentError naming the key, before anything is written."""
     record = _job(shared_dir, "save", 3)
     _sections(record, "save at 3 ranks", ["unaligned_save_error"])
-    outcomes = json.loads((shared_dir / "n3" / "unaligned_outcomes.json").read_text())
+    outcomes = json.loads((shared_dir / "dist" / "n3" / "unaligned_outcomes.json").read_text())
     for fmt in STRADDLING:
         assert outcomes[fmt].startswith("error AlignmentError") and f"'te.{fmt}'" in outcomes[fmt], outcomes
 

@@ -14,7 +14,8 @@ bf16) and checks every target:
   expert's key as a ``Shard(0)`` DTensor over its rows (plain and TE, raw; a blockwise TE shard that
   cuts a 128-row block is refused naming the key and left untouched).
 
-Jobs run once per session under a file lock (shared by pytest-xdist workers).
+Jobs run once per session under a file lock (shared by pytest-xdist workers), each world size's in
+the launch it shares with test_te_distributed.py's (tests/te_jobs.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 import te_cpu
+import te_jobs
 import torchrun_jobs
 
 if not te_cpu.te_installed():
@@ -31,8 +33,6 @@ if not te_cpu.te_installed():
 
 pytestmark = pytest.mark.multiproc
 
-WORKER = Path(__file__).with_name("te_grouped_dist_worker.py")
-JOB_TIMEOUT_S = 300
 SAVE_WORLDS = (1, 2)
 LOAD_WORLDS = (1, 2, 4)
 RECIPES = ("mxfp8_both", "current_both_hopper", "delayed_both_e5m2", "block1_both", "block2_both",
@@ -40,8 +40,15 @@ RECIPES = ("mxfp8_both", "current_both_hopper", "delayed_both_e5m2", "block1_bot
 TARGETS = ("grouped_target", "plain_stack", "member_keys", "member_plain", "member_rows_plain")
 
 
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory) -> Path:
+    """The TE jobs' directory (tests/te_jobs.py): this module's files are under ``grouped/``."""
+    return te_jobs.root(tmp_path_factory)
+
+
 def _job(shared: Path, command: str, nproc: int) -> dict:
-    return torchrun_jobs.job(shared, WORKER, command, nproc, JOB_TIMEOUT_S)
+    """Run (once per session, in the TE jobs' launch of its world size) ``command`` at ``nproc`` ranks; its record."""
+    return te_jobs.job(shared, f"grouped.{command}", nproc, first=nproc)
 
 
 def _saved(shared: Path) -> None:
@@ -54,7 +61,7 @@ def test_experts_save_as_shards_of_the_stack_and_as_member_keys(shared_dir, n):
     """Each rank saves its 8/N experts: grouped (Shard(0) of [8, M, N], raw and dequantized) and by member."""
     torchrun_jobs.check_sections(_job(shared_dir, "save", n), f"save at {n} ranks", ["save", "async_save"])
     for kind in ("grouped", "members"):
-        assert (shared_dir / f"n{n}" / kind / ".metadata").exists()
+        assert (shared_dir / "grouped" / f"n{n}" / kind / ".metadata").exists()
 
 
 @pytest.mark.parametrize("m", LOAD_WORLDS)

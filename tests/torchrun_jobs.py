@@ -100,7 +100,7 @@ class Worker:
 
     def __call__(self, root: Path, command: str, nproc: int) -> dict:
         group = next((g for g in self.together.get(nproc, ()) if command in g), None)
-        if group is None:
+        if group is None or len(group) == 1:
             return job(root, self.path, command, nproc, self.timeout_s)
         record = job(root, self.path, "+".join(group), nproc, self.timeout_s * len(group))
         return {**record, "results": record["results"][command]}
