@@ -1,12 +1,13 @@
-"""One torchrun launch for the commands of two TransformerEngine workers at one world size.
+"""One torchrun launch for the commands of three TransformerEngine workers at one world size.
 
-``te_dist_worker.py`` (Shard(0) TE tensors) and ``te_grouped_dist_worker.py`` (GroupedTensor experts)
-each run a save and a load job per world size; their ranks import the same torch, torchao, DCP and
-TE classes (seconds each on the CI's 2 cores). Here their commands run in the same processes, each
-on its own directory of the job's root (``dist/``, ``grouped/``), under the names ``dist.<command>`` and
-``grouped.<command>`` (tests/te_jobs.py groups them; worker_results.run runs a group in order and
-writes each command's results). The grouped worker's commands run under ``simulate_gpu(HOPPER)``, as
-its own ``main`` runs them; both workers use the same gloo mesh over every rank.
+``te_dist_worker.py`` (Shard(0) TE tensors), ``te_grouped_dist_worker.py`` (GroupedTensor experts) and
+``te_columns_worker.py`` (column cuts) each run save and load jobs; their ranks import the same
+torch, torchao, DCP and TE classes (seconds each on the CI's 2 cores). Here their commands run in the
+same processes, each on its own directory of the job's root (``dist/``, ``grouped/``, ``columns/``),
+under the names ``dist.<command>``, ``grouped.<command>`` and ``columns.<command>`` (tests/te_jobs.py
+groups them; worker_results.run runs a group in order and writes each command's results). The
+grouped worker's commands run under ``simulate_gpu(HOPPER)``, as its own ``main`` runs them; all use
+one gloo process group over every rank (the columns worker's on the CPU only: tests/te_jobs.py).
 
     torchrun --nproc-per-node N tests/te_jobs_worker.py dist.save+grouped.save DIR
 """
@@ -19,6 +20,7 @@ import warnings
 
 warnings.filterwarnings("ignore")
 
+import te_columns_worker  # noqa: E402
 import te_cpu  # noqa: E402
 import te_dist_worker  # noqa: E402
 import te_grouped_dist_worker  # noqa: E402
@@ -41,6 +43,7 @@ def _in(sub: str, command, hopper: bool = False):
 COMMANDS = {f"dist.{name}": _in("dist", c) for name, c in te_dist_worker.COMMANDS.items()}
 COMMANDS.update({f"grouped.{name}": _in("grouped", c, hopper=True)
                  for name, c in te_grouped_dist_worker.COMMANDS.items()})
+COMMANDS.update({f"columns.{name}": _in("columns", c) for name, c in te_columns_worker.COMMANDS.items()})
 
 
 def main() -> int:

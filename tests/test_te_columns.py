@@ -14,6 +14,9 @@ CPU (``te_cpu`` stands in for TE's compiled module).
   ``(1, 4)`` mesh): an ``AlignmentError`` at load planning naming the key and the nearest layout
   that works, the target untouched; formats without a column block (Float8, MXFP8 columnwise) load
   exactly; plain targets of every cut load every format exactly.
+
+Its save (4 ranks) and loads (1-4 ranks) run once per session, in the launches the TE jobs of each
+world size share (tests/te_jobs.py).
 """
 
 from __future__ import annotations
@@ -23,19 +26,25 @@ from pathlib import Path
 import pytest
 
 import te_cpu
+import te_jobs
 import torchrun_jobs
 from qdcp.layouts import Blocked, Flat, Replicated, nearest_aligned
 
 needs_te = pytest.mark.skipif(not te_cpu.te_installed(), reason="transformer_engine is not installed")
 
-WORKER = Path(__file__).with_name("te_columns_worker.py")
-JOB_TIMEOUT_S = 300
 FORMATS = ("float8", "mxfp8", "mxfp8_colwise", "block1d", "block2d", "nvfp4", "nvfp4_2d")
 NO_COLUMN_BLOCK = ("float8", "mxfp8_colwise")
 
 
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory) -> Path:
+    """The TE jobs' directory (tests/te_jobs.py): this module's files are under ``columns/``."""
+    return te_jobs.root(tmp_path_factory)
+
+
 def _job(shared: Path, command: str, nproc: int) -> dict:
-    return torchrun_jobs.job(shared, WORKER, command, nproc, JOB_TIMEOUT_S)
+    """Run (once per session, in the TE jobs' launch of its world size) ``command`` at ``nproc`` ranks; its record."""
+    return te_jobs.job(shared, f"columns.{command}", nproc, first=nproc)
 
 
 def _loaded(shared: Path, m: int) -> dict:
@@ -50,7 +59,7 @@ def test_te_save_row_and_column_parallel_sources(shared_dir):
     (rows) and of a row-parallel one (columns: 2 column shards, each on block boundaries)."""
     torchrun_jobs.check_sections(_job(shared_dir, "save", 4), "save at (2, 2)", ["save"])
     for layout in ("colwise", "rowwise"):
-        assert (shared_dir / f"src_{layout}" / ".metadata").exists()
+        assert (shared_dir / "columns" / f"src_{layout}" / ".metadata").exists()
 
 
 @pytest.mark.multiproc
