@@ -20,10 +20,12 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="module")
 def shared_dir(request, tmp_path_factory) -> Path:
     """One directory per test module that every xdist worker of the session sees: torchrun jobs
-    write their checkpoints and results there once, and every test of the module reads them."""
+    write their checkpoints and results there once, and every test of the module reads them.
+    Modules whose jobs share launches name one directory for all of them (``SHARED_DIR``)."""
     import torchrun_jobs
 
-    return torchrun_jobs.shared_dir(tmp_path_factory, "qdcp_" + request.module.__name__.rsplit(".", 1)[-1])
+    name = getattr(request.module, "SHARED_DIR", None) or "qdcp_" + request.module.__name__.rsplit(".", 1)[-1]
+    return torchrun_jobs.shared_dir(tmp_path_factory, name)
 
 
 @pytest.fixture

@@ -14,6 +14,9 @@ import torch
 
 import torchrun_jobs
 
+#: the jobs' directory, each test module's ``SHARED_DIR`` (conftest's ``shared_dir``); each worker's
+#: files under its own: ``dist/``, ``grouped/``, ``columns/``
+SHARED_DIR = "qdcp_te_jobs"
 JOB_TIMEOUT_S = 300  # a command's; a launch of k commands gets k times this
 WITH_COLUMNS = not torch.cuda.is_available()  # te_columns_worker.py's commands share the launches
 _COLUMNS_SAVE = ("columns.save",) if WITH_COLUMNS else ()
@@ -25,11 +28,6 @@ LOADS = {1: ("dist.load", "grouped.load") + _COLUMNS_LOAD, 2: ("dist.load", "gro
 COLUMNS_WORKER = Path(__file__).with_name("te_columns_worker.py")
 _worker = torchrun_jobs.Worker("te_jobs_worker.py", timeout_s=JOB_TIMEOUT_S,
                                together={n: [SAVES[n], LOADS[n]] for n in SAVES})
-
-
-def root(tmp_path_factory) -> Path:
-    """The jobs' directory (each worker's files under its own: ``dist/``, ``grouped/``, ``columns/``)."""
-    return torchrun_jobs.shared_dir(tmp_path_factory, "qdcp_te_jobs")
 
 
 def job(shared: Path, command: str, nproc: int, first: int = 1) -> dict:

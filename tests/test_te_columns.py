@@ -36,10 +36,7 @@ FORMATS = ("float8", "mxfp8", "mxfp8_colwise", "block1d", "block2d", "nvfp4", "n
 NO_COLUMN_BLOCK = ("float8", "mxfp8_colwise")
 
 
-@pytest.fixture(scope="module")
-def shared_dir(tmp_path_factory) -> Path:
-    """The TE jobs' directory (tests/te_jobs.py): this module's files are under ``columns/``."""
-    return te_jobs.root(tmp_path_factory)
+SHARED_DIR = te_jobs.SHARED_DIR  # the TE jobs' directory; this module's files are under columns/
 
 
 def _job(shared: Path, command: str, nproc: int) -> dict:

@@ -44,10 +44,7 @@ STRADDLING = ("block1d", "block2d")
 
 # ----------------------------------------------------------------------------- running jobs
 
-@pytest.fixture(scope="module")
-def shared_dir(tmp_path_factory) -> Path:
-    """The TE jobs' directory (tests/te_jobs.py): this module's files are under ``dist/``."""
-    return te_jobs.root(tmp_path_factory)
+SHARED_DIR = te_jobs.SHARED_DIR  # the TE jobs' directory; this module's files are under dist/
 
 
 def _job(shared: Path, command: str, nproc: int, first: int = 1) -> dict:

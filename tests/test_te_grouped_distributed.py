@@ -40,10 +40,7 @@ RECIPES = ("mxfp8_both", "current_both_hopper", "delayed_both_e5m2", "block1_bot
 TARGETS = ("grouped_target", "plain_stack", "member_keys", "member_plain", "member_rows_plain")
 
 
-@pytest.fixture(scope="module")
-def shared_dir(tmp_path_factory) -> Path:
-    """The TE jobs' directory (tests/te_jobs.py): this module's files are under ``grouped/``."""
-    return te_jobs.root(tmp_path_factory)
+SHARED_DIR = te_jobs.SHARED_DIR  # the TE jobs' directory; this module's files are under grouped/
 
 
 def _job(shared: Path, command: str, nproc: int) -> dict:
