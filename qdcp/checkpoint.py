@@ -11,7 +11,9 @@ Each call is exactly DCP's own call with qdcp's storage writer or reader and pla
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+from concurrent.futures import Future
 from typing import Any, Iterator
 
 import torch.distributed as dist
@@ -59,21 +61,27 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     than 8 cores the upload writes the staged buffers' large items straight to the disk (direct
     writes, :mod:`qdcp.storage.direct`), taking little CPU from training; with more it writes
     through the page cache, which finishes sooner there (``storage_options={"direct_io": True}`` /
-    ``False`` chooses either on any host). ``no_dist``: as in :func:`save`.
+    ``False`` chooses either on any host). ``no_dist``: as in :func:`save`. Errors, raised by the
+    call or by the Future's ``result()``, are this rank's own, as :func:`save` raises them.
     Wait for the previous save's future before the next save.
     """
     # the writer stages (DCP's hook for a writer that is an AsyncStager), through ``stager`` if given:
     # a writer that staged its save knows the upload runs beside training (direct writes on few cores)
     writer = storage_writer(path, overwrite=overwrite, stager=stager, **(storage_options or {}))
     try:
-        result = dcp.async_save(state_dict, storage_writer=writer, planner=QuantizedSavePlanner(dequantize=dequantize),
-                                process_group=process_group, **_alone(no_dist))
+        with _own_error():
+            result = dcp.async_save(state_dict, storage_writer=writer,
+                                    planner=QuantizedSavePlanner(dequantize=dequantize),
+                                    process_group=process_group, **_alone(no_dist))
     except BaseException:
         writer.abandon()
         raise
     upload = getattr(result, "upload_completion", result)  # DCP's AsyncSaveResponse, or the Future itself
     upload.add_done_callback(lambda _: writer.abandon())  # a failed upload's files removed, claim released
-    return result
+    if isinstance(result, Future):
+        return _own_errors(result)
+    return dataclasses.replace(result, staging_completion=_own_errors(result.staging_completion),
+                               upload_completion=_own_errors(upload))
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = True,
@@ -95,6 +103,23 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = 
                  planner=QuantizedLoadPlanner(atomic=atomic, allow_partial_load=allow_partial_load,
                                               weights_only=weights_only), process_group=process_group,
                  **_alone(no_dist))
+
+
+def _own_errors(fut: Future) -> Future:
+    """A Future with ``fut``'s result, or its error as :func:`_own_error` re-raises it."""
+    out: Future = Future()
+
+    def relay(done: Future) -> None:
+        try:
+            with _own_error():
+                value = done.result()
+        except BaseException as e:  # noqa: BLE001 (handed to the caller's Future)
+            out.set_exception(e)
+        else:
+            out.set_result(value)
+
+    fut.add_done_callback(relay)
+    return out
 
 
 def _alone(no_dist: bool) -> dict[str, bool]:

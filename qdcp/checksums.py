@@ -342,8 +342,9 @@ class ReadVerifier:
     the storage reader.
     """
 
-    def __init__(self, record: Record | None) -> None:
+    def __init__(self, record: Record | None, atomic: bool = False) -> None:
         self.record = record
+        self.atomic = atomic  # the load changes no target before every read is in and verified
         self._whole: dict[Any, tuple[int, torch.dtype]] = {}  # read item -> (hash, stored dtype)
         self._temps: set[int] = set()
         self._filled: set[str] = set()
@@ -389,18 +390,28 @@ class ReadVerifier:
             self._temps.add(id(read_item))
         return torch.empty(tuple(read_item.lengths), dtype=found[1], pin_memory=dest.device.type == "cuda")
 
-    def check(self, read_item, tensor: torch.Tensor, key: str) -> bool:
-        """Verify ``tensor`` (what arrived for ``read_item``) if it is a whole stored chunk; True
-        when it sits in a host buffer from :meth:`buffer` that the caller must copy on."""
+    def check(self, read_item, tensor: torch.Tensor, key: str, buffered: bool = False) -> bool:
+        """Verify ``tensor`` (what arrived for ``read_item``, the target ``key``'s) if it is a whole
+        stored chunk; True when it sits in a host buffer from :meth:`buffer` that the caller must
+        copy on. ``buffered``: the buffer it arrived in is a temporary, not the target's own."""
         with self._lock:
             temp = id(read_item) in self._temps
-        self._verify(read_item, tensor, key, temp)
+        self._verify(read_item, tensor, key, temp, buffered)
         return temp
 
     def check_bytes(self, read_item, data: Any, key: str) -> None:
-        self._verify(read_item, bytes(data), key, True)
+        """Verify an object's bytes (put in its target, or deferred, once they pass)."""
+        self._verify(read_item, bytes(data), key, True, False)
 
-    def _verify(self, read_item, data: Any, key: str, untouched: bool) -> None:
+    def finished(self, key: str) -> None:
+        """The target ``key`` was written from the temporaries its reads arrived in."""
+        with self._lock:
+            self._filled.add(key)
+
+    def _verify(self, read_item, data: Any, key: str, temp: bool, buffered: bool) -> None:
+        """Check one item's data; ``temp``: it sits in :meth:`buffer`'s host buffer (the caller
+        copies it into the target once this returns); ``buffered``: in a temporary of the load's,
+        written into the target later (:meth:`finished`)."""
         found = self._whole.get(read_item)
         if found is not None and found[0] is not None:  # None: the reader verified it (note_verified)
             with self._lock:
@@ -408,12 +419,13 @@ class ReadVerifier:
             n = _nbytes(data)
             if n >= _BACKGROUND_BYTES:
                 with self._lock:
-                    self._pending.append((_hash_pool().submit(of_data, data), found[0], read_item, key, untouched, n))
+                    self._pending.append((_hash_pool().submit(of_data, data), found[0], read_item, key, n))
                     self._pending_bytes += n
             else:
-                self._compare(read_item, of_data(data), found[0], key=key, untouched=untouched)
+                self._compare(read_item, of_data(data), found[0], key=key, written=not (temp or buffered))
         with self._lock:
-            self._filled.add(key)
+            if not buffered:
+                self._filled.add(key)
             self._remaining -= 1
             last = self._remaining <= 0
         self._collect(wait=last)
@@ -425,20 +437,28 @@ class ReadVerifier:
             with self._lock:
                 if not self._pending or not (wait or self._pending_bytes > _PENDING_MAX or self._pending[0][0].done()):
                     return
-                fut, expected, read_item, key, untouched, n = self._pending.popleft()
+                fut, expected, read_item, key, n = self._pending.popleft()
                 self._pending_bytes -= n
-            self._compare(read_item, fut.result(), expected, key=key, untouched=untouched)
+                written = key in self._filled  # its bytes reached the target while they were hashed
+            self._compare(read_item, fut.result(), expected, key=key, written=written)
 
-    def _compare(self, read_item, got: int | None, expected: int, *, key: str, untouched: bool) -> None:
+    def _compare(self, read_item, got: int | None, expected: int, *, key: str, written: bool) -> None:
         if got is None or got == expected:  # None: a subclass whose values cannot be read (of_tensor)
             return
-        with self._lock:
-            filled = sorted(self._filled | ({key} if not untouched else set()))
-        listed = ", ".join(repr(k) for k in filled[:20]) + (f" and {len(filled) - 20} more" if len(filled) > 20 else "")
         raise corrupt(read_item.storage_index.fqn, read_item.storage_index.offset, expected, got,
-                      f"Entries of the target already filled from this checkpoint: {listed or 'none'}"
-                      f"{'' if untouched else ' (this one with the corrupt bytes)'}. Load them from another "
-                      f"checkpoint.")
+                      self.changed(key, written))
+
+    def changed(self, key: str, written: bool) -> str:
+        """What this load has changed in the targets so far, said after a corrupt item of target
+        ``key`` (``written``: its bytes went into that target's own memory). An all-or-nothing
+        load has changed none; an in-place one, every target filled so far (in part, for some)."""
+        if self.atomic:
+            return "The load is all-or-nothing: no target was changed."
+        with self._lock:
+            filled = sorted(self._filled | ({key} if written else set()))
+        listed = ", ".join(repr(k) for k in filled[:20]) + (f" and {len(filled) - 20} more" if len(filled) > 20 else "")
+        return (f"Entries of the target already filled from this checkpoint: {listed or 'none'}"
+                f"{' (this one with the corrupt bytes)' if written else ''}. Load them from another checkpoint.")
 
 
 def corrupt(item_fqn: str, offsets: Any, recorded: int, read: int, changed: str = "") -> ChecksumError:

@@ -117,3 +117,30 @@ def test_errors_come_out_as_raised_not_wrapped_in_dcps_exception(tmp_path):
     with pytest.raises(QdcpError, match="already exists") as info:
         qdcp.save(_state(1), path)
     assert isinstance(info.value.__cause__, CheckpointException)
+
+
+@pytest.mark.parametrize("async_staging", [False, True])
+def test_async_save_errors_come_out_as_raised(tmp_path, async_staging):
+    """qdcp.async_save's errors are the rank's own too, as qdcp.save raises them: from the call or,
+    for what fails in the background (planning runs there), from the Future's ``result()`` (both
+    of DCP's AsyncSaveResponse futures with an asynchronous stager); the checkpoint there is kept."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = tmp_path / "c"
+    qdcp.save(_state(0), path)
+    before = _files(path)
+    stager = QuantizedStager(async_staging=async_staging)
+    try:
+        result = qdcp.async_save(_state(1), path, stager=stager)
+        upload = result.upload_completion if async_staging else result
+        with pytest.raises(QdcpError, match="already exists.*overwrite=True") as info:
+            upload.result()
+        assert isinstance(info.value.__cause__, CheckpointException)
+        if async_staging:
+            assert result.staging_completion.result() is None
+    finally:
+        stager.close()
+    assert _files(path) == before
+    target = _state(5)
+    qdcp.load(target, path)
+    assert_same_state(target, _state(0))

@@ -92,6 +92,13 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         (qdcp's readers check the bytes as they read them and this planner skips them)."""
         return {"by_planner": self._verify.hashed, "by_reader": self._verify.noted}
 
+    def changed_note(self, read_item: ReadItem, written: bool) -> str:
+        """What this load has changed in the targets so far, for a storage reader's error about
+        ``read_item``'s corrupt bytes (``written``: they went into ``resolve_tensor``'s buffer)."""
+        hit = self._by_item.get(read_item.dest_index.fqn)
+        into_target = written and not (hit is not None and hit.read.dest.temporary)
+        return self._verify.changed(hit.action.fqn if hit else read_item.dest_index.fqn, into_target)
+
     def note_verified(self, read_item: ReadItem) -> None:
         """A storage reader checked ``read_item``'s recorded checksum on the bytes it read (qdcp's
         readers do, while the bytes are hot): this planner does not hash them again."""
@@ -100,7 +107,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         _check_is_load(metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        self._verify = sums.ReadVerifier(sums.record(metadata) if self.checksums else None)
+        self._verify = sums.ReadVerifier(sums.record(metadata) if self.checksums else None, atomic=self.atomic)
         self._actions, self._by_item, self._handled, self._groups = {}, {}, set(), {}
         self._shadows = Shadows() if self.atomic else None
         self._narrowed, self._streams = {}, set()
@@ -251,7 +258,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         hit = self._by_item.get(read_item.dest_index.fqn)
-        if self._verify.check(read_item, tensor, hit.action.fqn if hit else read_item.dest_index.fqn):
+        if self._verify.check(read_item, tensor, hit.action.fqn if hit else read_item.dest_index.fqn,
+                              buffered=hit is not None and hit.read.dest.temporary):
             tensor = self._copy_in(self._destination(read_item), tensor)  # read into a host buffer to check it
         if hit is None:
             super().commit_tensor(read_item, tensor)
@@ -262,6 +270,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     def _finish_read(self, action: LoadAction) -> None:
         if self._count_down(self._pending, action.fqn):
             action.finish()
+            self._verify.finished(action.fqn)
             action.release()
             with self._lock:
                 self._actions_open -= 1

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
-__all__ = ["VerifyingLoadPlanner", "AdoptingLoadPlanner", "ChecksummingSavePlanner", "verifies_whole_items",
+__all__ = ["VerifyingLoadPlanner", "ReportingLoadPlanner", "AdoptingLoadPlanner", "ChecksummingSavePlanner", "verifies_whole_items",
            "records_checksums"]
 
 
@@ -31,6 +31,17 @@ class VerifyingLoadPlanner(Protocol):
     def note_verified(self, read_item: ReadItem) -> None:
         """The reader checks ``read_item`` against its recorded checksum before it commits it (it
         says so before asking ``resolve_tensor``): not to be hashed again."""
+
+
+@runtime_checkable
+class ReportingLoadPlanner(Protocol):
+    """A load planner that can say what a load has changed in its targets so far
+    (:class:`qdcp.QuantizedLoadPlanner`): :class:`qdcp.CheckpointReader` says it in the error for a
+    stored item whose bytes do not match their checksum."""
+
+    def changed_note(self, read_item: ReadItem, written: bool) -> str:
+        """What the load has changed so far, ``read_item``'s bytes included if ``written`` (copied
+        into ``resolve_tensor``'s buffer before they were found corrupt)."""
 
 
 @runtime_checkable

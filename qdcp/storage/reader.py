@@ -20,7 +20,7 @@ from qdcp import checksums
 from qdcp.adapters import find_adapter
 from qdcp.errors import CheckpointFormatError, QdcpError
 from qdcp.spec import describe_item
-from qdcp.storage.hooks import AdoptingLoadPlanner, verifies_whole_items
+from qdcp.storage.hooks import AdoptingLoadPlanner, ReportingLoadPlanner, verifies_whole_items
 from qdcp.storage.metadata import check_chunk_geometry, safe_load_metadata
 from qdcp.storage.pipeline import default_thread_count
 from qdcp.storage.threads import run_jobs
@@ -47,6 +47,7 @@ class _PlannerCalls:
         self.planner = planner
         self.adopting = isinstance(planner, AdoptingLoadPlanner)
         self.verifying = verifies_whole_items(planner)
+        self.reporting = isinstance(planner, ReportingLoadPlanner)
         self._lock = threading.Lock() if shared else contextlib.nullcontext()
 
     def resolve(self, req) -> torch.Tensor:
@@ -64,6 +65,13 @@ class _PlannerCalls:
     def note_verified(self, req) -> None:
         with self._lock:
             self.planner.note_verified(req)
+
+    def changed(self, req, written: bool) -> str:
+        """What the load has changed so far, for an error about ``req`` ("" if the planner cannot say)."""
+        if not self.reporting:
+            return ""
+        with self._lock:
+            return self.planner.changed_note(req, written)
 
     def buffer_for(self, req, nbytes: int) -> torch.Tensor | None:
         with self._lock:
@@ -274,18 +282,23 @@ class SafeReading:
         return found[1] if found is not None else None
 
     @staticmethod
-    def _compare(req, got: int | None, expected: int) -> None:
+    def _compare(calls: _PlannerCalls, req, got: int | None, expected: int, written: bool) -> None:
+        """Raise the error for corrupt bytes if ``got`` is not ``expected``; it says what the load has
+        changed so far (the planner's account, ``req``'s bytes included if ``written``)."""
         if got is not None and got != expected:  # None: a subclass whose values cannot be read
-            raise checksums.corrupt(req.storage_index.fqn, req.storage_index.offset, expected, got)
+            raise checksums.corrupt(req.storage_index.fqn, req.storage_index.offset, expected, got,
+                                    calls.changed(req, written))
 
-    def _verification(self, req, tensor: torch.Tensor, recorded: int | None) -> Callable[[], None]:
+    def _verification(self, calls: _PlannerCalls, req, tensor: torch.Tensor,
+                      recorded: int | None) -> Callable[..., None]:
         """Start hashing the stored chunk just read (large ones on a background thread, while the
-        caller copies it on); the returned call waits and compares with ``recorded`` (the planner
-        was told before ``resolve_tensor`` that this reader checks it)."""
+        caller copies it on); the returned call (``written``: whether the bytes were copied into
+        ``resolve_tensor``'s buffer meanwhile, default True) waits and compares with ``recorded``
+        (the planner was told before ``resolve_tensor`` that this reader checks it)."""
         if recorded is None:
-            return lambda: None
+            return lambda written=True: None
         pending = checksums.hash_later(tensor)
-        return lambda: self._compare(req, pending(), recorded)
+        return lambda written=True: self._compare(calls, req, pending(), recorded, written)
 
     def _note_verified(self, req, calls: _PlannerCalls) -> None:
         """Tell a qdcp planner that would check ``req`` itself that this reader does."""
@@ -369,7 +382,7 @@ class SafeReading:
                 raise CheckpointFormatError(
                     f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
             if direct:  # read straight into the planner's buffer: checked there, then committed
-                return self._commit(calls, req, target, self._verification(req, target, recorded), where)
+                return self._commit(calls, req, target, self._verification(calls, req, target, recorded), where)
             if target is not None:
                 lane.resolved = (req, target)  # handed out once: the usual path uses it
         resolved = lane.resolved
@@ -390,7 +403,7 @@ class SafeReading:
                 tensor = torch.load(ViewReader(payload), map_location="cpu", weights_only=True)
             else:
                 adoptable = buffer is not None
-            verified = self._verification(req, tensor, recorded)
+            verified = self._verification(calls, req, tensor, recorded)
         except QdcpError:
             raise
         except Exception as e:
@@ -416,7 +429,7 @@ class SafeReading:
                        where: str) -> None:
         """An object item, checked (the recorded checksum, else a torch.save archive's CRCs), to the planner."""
         if recorded is not None:
-            self._compare(req, checksums.of_bytes(payload), recorded)
+            self._compare(calls, req, checksums.of_bytes(payload), recorded, written=False)
             self._note_verified(req, calls)
         elif zip_crcs and payload[:4] == b"PK\x03\x04":  # a torch.save archive
             check_zip_crcs(payload, where)
@@ -429,7 +442,7 @@ class SafeReading:
         the bytes just read are hashed on another core, then committed."""
         calls = lane.calls
         if adoptable and calls.adopting:
-            verified()
+            verified(written=False)
             if calls.adopt(req, tensor):
                 return
         resolved, lane.resolved = lane.resolved, None
