@@ -14,8 +14,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
-__all__ = ["VerifyingLoadPlanner", "ReportingLoadPlanner", "AdoptingLoadPlanner", "ChecksummingSavePlanner", "verifies_whole_items",
-           "records_checksums"]
+__all__ = ["VerifyingLoadPlanner", "ReportingLoadPlanner", "AdoptingLoadPlanner", "ChecksummingSavePlanner",
+           "verifies_whole_items", "records_checksums"]
 
 
 @runtime_checkable
