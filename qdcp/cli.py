@@ -39,10 +39,10 @@ from qdcp.reading import (
     check_components,
     check_entry,
     check_storage,
-    consolidate,
+    dcp_to_torch_save,
     describe,
 )
-from qdcp.storage import outputs, scratch
+from qdcp.storage import outputs
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -184,18 +184,10 @@ def _to_torch(args: argparse.Namespace) -> int:
             "(it never replaces a file: a torch.save file does not say who wrote it)"
         print(f"qdcp: --to torch takes no {'--dtype' if args.dtype else '--overwrite'} {why}", file=sys.stderr)
         return EXIT_USAGE
-    scratch.clean(args.out, "torch")  # what a killed conversion to the same file left
     if os.path.lexists(args.out):
         raise outputs.OutputError(f"{args.out!r} exists; --to torch writes a new file only (a torch.save file "
                                   f"does not say who wrote it). Move it away or choose another path")
-    state = consolidate(args.path, dequantize=args.dequantize)
-    tmp = scratch.new_file("torch", args.out, ".pt.tmp")
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, args.out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    state = dcp_to_torch_save(args.path, args.out, dequantize=args.dequantize)
     print(f"wrote {_count(_leaves(state), 'entry', 'entries')} to {args.out}")
     return EXIT_OK
 

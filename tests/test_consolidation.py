@@ -16,6 +16,7 @@ Lightning ``consolidate_checkpoint`` scripts run) read a checkpoint without a ta
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint import format_utils, state_dict_loader
 from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
 import qdcp
+from qdcp.storage.outputs import OutputError
 from quantized_cases import bits
 
 COMPONENTS = ("qdata", "scale", "zero_point")  # an Int8Tensor's inner buffers, as qdcp stores them
@@ -200,6 +202,32 @@ def test_qdcp_consolidate_and_dcp_to_torch_save(saved, tmp_path):
         assert torch.equal(getattr(kept["0.weight"], c), getattr(state["0.weight"], c)), c
     _assert_exact({k: v for k, v in kept.items() if k != "0.weight"},
                   {k: v for k, v in want.items() if k != "0.weight"})
+
+
+def test_qdcp_dcp_to_torch_save_writes_over_nothing_it_was_not_asked_to(saved, tmp_path):
+    """Unlike DCP's (torch.save over whatever is there): a path that is, holds or lies inside the
+    checkpoint is refused even with ``overwrite=True``; an existing file only with it; a failed
+    or refused call leaves every file as it was."""
+    path, _, want = saved
+    files = {n: (path / n).read_bytes() for n in sorted(os.listdir(path))}
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    inside = [path, path / ".metadata", path / next(n for n in files if n.endswith(".distcp")), tmp_path]
+    for out in inside:
+        for overwrite in (False, True):
+            with pytest.raises(OutputError, match="the input"):
+                qdcp.dcp_to_torch_save(path, out, overwrite=overwrite)
+    with pytest.raises(OutputError, match="notes.txt' exists; it is replaced only with overwrite=True"):
+        qdcp.dcp_to_torch_save(path, notes)
+    assert notes.read_text() == "mine"
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(OutputError, match="is not a file"):
+        qdcp.dcp_to_torch_save(path, tmp_path / "folder", overwrite=True)
+    assert {n: (path / n).read_bytes() for n in sorted(os.listdir(path))} == files
+    written = qdcp.dcp_to_torch_save(path, notes, overwrite=True)
+    _assert_exact(torch.load(notes, weights_only=True)["model"], want)
+    _assert_exact(written["model"], want)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "folder", "notes.txt"]  # no scratch left
 
 
 def test_qdcp_consolidate_keeps_nesting_and_objects(tmp_path):

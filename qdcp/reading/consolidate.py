@@ -25,6 +25,7 @@ from qdcp import spec as qspec
 from qdcp.checkpoint import load
 from qdcp.planning.load import QuantizedLoadPlanner
 from qdcp.reading.entries import CheckpointEntries, read_metadata
+from qdcp.storage import outputs, scratch
 
 __all__ = ["consolidate", "dcp_to_torch_save", "ConsolidatingLoadPlanner"]
 
@@ -52,10 +53,33 @@ def consolidate(path: str | os.PathLike, *, dequantize: bool = True) -> dict[str
 
 
 def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike, torch_save_path: str | os.PathLike, *,
-                      dequantize: bool = True) -> None:
+                      dequantize: bool = True, overwrite: bool = False) -> dict[str, Any]:
     """DCP's ``format_utils.dcp_to_torch_save`` for qdcp checkpoints: :func:`consolidate`, written
-    with ``torch.save`` (``dequantize=True``: plain tensors only, loadable without the library)."""
-    torch.save(consolidate(dcp_checkpoint_dir, dequantize=dequantize), torch_save_path)
+    with ``torch.save`` (``dequantize=True``: plain tensors only, loadable without the library);
+    returns the state dict written.
+
+    Unlike DCP's, it never writes over what it was not asked to: a path that is, holds or lies
+    inside the checkpoint is refused, and so is an existing path unless ``overwrite=True`` (a
+    torch.save file does not say who wrote it); the file is written under a scratch name beside
+    it and renamed into place, so a failed run leaves what was there. Errors:
+    :class:`~qdcp.storage.outputs.OutputError` (a ``ValueError``), before anything is read.
+    """
+    outputs.check_separate([dcp_checkpoint_dir], torch_save_path)
+    scratch.clean(torch_save_path, "torch")  # what a killed conversion to the same file left
+    out = os.fspath(torch_save_path)
+    if os.path.lexists(out) and not (overwrite and os.path.isfile(out) and not os.path.islink(out)):
+        why = "is not a file" if os.path.isdir(out) or os.path.islink(out) else \
+            "exists; it is replaced only with overwrite=True (a torch.save file does not say who wrote it)"
+        raise outputs.OutputError(f"{out!r} {why}. Move it away or choose another path")
+    state = consolidate(dcp_checkpoint_dir, dequantize=dequantize)
+    tmp = scratch.new_file("torch", out, ".pt.tmp")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return state
 
 
 def empty_entries(md: Metadata, *, dequantize: bool = True, keys: Iterable[str] | None = None) -> dict[str, Any]:
