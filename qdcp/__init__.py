@@ -41,6 +41,7 @@ from qdcp.errors import (
     LoadMismatchError,
     QdcpError,
     ReplicaMismatchError,
+    ReservedKeyError,
     StagingError,
     UnsupportedTensorError,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "enable_new_empty", "Adapter", "StoredEntry", "register_adapter", "find_adapter", "registered_type_names",
     "QdcpError", "CheckpointFormatError", "ChecksumError", "UnsupportedTensorError", "AlignmentError",
     "LoadMismatchError", "StagingError", "ReplicaMismatchError", "ConcurrentSaveError", "CheckpointWriteError",
+    "ReservedKeyError",
     "export", "ExportResult", "ExportError", "QuantizedHFReader", "install", "uninstall", "installed",
     "is_installed", "consolidate", "dcp_to_torch_save", "ConsolidatingLoadPlanner",
 ]

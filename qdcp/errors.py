@@ -25,6 +25,10 @@ class LoadMismatchError(QdcpError, ValueError):
     """A checkpoint entry cannot be loaded into the target given (shape, missing component, ...)."""
 
 
+class ReservedKeyError(QdcpError, ValueError):
+    """A state-dict key lies in the namespace qdcp names component items with (``<key>.__qdcp__.*``)."""
+
+
 class StagingError(QdcpError, RuntimeError):
     """A state dict was staged by something that does not understand quantized tensors."""
 

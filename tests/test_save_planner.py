@@ -96,3 +96,28 @@ def test_shards_of_different_configs_save_dequantized_as_the_refusal_advises(tmp
                 assert torch.equal(plain.view(torch.int16), mine.view(torch.int16))
                 expect = Int8Tensor.from_hp(mine, PerRow())
                 assert torch.equal(quantized.qdata, expect.qdata) and torch.equal(quantized.scale, expect.scale)
+
+
+@pytest.mark.parametrize("door", ["qdcp.save", "dcp.save", "dcp.async_save"])
+@pytest.mark.parametrize("key", ["w.__qdcp__.qdata", "other.__qdcp__.x"])
+def test_a_key_in_the_component_namespace_is_refused_naming_it(tmp_path, door, key):
+    """Component items are named ``<key>.__qdcp__.<component>`` (docs/format.md): a state-dict key
+    of that form beside a quantized entry collided with its item (a bare AssertionError inside
+    DCP), and alone would be read back as a component; refused at planning, nothing written."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    import qdcp
+    from qdcp import ReservedKeyError
+    from quantized_cases import raise_inner
+
+    state = {"w": CASE_BY_NAME["int8_row"].make(0), key: torch.ones(2)}
+    path = tmp_path / "ckpt"
+    calls = {"qdcp.save": lambda: qdcp.save(state, path),
+             "dcp.save": lambda: dcp.save(state, checkpoint_id=path, planner=QuantizedSavePlanner()),
+             "dcp.async_save": lambda: dcp.async_save(state, checkpoint_id=path,
+                                                      planner=QuantizedSavePlanner()).result()}
+    with pytest.raises(ReservedKeyError, match=rf"key '{key}'.*'\.__qdcp__\.'.*Rename that key"):
+        raise_inner(calls[door])
+    assert not os.path.exists(path / ".metadata")

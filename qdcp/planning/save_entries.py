@@ -34,7 +34,7 @@ from qdcp import checksums as sums
 from qdcp import spec as qspec
 from qdcp.adapters import rows
 from qdcp.adapters.base import Adapter, StoredEntry, describe_tensor, find_adapter
-from qdcp.errors import AlignmentError, LoadMismatchError, StagingError, UnsupportedTensorError
+from qdcp.errors import AlignmentError, LoadMismatchError, ReservedKeyError, StagingError, UnsupportedTensorError
 from qdcp.layouts import Blocked, Chunk, Flat, Layout, full_chunk, grid_view, nearest_aligned
 from qdcp.planning.placement import Placed, is_empty, place, shard_layouts, sharded_inside, with_local
 
@@ -91,6 +91,11 @@ class EntryPlanner:
         """Plan every quantized key of (flattened) ``state_dict``: planned entries are taken out of
         it; wrappers and quantized tensors sharded inside are replaced by the plain value DCP writes."""
         for fqn, value in list(state_dict.items()):
+            if qspec.COMPONENT_SEPARATOR in fqn:
+                raise ReservedKeyError(
+                    f"key {fqn!r}: qdcp names the items of quantized entries '<key>{qspec.COMPONENT_SEPARATOR}"
+                    f"<component>', so a state-dict key containing {qspec.COMPONENT_SEPARATOR!r} would be read as "
+                    f"one (or collide with one); nothing was written. Rename that key")
             placed = place(value)
             if placed is None:
                 continue

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from qdcp import spec as qspec
 from qdcp.checkpoint import load
+from qdcp.errors import CheckpointFormatError
 from qdcp.planning.load import QuantizedLoadPlanner
 from qdcp.reading.entries import CheckpointEntries, read_metadata
 from qdcp.storage import outputs, scratch
@@ -91,6 +92,10 @@ def empty_entries(md: Metadata, *, dequantize: bool = True, keys: Iterable[str] 
     wanted = None if keys is None else set(keys)
     out: dict[str, Any] = {}
     for key in qspec.entry_keys(md.state_dict_metadata, specs):
+        if qspec.COMPONENT_SEPARATOR in key:  # a save never writes such a key but as a spec's component
+            raise CheckpointFormatError(
+                f"{qspec.describe_item(key)}: a qdcp component item that no spec entry lists: the checkpoint's "
+                f"spec is damaged or missing (restore it from a good copy; `qdcp verify` lists every problem)")
         entry, item = specs.get(key), md.state_dict_metadata.get(key)
         if not _included(key, md, wanted):
             continue

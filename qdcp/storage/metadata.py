@@ -9,7 +9,14 @@ import re
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from qdcp.errors import CheckpointFormatError, LoadMismatchError
 from qdcp.spec import chunk_problems, describe_item
@@ -83,10 +90,62 @@ def safe_load_metadata(stream: IO[bytes]) -> Metadata:
         raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {e!r}") from None
     if not isinstance(md, Metadata):
         raise CheckpointFormatError(f".metadata holds a {type(md).__name__}, not DCP Metadata")
+    damage = _malformed(md)
+    if damage is not None:
+        raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {damage}; it is corrupt "
+                                    f"(restore it from a good copy)")
     for item in (md.state_dict_metadata or {}).values():
         if isinstance(getattr(item, "properties", None), _AnyVersionTensorProperties):
             item.properties = item.properties.plain()
     return md
+
+
+def _malformed(md: Metadata) -> str | None:
+    """What in unpickled ``md`` lacks a field of DCP's classes or holds the wrong type (a damaged
+    pickle can rename a field or retype a value: the unpickler builds the object all the same),
+    or None."""
+    entries = vars(md).get("state_dict_metadata")
+    if not isinstance(entries, dict):
+        return "it has no table of entries"
+    for fqn, item in entries.items():
+        if not isinstance(fqn, str):
+            return f"an entry's key is a {type(fqn).__name__}"
+        if isinstance(item, TensorStorageMetadata):
+            fields = vars(item)
+            if not isinstance(getattr(fields.get("properties"), "dtype", None), torch.dtype) \
+                    or not _ints(fields.get("size")) or not isinstance(fields.get("chunks"), list) \
+                    or not all(isinstance(c, ChunkStorageMetadata) and _ints(vars(c).get("offsets"))
+                               and _ints(vars(c).get("sizes")) for c in fields["chunks"]):
+                return f"the record of {describe_item(fqn)} is damaged"
+        elif not isinstance(item, BytesStorageMetadata):
+            return f"the record of {describe_item(fqn)} is a {type(item).__name__}"
+    records = vars(md).get("storage_data")
+    if not isinstance(records, dict):  # a save's writer always records where each item lies
+        return "it has no table of storage records"
+    for index, info in records.items():
+        fqn = vars(index).get("fqn") if isinstance(index, MetadataIndex) else None
+        fields = vars(info) if hasattr(info, "__dict__") else {}
+        if not isinstance(fqn, str) or not isinstance(fields.get("relative_path"), str) \
+                or not all(isinstance(fields.get(f), int) for f in ("offset", "length")):
+            return f"the storage record of {describe_item(fqn) if isinstance(fqn, str) else 'an item'} is damaged"
+    planner = vars(md).get("planner_data")
+    if planner is not None and (not isinstance(planner, dict) or not all(isinstance(k, str) for k in planner)):
+        return "its planner data is not a table of keys"
+    nested = False
+    for key, path in (planner or {}).items():  # DCP's nesting of each flat key: its path, joined by "."
+        if isinstance(path, (tuple, list)):
+            nested = True
+            if not (all(isinstance(p, (str, int)) for p in path) and ".".join(map(str, path)) == key):
+                return f"the nesting it records for key {key!r} ({tuple(path)!r}) does not spell that key"
+    if nested:  # DCP records the nesting of every item it flattened, or none
+        unmapped = [fqn for fqn in entries if not isinstance(planner.get(fqn), (tuple, list))]
+        if unmapped:
+            return f"{describe_item(unmapped[0])} has no recorded nesting, unlike the others"
+    return None
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and all(isinstance(v, int) for v in value)
 
 
 def check_chunk_geometry(md: Metadata) -> None:
