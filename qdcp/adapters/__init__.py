@@ -1,7 +1,8 @@
 """Adapters: one per family of quantized tensors, and the registry that finds them.
 
 ``base`` states the contract (:class:`Adapter`, and the optional contracts a caller tests with
-``isinstance``: :class:`RawInterchangeAdapter`, :class:`GroupAdapter`, :class:`OpRegisteringAdapter`);
+``isinstance``: :class:`RawInterchangeAdapter`, :class:`GroupAdapter`, :class:`OpRegisteringAdapter`,
+:class:`PicklingAdapter`);
 ``torchao`` (a package, one module per family), ``torchao_training``, ``transformer_engine``,
 ``te_grouped`` and ``compressed_tensors`` hold the built-in families; ``formats`` the neutral forms
 two families convert through.
@@ -11,13 +12,16 @@ from qdcp.adapters.base import (
     Adapter,
     GroupAdapter,
     OpRegisteringAdapter,
+    PicklingAdapter,
     RawInterchangeAdapter,
     StoredEntry,
     adapter_for_type,
+    allow_pickled,
     find_adapter,
     register_adapter,
     registered_type_names,
 )
 
 __all__ = ["Adapter", "StoredEntry", "RawInterchangeAdapter", "GroupAdapter", "OpRegisteringAdapter",
-           "adapter_for_type", "find_adapter", "register_adapter", "registered_type_names"]
+           "PicklingAdapter", "adapter_for_type", "allow_pickled", "find_adapter", "register_adapter",
+           "registered_type_names"]

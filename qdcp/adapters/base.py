@@ -306,6 +306,24 @@ class OpRegisteringAdapter(Protocol):
         return None
 
 
+@runtime_checkable
+class PicklingAdapter(Protocol):
+    """An adapter whose tensors stock DCP pickles whole (saved without qdcp's planner): it makes
+    them loadable with ``torch.load(weights_only=True)`` when a checkpoint holds one."""
+
+    def allow_pickled(self, qualified_name: str) -> bool:
+        """Whether ``qualified_name`` (``module.Class``, as a pickle names a class) is one of this
+        family's tensor classes; if so, import it from the library's own modules (which allows the
+        library's classes in weights-only loads). Never imports a module the name gives."""
+
+
+def allow_pickled(qualified_names: list[str]) -> list[str]:
+    """Let the registered adapters allow the pickled classes ``qualified_names`` in weights-only
+    loads (:class:`PicklingAdapter`); the names none of them takes."""
+    adapters = [a for a in all_adapters() if isinstance(a, PicklingAdapter)]
+    return [n for n in qualified_names if not any(a.allow_pickled(n) for a in adapters)]
+
+
 # ----------------------------------------------------------------------------- raw conversion
 
 @dataclasses.dataclass(frozen=True)

@@ -270,15 +270,20 @@ def _stored_bytes(md: Metadata) -> dict[str, int]:
     return totals
 
 
+# Stock DCP pickles a quantized tensor whole: its stored bytes can be as few as its codes, 1/32 of
+# its logical bytes (1-bit codes of float32 values). Beyond that, a claim is refused unread.
+_MAX_PACKING = 32
+
+
 def _check_claimed_bytes(item: Any, fqn: str, stored: int) -> None:
-    """A tensor item cannot hold more elements than its ``stored`` bytes: refuse before allocating."""
+    """A tensor item cannot hold more elements than its ``stored`` bytes can code: refuse before allocating."""
     if not isinstance(item, TensorStorageMetadata):
         raise CheckpointFormatError(f"{fqn!r} is not a tensor item of the checkpoint")
     claimed = 1
     for s in item.size:
         claimed *= int(s)
     claimed *= item.properties.dtype.itemsize
-    if claimed > stored:
+    if claimed > _MAX_PACKING * stored:
         raise CheckpointFormatError(
             f"{fqn!r} claims {claimed} bytes but its stored items hold {stored}; the checkpoint's "
             f"metadata is corrupt or hostile")

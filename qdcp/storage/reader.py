@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pickle
 import threading
 from typing import Any, Callable
 
@@ -17,7 +18,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from qdcp import checksums
-from qdcp.adapters import find_adapter
+from qdcp.adapters import allow_pickled, find_adapter
 from qdcp.errors import CheckpointFormatError, QdcpError
 from qdcp.spec import describe_item
 from qdcp.storage.hooks import AdoptingLoadPlanner, ReportingLoadPlanner, verifies_whole_items
@@ -400,7 +401,7 @@ class SafeReading:
                 check_zip_crcs(payload, where)
             tensor = archived_tensor(payload, memory) if in_place else None
             if tensor is None:
-                tensor = torch.load(ViewReader(payload), map_location="cpu", weights_only=True)
+                tensor = _unpickled(payload, where)
             else:
                 adoptable = buffer is not None
             verified = self._verification(calls, req, tensor, recorded)
@@ -474,6 +475,28 @@ class SafeReading:
         except Exception as e:
             raise CheckpointFormatError(
                 f"{where}: the entry cannot be rebuilt from its stored data ({type(e).__name__}: {e})") from e
+
+
+def _unpickled(payload: memoryview, where: str) -> Any:
+    """A stored item that is a ``torch.save`` archive, loaded with ``weights_only=True``. Stock DCP
+    pickles a quantized tensor whole: where the archive names classes torch does not allow, the
+    adapters of their families allow them (importing their library from its known modules, as a
+    raw entry of the type would); other classes are refused, never imported."""
+    for _ in range(3):
+        try:
+            return torch.load(ViewReader(payload), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(ViewReader(payload))
+            unknown = allow_pickled(names)
+            if unknown or not names:
+                listed = ", ".join(unknown or names) or "a class"
+                raise CheckpointFormatError(
+                    f"{where}: the stored chunk is a pickled {listed} (DCP's own save of a tensor subclass, "
+                    f"without qdcp's planner), which no registered qdcp adapter handles; refusing to unpickle "
+                    f"it. Install the library that provides it (torchao types: pip install 'qdcp[torchao]'), "
+                    f"or register an adapter with qdcp.register_adapter (the CLI: --import MODULE)") from None
+    raise CheckpointFormatError(f"{where}: its stored chunk names classes that stay refused after their "
+                                f"library was imported; it cannot be unpickled safely")
 
 
 def _stored_values(tensor: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:

@@ -85,6 +85,15 @@ class TorchAOAdapter(Adapter, OpRegisteringAdapter):
     def tensor_class(self) -> type:
         return import_class(CLASS_PATHS[self.cls_name], self.cls_name)
 
+    def allow_pickled(self, qualified_name: str) -> bool:
+        """A pickled ``torchao...<cls_name>`` (stock DCP's save of this type): its class imported from
+        :data:`CLASS_PATHS` (torchao allows its own classes in weights-only loads on import)."""
+        module, _, name = qualified_name.rpartition(".")
+        if name != self.cls_name or module.split(".")[0] != "torchao":
+            return False
+        self.tensor_class()
+        return True
+
     def loaded_classes(self):
         module = sys.modules.get(CLASS_PATHS[self.cls_name])
         cls = getattr(module, self.cls_name, None) if module is not None else None
