@@ -42,6 +42,7 @@ from qdcp.reading import (
     dcp_to_torch_save,
     describe,
 )
+from qdcp.reading.consolidate import nest
 from qdcp.storage import outputs
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -219,13 +220,15 @@ def _to_safetensors(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
 
 def _to_dcp_dequantized(entries: _Entries, out: str, dtype: torch.dtype | None, overwrite: bool) -> int:
     """A portable DCP checkpoint: every tensor entry plain (raw entries dequantized, in ``dtype``
-    if given), objects as they are; readable by stock DCP. Written by qdcp's writer: a previous
-    output is replaced atomically (it stays whole until the new one is)."""
-    state = {key: entries.values(key, dtype) for key in entries}
+    if given), objects as they are, nested as the input's state dict was (its keys the same);
+    readable by stock DCP. Written by qdcp's writer: a previous output is replaced atomically (it
+    stays whole until the new one is)."""
+    flat = {key: entries.values(key, dtype) for key in entries}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        save(state, out, overwrite=overwrite)  # errors raised as they are, not in DCP's CheckpointException
-    print(f"wrote {out}: {_count(len(state), 'entry', 'entries')}, dequantized")
+        # errors raised as they are, not in DCP's CheckpointException
+        save(nest(flat, entries.reading.metadata), out, overwrite=overwrite)
+    print(f"wrote {out}: {_count(len(flat), 'entry', 'entries')}, dequantized")
     return EXIT_OK
 
 

@@ -133,6 +133,22 @@ def test_convert_to_portable_dcp(checkpoint, tmp_path):
     assert target["step"] == 7 and torch.equal(target["bias"], state["bias"])
 
 
+def test_convert_to_portable_dcp_keeps_the_nesting(tmp_path):
+    """The portable checkpoint holds the input's state dict as saved: nested dicts and lists under
+    the same keys (it came out flattened: 'model.w', 'lst.0'), each entry's values."""
+    state = {"model": {"w": CASES[0].make(0), "b": torch.arange(3.0)}, "lst": [torch.zeros(1), torch.ones(2)],
+             "opt": {"lr": 0.1, "betas": [0.9, 0.95]}, "step": 4}
+    qdcp.save(state, tmp_path / "nested")
+    run("convert", tmp_path / "nested", tmp_path / "portable", "--to", "dcp", "--dequantize")
+    got, want = qdcp.consolidate(tmp_path / "portable"), qdcp.consolidate(tmp_path / "nested")
+    assert sorted(got) == sorted(want) == sorted(state)
+    assert isinstance(got["lst"], list) and isinstance(got["model"], dict)
+    assert sorted(qdcp.read_metadata(tmp_path / "portable").state_dict_metadata) == \
+        ["lst.0", "lst.1", "model.b", "model.w", "opt.betas", "opt.lr", "step"]
+    assert_bitwise_equal(got["model"]["w"], CASES[0].dequantize(state["model"]["w"]))
+    assert torch.equal(got["lst"][1], state["lst"][1]) and got["opt"] == state["opt"] and got["step"] == 4
+
+
 def _on_a_terminal(*args) -> tuple[int, str]:
     """Run the CLI with its stderr on a pseudo-terminal (as in an interactive shell); exit, stderr."""
     import fcntl
