@@ -83,15 +83,21 @@ class _Entries:
         self.reading = CheckpointEntries(path)  #: reads each entry (metadata and specs parsed once)
         self.keys = self.reading.keys()
 
+    def _nbytes(self, key: str) -> int:
+        try:
+            return self.reading.nbytes(key)
+        except KeyError:  # a spec entry with no item stored (a damaged checkpoint): reading it says so
+            return 0
+
     def __iter__(self) -> Iterator[str]:
-        total = sum(self.reading.nbytes(k) for k in self.keys)
+        total = sum(self._nbytes(k) for k in self.keys)
         disable = True if self.quiet else None  # None: tqdm shows a bar on a terminal only
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self.what, disable=disable,
                   file=sys.stderr, leave=False) as bar:
             for i, key in enumerate(self.keys):
                 bar.set_postfix_str(f"entry {i + 1}/{len(self.keys)}", refresh=False)
                 yield key
-                bar.update(self.reading.nbytes(key))
+                bar.update(self._nbytes(key))
 
     def values(self, key: str, dtype: torch.dtype | None) -> torch.Tensor | Any:
         """The entry as plain values (raw entries dequantized, in ``dtype`` if given), or an object."""
@@ -154,7 +160,7 @@ def _root_cause(e: BaseException) -> str:
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         e = next(iter(failures.values()))[0]
-    return f"{type(e).__name__}: {e}"
+    return " ".join(f"{type(e).__name__}: {e}".split())  # one line per problem
 
 
 # ----------------------------------------------------------------------------- convert
@@ -194,8 +200,13 @@ def _to_torch(args: argparse.Namespace) -> int:
 
 
 def _leaves(state: Any) -> int:
-    """How many non-dict values a nested state dict holds."""
-    return sum(_leaves(v) for v in state.values()) if isinstance(state, dict) else 1
+    """How many entries a nested state dict holds (its values but dicts and lists, which DCP
+    flattens: a list of plain values it keeps whole counts once)."""
+    if isinstance(state, dict):
+        return sum(_leaves(v) for v in state.values())
+    if isinstance(state, list) and any(isinstance(v, (torch.Tensor, dict, list)) for v in state):
+        return sum(_leaves(v) for v in state)
+    return 1
 
 
 #: what a DCP checkpoint directory holds (``.metadata.<token>.tmp``: qdcp's writer, stopped before its

@@ -149,6 +149,20 @@ def test_convert_to_portable_dcp_keeps_the_nesting(tmp_path):
     assert torch.equal(got["lst"][1], state["lst"][1]) and got["opt"] == state["opt"] and got["step"] == 4
 
 
+def test_convert_to_torch_counts_the_entries_a_list_holds(tmp_path):
+    """'wrote N entries' counts what DCP stores as entries: each tensor of a list (a list of plain
+    values is one entry); it counted a list once. CheckpointEntries.nbytes of an unknown key is a
+    KeyError naming it (it was 0)."""
+    state = {"model": {"w": CASES[0].make(0)}, "lst": [torch.zeros(1), torch.ones(2), torch.ones(3)],
+             "betas": [0.9, 0.95], "step": 1}
+    qdcp.save(state, tmp_path / "c")
+    proc = run("convert", tmp_path / "c", tmp_path / "c.pt", "--to", "torch")
+    entries = qdcp.CheckpointEntries(tmp_path / "c")
+    assert len(entries.keys()) == 6 and "wrote 6 entries" in proc.stdout, proc.stdout
+    with pytest.raises(KeyError, match="'nope' is not in the checkpoint"):
+        entries.nbytes("nope")
+
+
 def _on_a_terminal(*args) -> tuple[int, str]:
     """Run the CLI with its stderr on a pseudo-terminal (as in an interactive shell); exit, stderr."""
     import fcntl

@@ -82,6 +82,26 @@ def test_torchao_layout_rebuilds_every_type_bit_exact_with_torchaos_loader(tmp_p
             assert name in so.keys()
 
 
+def test_a_top_level_plain_tensor_is_torchaos_leftover(tmp_path):
+    """A plain key without a module prefix ("scale_bias"): torchao's loader splits every name its
+    metadata lists at the last '.', so it is not listed; the loader hands it back among its
+    leftovers, the bits as saved (listed, the loader raised ValueError: not enough values to unpack)."""
+    state = {"layers.0.weight": TORCHAO_CASES[0].make(0), "scale_bias": torch.randn(8)}
+    qdcp_save(tmp_path / "ckpt", state, no_dist=True)
+    qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao")
+    (name,) = [f for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors")]
+    with safe_open(os.path.join(tmp_path / "out", name), "pt") as so:
+        md = so.metadata()
+    got, leftover = unflatten_tensor_state_dict(load_file(os.path.join(tmp_path / "out", name)), md)
+    assert set(got) == {"layers.0.weight"} and set(leftover) == {"scale_bias"}
+    _assert_same_torchao(got["layers.0.weight"], state["layers.0.weight"], "layers.0.weight")
+    assert bits_diff(leftover["scale_bias"], state["scale_bias"]) is None
+    target = {"layers.0.weight": TORCHAO_CASES[0].make(5), "scale_bias": torch.zeros(8)}  # qdcp reads it back
+    dcp.load(target, storage_reader=qdcp.QuantizedHFReader(tmp_path / "out"), planner=qdcp.QuantizedLoadPlanner())
+    _assert_same_torchao(target["layers.0.weight"], state["layers.0.weight"], "layers.0.weight")
+    assert bits_diff(target["scale_bias"], state["scale_bias"]) is None
+
+
 def test_torchao_config_is_read_by_transformers(tmp_path):
     from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig
     from transformers import TorchAoConfig

@@ -101,7 +101,7 @@ class TorchAOLayout(HFLayout):
                     return built
         raise UnsupportedEntry(f"torchao's safetensors layout holds {', '.join(allowed)}; "
                                f"{stored.type_name} (with these attributes) is none of them and has no "
-                               f"exact conversion to one")
+                               f"exact conversion to one.")
 
     def plan(self, src: Source, read: ComponentReader) -> EntryPlan:
         if "." not in src.key:
@@ -115,6 +115,8 @@ class TorchAOLayout(HFLayout):
 
     def plan_plain(self, key, shape, dtype, *, dequantized=False):
         plan = super().plan_plain(key, shape, dtype, dequantized=dequantized)
+        if "." not in key:  # torchao's loader splits every listed name at its last "."; unlisted, it is a leftover
+            return plan
         return EntryPlan(key, plan.tensors, {key: PLAIN_METADATA}, dequantized=dequantized)
 
     def produce(self, plan, stored):
@@ -127,7 +129,7 @@ class TorchAOLayout(HFLayout):
         its loader merges the files' metadata with ``dict.update`` (the last file's
         ``tensor_names`` wins) and rebuilds each entry from that."""
         out = super().file_metadata(directory, directory)
-        out["tensor_names"] = json.dumps([p.key for p in directory])
+        out["tensor_names"] = json.dumps([p.key for p in directory if p.metadata])
         return out
 
     def quantization_config(self, plans: Sequence[EntryPlan]) -> dict | None:

@@ -63,11 +63,13 @@ class CheckpointEntries:
 
     def nbytes(self, key: str) -> int:
         """The bytes entry ``key`` stores (a raw entry's components, a plain or dequantized
-        entry's tensor; framing excluded); 0 for objects."""
+        entry's tensor; framing excluded); 0 for objects. ``KeyError`` for a key it does not hold."""
         entry = self.specs.get(key)
         if entry is not None and entry.storage == qspec.RAW:
             return sum(math.prod(c.shape) * c.dtype.itemsize for c in entry.components)
         item = self.metadata.state_dict_metadata.get(key)
+        if item is None:
+            raise KeyError(f"key {key!r} is not in the checkpoint at {os.fspath(self.path)!r}")
         return math.prod(item.size) * item.properties.dtype.itemsize if isinstance(item, TensorStorageMetadata) else 0
 
     def _raw_spec(self, key: str) -> qspec.EntrySpec:
