@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import struct
 import threading
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from qdcp.errors import AlignmentError, CheckpointFormatError, ChecksumError, ReplicaMismatchError
 from qdcp.spec import COMPONENT_SEPARATOR, describe_item
+from qdcp.spec import PLANNER_DATA_KEY as SPEC_KEY
 
 PLANNER_DATA_KEY = "__qdcp_checksums__"
 ALGORITHM = "xxh3_64"
@@ -315,19 +317,49 @@ class Record:
 
 
 def record(metadata: Metadata | None) -> Record | None:
-    """The checksum record of ``metadata``, or None for a checkpoint written without checksums."""
+    """The checksum record of ``metadata``, or None for a checkpoint written without checksums;
+    the metadata's digest checked where the record carries one (:func:`sealed`)."""
     data = getattr(metadata, "planner_data", None)
     raw = data.get(PLANNER_DATA_KEY) if isinstance(data, dict) else None
     if raw is None:
         return None
-    if not isinstance(raw, dict) or not isinstance(raw.get("items"), dict):
+    if not isinstance(raw, dict) or not isinstance(raw.get("items"), dict) \
+            or not all(isinstance(k, str) and isinstance(v, bytes) for k, v in raw["items"].items()):
         raise CheckpointFormatError("the checkpoint's checksum record is malformed; the metadata is damaged")
     if raw.get("algorithm") != ALGORITHM:
         raise CheckpointFormatError(
             f"the checkpoint's items are checksummed with {raw.get('algorithm')!r}, which this qdcp does "
             f"not know (it knows {ALGORITHM!r}). Upgrade qdcp, or load without verification "
             f"(QuantizedLoadPlanner(checksums=False)).")
+    if "metadata" in raw and raw["metadata"] != metadata_digest(metadata, raw["items"]):
+        raise CheckpointFormatError(
+            "the checkpoint's .metadata does not match the digest its save recorded: it is damaged (an entry's "
+            "key, shape, dtype or chunks, its nesting or the qdcp spec changed). Restore it from a good copy")
     return Record(metadata, raw["items"])
+
+
+def sealed(record: dict, metadata: Metadata) -> dict:
+    """``record`` (the checksum record about to join ``metadata``'s ``planner_data``) with the
+    digest of what the metadata says of the checkpoint's entries (:func:`metadata_digest`)."""
+    return {**record, "metadata": metadata_digest(metadata, record["items"])}
+
+
+def metadata_digest(metadata: Metadata, items: Mapping[str, Any]) -> str:
+    """XXH3-64 (16 hex digits) of the canonical JSON (keys sorted, no spaces) of ``{"entries": {fqn:
+    [dtype, size, [[offsets, sizes], ...]] or "bytes"}, "nesting": {key: path}, "spec": the qdcp
+    spec text or null, "items": {fqn: hashes as hex}}``: every item of ``state_dict_metadata`` (its
+    chunks in their order), ``planner_data``'s paths (DCP's ``{flat key: path}``), and the record's
+    item hashes. docs/format.md, *Checksums*."""
+    entries: dict[str, Any] = {}
+    for fqn, item in (metadata.state_dict_metadata or {}).items():
+        entries[fqn] = [str(item.properties.dtype), list(item.size),
+                        [[list(c.offsets), list(c.sizes)] for c in item.chunks]] \
+            if isinstance(item, TensorStorageMetadata) else "bytes"
+    data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    doc = {"entries": entries, "nesting": {k: list(v) for k, v in data.items() if isinstance(v, (tuple, list))},
+           "spec": data.get(SPEC_KEY),
+           "items": {k: v.hex() if isinstance(v, bytes) else None for k, v in items.items()}}
+    return xxhash.xxh3_64_hexdigest(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
 
 
 class ReadVerifier:

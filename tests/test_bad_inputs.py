@@ -40,7 +40,7 @@ from qdcp.errors import CheckpointFormatError, LoadMismatchError, QdcpError
 from qdcp.spec import check_component_bytes
 from qdcp.spec import layouts_of as _layouts_from_spec
 from quantized_cases import CASE_BY_NAME, SHAPE, assert_same_buffers, bits
-from stored_bytes import record_span
+from stored_bytes import record_span, resealed
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 QNAMES = ("int8_group32", "nf4", "mx_fp4_swizzled", "optim8bit_signed", "float8_row")
@@ -95,7 +95,8 @@ def read_md(path):
 
 
 def write_md(path, md) -> None:
-    (path / ".metadata").write_bytes(pickle.dumps(md))
+    """Write ``md`` as a writer that made it would (its digest resealed: the checks behind it tested)."""
+    (path / ".metadata").write_bytes(pickle.dumps(resealed(md)))
 
 
 def edit_md(path, fn) -> None:

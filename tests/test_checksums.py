@@ -221,3 +221,38 @@ def test_unknown_algorithm_is_refused_before_reading(tmp_path):
         _load(tmp_path, targets)
     assert torch.equal(targets["bias"], torch.zeros(64))  # nothing was read
     _load(tmp_path, targets, checksums=False)
+
+
+@pytest.mark.parametrize("door", ["qdcp.save", "dcp.save"])
+def test_the_metadata_digest_refuses_a_consistent_rename_and_is_optional(tmp_path, door):
+    """A key renamed in every place .metadata names it (what one flipped byte of a pickled string
+    does) passes every structural check; the digest the save records catches it. A record without
+    the digest (earlier qdcp) loads as before."""
+    import dataclasses
+    import pickle
+
+    state = _state()
+    if door == "qdcp.save":
+        qdcp.save(state, tmp_path / "c")
+    else:
+        dcp.save(state, checkpoint_id=tmp_path / "c", planner=QuantizedSavePlanner())
+    raw = (tmp_path / "c" / ".metadata").read_bytes()
+    md = pickle.loads(raw)
+    assert set(md.planner_data[checksums.PLANNER_DATA_KEY]) == {"algorithm", "items", "metadata"}
+    md.state_dict_metadata["bjas"] = md.state_dict_metadata.pop("bias")
+    md.storage_data = {(dataclasses.replace(i, fqn="bjas") if i.fqn == "bias" else i): v
+                       for i, v in md.storage_data.items()}
+    md.planner_data["bjas"] = ("bjas",)
+    del md.planner_data["bias"]
+    items = md.planner_data[checksums.PLANNER_DATA_KEY]["items"]
+    items["bjas"] = items.pop("bias")
+    (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointFormatError, match="does not match the digest its save recorded"):
+        qdcp.consolidate(tmp_path / "c")
+    with pytest.raises(CheckpointFormatError, match="does not match the digest"):
+        _load(tmp_path / "c", {"bjas": torch.zeros(64)}, allow_partial_load=True)
+    md = pickle.loads(raw)
+    del md.planner_data[checksums.PLANNER_DATA_KEY]["metadata"]
+    (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(md))
+    out = _load(tmp_path / "c", _targets())
+    assert torch.equal(out["bias"], state["bias"])

@@ -17,6 +17,7 @@ from qdcp import (
     QuantizedSavePlanner,
 )
 from quantized_cases import CASE_BY_NAME, bits, inner, raise_inner
+from stored_bytes import resealed
 
 INT8 = CASE_BY_NAME["int8_group32"]
 
@@ -34,7 +35,7 @@ def _edit_spec(path, edit):
     doc = json.loads(md.planner_data["__qdcp__"])
     edit(doc, md)
     md.planner_data["__qdcp__"] = json.dumps(doc)
-    md_file.write_bytes(pickle.dumps(md))
+    md_file.write_bytes(pickle.dumps(resealed(md)))  # consistent, as its writer would have sealed it
 
 
 def _load_fresh(path):

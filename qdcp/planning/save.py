@@ -135,7 +135,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         # On the coordinator: the checksums join the Metadata that finish() writes. Added here, not
         # in create_global_plan, which returns (and plan caching keeps) what DCP's would.
         if self._sums_record is not None and getattr(self, "metadata", None) is not None:
-            self.metadata.planner_data[sums.PLANNER_DATA_KEY] = self._sums_record
+            self.metadata.planner_data[sums.PLANNER_DATA_KEY] = sums.sealed(self._sums_record, self.metadata)
         plan = super().finish_plan(new_plan)
         # only what the writer will ask for is kept (DCP may have another rank write a replica)
         keep = {item.index for item in plan.items}

@@ -333,7 +333,8 @@ class AtomicWriting:
         if getattr(self, "_records_hashes", False):
             if metadata.planner_data is None:
                 metadata.planner_data = {}
-            metadata.planner_data[checksums.PLANNER_DATA_KEY] = checksums.written_record(metadata, hashes)
+            metadata.planner_data[checksums.PLANNER_DATA_KEY] = checksums.sealed(
+                checksums.written_record(metadata, hashes), metadata)
         metadata.storage_meta = self.storage_meta()
         token, files = self._claim.token, self._files
         replaced = commit.referenced(commit.read_metadata_bytes(files.read(METADATA_FILE))) \
