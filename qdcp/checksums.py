@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from qdcp.errors import AlignmentError, CheckpointFormatError, ChecksumError, ReplicaMismatchError
+from qdcp.layouts import byte_view
 from qdcp.spec import COMPONENT_SEPARATOR, describe_item
 from qdcp.spec import PLANNER_DATA_KEY as SPEC_KEY
 
@@ -61,8 +62,7 @@ def of_tensor(t: torch.Tensor) -> int | None:
             return None
     if t.numel() == 0:
         return of_bytes(b"")
-    t = t.contiguous()  # row-major; a contiguous tensor's elements are consecutive in memory
-    return of_bytes(t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy())
+    return of_bytes(byte_view(t.contiguous()).numpy())  # row-major
 
 
 def _as_plain(t: torch.Tensor) -> torch.Tensor | None:

@@ -256,6 +256,16 @@ def grid_view(t: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor | None:
     return t.view(sizes) if t.is_contiguous() and t.numel() == math.prod(sizes) else None
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous ``t``, row-major, as a flat uint8 view of its memory. ``view(-1)``
+    keeps the stride a size-1 dim may carry (NF4's one-element ``quantization_factor`` has stride
+    256), which ``view(torch.uint8)`` then refuses; the elements of a contiguous tensor are
+    consecutive whatever those strides are."""
+    if not t.is_contiguous():
+        raise ValueError(f"byte_view of a non-contiguous tensor {tuple(t.shape)} strides {t.stride()}")
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
 def _grid(shape: Sequence[int], block: Sequence[int]) -> tuple[int, int, int, int]:
     """A tensor of ``shape`` as 2-D rows x cols (leading dims merged into rows; their blocks are 1)
     cut into blocks of ``block[-2:]``: (block rows, rows per block, block cols, cols per block)."""

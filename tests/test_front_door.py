@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 import qdcp
 from qdcp import CheckpointFormatError, QdcpError, QuantizedStager
-from quantized_cases import CASE_BY_NAME, raise_inner
+from quantized_cases import CASE_BY_NAME, bits, raise_inner
 from state_dicts import assert_same_state, snapshot
 
 
@@ -144,3 +144,27 @@ def test_async_save_errors_come_out_as_raised(tmp_path, async_staging):
     target = _state(5)
     qdcp.load(target, path)
     assert_same_state(target, _state(0))
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (256, 64), (256, 128), (512, 64)])
+def test_nf4_whose_quantization_factor_has_one_element_round_trips(tmp_path, shape):
+    """NF4 of 16384 elements (default blocks) has a one-element ``quantization_factor`` of stride
+    256: qdcp.load read it as 'stored data cannot be read' (a flat byte view of it was refused) and
+    the safetensors writer would have too. Both doors, atomic and in place, and a raw export."""
+    from safetensors import safe_open
+
+    from qdcp.hf.convert import to_safetensors
+
+    source = {"w": CASE_BY_NAME["nf4"].make(0, shape)}
+    qdcp.save(source, tmp_path / "c")
+    for atomic in (True, False):
+        target = {"w": CASE_BY_NAME["nf4"].make(1, shape)}
+        qdcp.load(target, tmp_path / "c", atomic=atomic)
+        assert_same_state(target, source)
+    target = {"w": CASE_BY_NAME["nf4"].make(1, shape)}
+    dcp.load(target, checkpoint_id=tmp_path / "c", planner=qdcp.QuantizedLoadPlanner())
+    assert_same_state(target, source)
+    to_safetensors(tmp_path / "c", tmp_path / "c.safetensors")
+    with safe_open(str(tmp_path / "c.safetensors"), "pt") as f:
+        factor = f.get_tensor("w.__qdcp__.quantization_factor")
+    assert torch.equal(bits(factor), bits(source["w"].quantization_factor))

@@ -20,6 +20,7 @@ from typing import IO, Callable, Mapping, Sequence
 import torch
 
 from qdcp.errors import QdcpError
+from qdcp.layouts import byte_view
 
 #: torch dtype -> safetensors dtype name
 SAFETENSORS_DTYPES = {
@@ -115,7 +116,7 @@ class ShardWriter:
             if part.dtype != want.dtype or tuple(part.shape[1:]) != want.shape[1:]:
                 raise QdcpError(f"{self.path}: a block of {name!r} is {tuple(part.shape)} {part.dtype}")
             if part.numel():
-                data = part.detach().contiguous().reshape(-1).view(torch.uint8)
+                data = byte_view(part.detach().contiguous())
                 self._file.write(memoryview(data.cpu().numpy()))
             written += part.numel() * part.element_size()
         if written != want.nbytes:

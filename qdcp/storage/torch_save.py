@@ -14,6 +14,7 @@ import zlib
 import torch
 
 from qdcp.errors import ChecksumError
+from qdcp.layouts import byte_view
 
 __all__ = ["ViewReader", "check_zip_crcs", "archived_tensor", "read_archive_into"]
 
@@ -159,7 +160,7 @@ def read_archive_into(stream, offset: int, length: int, scratch: torch.Tensor, t
     if described != (target.dtype, tuple(target.shape), target.stride(), 0, nbytes):
         return False
     stream.seek(offset + start)
-    if stream.readinto(memoryview(target.view(-1).view(torch.uint8).numpy())) != nbytes:
+    if stream.readinto(memoryview(byte_view(target).numpy())) != nbytes:
         raise EOFError(f"the stored item ended inside its tensor's {nbytes} bytes")
     return True
 
