@@ -168,3 +168,40 @@ def test_hf_storage_writer_gets_dequantized_entries(tmp_path, switch):
     assert sorted(loaded) == sorted(source)
     for n, t in source.items():
         assert_bitwise_equal(loaded[n], CASE_BY_NAME[n].dequantize(t))
+
+
+class _Pickled:
+    """An object only a full unpickler rebuilds (its class is no weights-only global)."""
+
+    def __init__(self) -> None:
+        self.v = 3
+
+
+def _unpickles(path) -> bool:
+    state = {"o": None, "w": torch.zeros(4)}
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except BaseException:  # noqa: BLE001 (DCP's CheckpointException): refused
+        return False
+    return isinstance(state["o"], _Pickled)
+
+
+def test_weights_only_is_the_blocks_own_and_put_back(tmp_path):
+    """``installed(weights_only=...)`` inside an ``install()`` holds for the block only: after it the
+    app's setting is back (it stayed, so one trusted load left every later load unpickling anything;
+    and an empty ``with installed():`` cancelled an app's ``install(weights_only=False)``)."""
+    dcp.save({"o": _Pickled(), "w": torch.ones(4)}, checkpoint_id=tmp_path / "c")
+    try:
+        qdcp.install()
+        assert not _unpickles(tmp_path / "c")
+        with qdcp.installed(weights_only=False):
+            assert _unpickles(tmp_path / "c")
+        assert not _unpickles(tmp_path / "c")
+        qdcp.uninstall()
+        qdcp.install(weights_only=False)
+        with qdcp.installed():
+            assert not _unpickles(tmp_path / "c")
+        assert _unpickles(tmp_path / "c")
+    finally:
+        qdcp.uninstall()
+    assert not qdcp.is_installed()

@@ -96,15 +96,19 @@ def uninstall() -> None:
 
 @contextlib.contextmanager
 def installed(*, weights_only: bool = True) -> Iterator[None]:
-    """:func:`install` for the duration of a ``with`` block (left installed if it already was)."""
+    """:func:`install` for the duration of a ``with`` block: left installed if it already was, with
+    the ``weights_only`` it had then put back (the block's own is process-wide while it runs)."""
     with _lock:
-        already = is_installed()
+        already, before = is_installed(), _options.get("weights_only")
         install(weights_only=weights_only)
     try:
         yield
     finally:
-        if not already:
-            uninstall()
+        with _lock:
+            if not already:
+                uninstall()
+            elif before is not None:
+                _options["weights_only"] = before
 
 
 def _empty_planner_modules() -> tuple:
