@@ -66,3 +66,31 @@ def test_cuda_round_trip_keeps_bits(case):
     for n, x in inner(m.w).items():
         assert torch.equal(x.view(torch.uint8) if x.dtype.itemsize == 1 else x,
                            ref[n].view(torch.uint8) if ref[n].dtype.itemsize == 1 else ref[n])
+
+
+def test_gradients_move_with_their_parameters_and_a_refused_swap_changes_nothing():
+    """A parameter's ``.grad`` moves with it, as ``Module.to`` moves it (it was dropped: a step
+    between micro-batches lost the accumulated gradient). A tensor torch will not swap in place
+    (something holds a weak reference to it) fails the whole move naming it, every parameter left
+    as it was (half the module was moved before)."""
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    model(torch.randn(3, 8)).sum().backward()
+    params = dict(model.named_parameters())
+    grads = {n: p.grad.clone() for n, p in params.items()}
+    qdcp.to_device(model, "cpu")
+    for n, p in model.named_parameters():
+        assert p is params[n] and p.grad is not None and torch.equal(p.grad, grads[n]), n
+    qdcp.to_device(model, "meta")
+    for n, p in model.named_parameters():
+        assert p is params[n] and p.device.type == "meta" and p.grad is not None and p.grad.device.type == "meta"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    model(torch.randn(3, 8)).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    held = weakref.ref(model[1].weight)  # noqa: F841 (the reference torch's swap refuses)
+    with pytest.raises(RuntimeError, match="'1.weight' cannot be moved in place.*nothing was moved"):
+        qdcp.to_device(model, "meta")
+    for n, p in model.named_parameters():
+        assert p.device.type == "cpu" and torch.equal(p.detach(), values[n]) and torch.equal(p.grad, grads[n]), n

@@ -38,21 +38,36 @@ def to_device(obj: torch.nn.Module | torch.Tensor, device: torch.device | str, p
     """Move a module's parameters and buffers (or one tensor) to ``device``, in place.
 
     Parameters and buffers stay the same Python objects; quantized ones get all their inner
-    buffers moved. ``pin_memory`` pins CPU destinations (needs an accelerator); ``non_blocking``
-    is passed to each copy (synchronize before reading the results). Returns ``obj``.
+    buffers moved, and a parameter's ``.grad`` moves with it (as ``Module.to`` moves it).
+    ``pin_memory`` pins CPU destinations (needs an accelerator); ``non_blocking`` is passed to each
+    copy (synchronize before reading the results). Every copy is made before any object changes,
+    and a swap torch refuses (a tensor something holds a weak reference to) puts back those already
+    made: on failure the module is as it was. Returns ``obj``.
     """
     device = torch.device(device)
-    tensors: list[torch.Tensor] = []
     if isinstance(obj, torch.nn.Module):
-        tensors.extend(obj.parameters())
-        tensors.extend(obj.buffers())
+        named = [*obj.named_parameters(), *obj.named_buffers()]
     elif isinstance(obj, torch.Tensor):
-        tensors.append(obj)
+        named = [("tensor", obj)]
     else:
         raise TypeError(f"to_device takes a Module or a Tensor, got {type(obj).__name__}")
-    for t in tensors:
+    moves = []
+    for name, t in named:
         moved = _move(t, device, pin_memory, non_blocking)
+        grad = t.grad if isinstance(t, torch.nn.Parameter) else None
         if isinstance(t, torch.nn.Parameter) or getattr(t, "_is_param", False):
             moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
-        torch.utils.swap_tensors(t, moved)
+        moves.append((name, t, moved, None if grad is None else _move(grad, device, pin_memory, non_blocking)))
+    done = []
+    for name, t, moved, grad in moves:
+        try:
+            torch.utils.swap_tensors(t, moved)
+        except RuntimeError as e:
+            for _, a, b, _ in reversed(done):
+                torch.utils.swap_tensors(a, b)  # the swap is its own inverse
+            raise RuntimeError(f"to_device: {name!r} cannot be moved in place ({e}); nothing was moved") from e
+        done.append((name, t, moved, grad))
+    for _, t, _, grad in done:
+        if grad is not None:
+            t.grad = grad
     return obj
