@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torchao.quantization import Int8WeightOnlyConfig
 
+import qdcp
 from dist_helpers import run_one_rank_script
 from qdcp import QuantizedLoadPlanner, QuantizedSavePlanner, StagingError, UnsupportedTensorError
 from qdcp.adapters.base import find_adapter
@@ -419,3 +420,46 @@ def test_process_checkpointer_with_dtensors_raw_and_dequantized(tmp_path):
     proc = run_one_rank_script(tmp_path, _PROCESS_MAIN, imports=_PROCESS_IMPORTS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "OK shared=True" in proc.stdout
+
+
+class _Unstageable(torch.Tensor):
+    """A tensor subclass no adapter handles: QuantizedStager refuses it, naming its key."""
+
+
+def test_a_failed_background_staging_is_its_own_saves_error_not_the_nexts(tmp_path):
+    """With ``async_staging=True`` a staging that fails is reported by that save's upload; the next
+    save with the same stager was refused with the old error (naming a key it does not hold)."""
+    stager = QuantizedStager(async_staging=True)
+    try:
+        bad = qdcp.async_save({"model": {"old": torch.randn(8).as_subclass(_Unstageable)}}, tmp_path / "bad",
+                              stager=stager)
+        with pytest.raises(UnsupportedTensorError, match="key 'model.old'"):
+            bad.upload_completion.result()
+        good = {"model": {"w": CASES[0].make(0)}}
+        qdcp.async_save(good, tmp_path / "good", stager=stager).upload_completion.result()
+    finally:
+        stager.close()
+    target = {"model": {"w": CASES[0].make(1)}}
+    qdcp.load(target, tmp_path / "good")
+    assert_same_buffers(target["model"]["w"], good["model"]["w"])
+
+
+class _Holder:
+    """A user's object holding a torchao optimizer state (whose library has no clone)."""
+
+    def __init__(self, state: torch.Tensor) -> None:
+        self.state = state
+
+
+def test_an_object_whose_copy_fails_is_refused_naming_its_key(tmp_path):
+    """Objects are staged with copy.deepcopy, as DCP's stager does; one holding an OptimState8bit
+    failed inside torchao (aten.clone not implemented, no key named): now UnsupportedTensorError
+    naming the key and what to do, nothing written."""
+    optim8 = next(c for c in CASES if c.name == "optim8bit_signed")
+    stager = QuantizedStager()
+    try:
+        with pytest.raises(UnsupportedTensorError, match=r"key 'extra\.ema'.*_Holder.*Put its tensors in the state"):
+            qdcp.async_save({"extra": {"ema": _Holder(optim8.make(0))}}, tmp_path / "c", stager=stager).result()
+    finally:
+        stager.close()
+    assert not (tmp_path / "c" / ".metadata").exists()

@@ -128,7 +128,7 @@ class QuantizedStager:
         """
         if self._closed:
             raise StagingError("this QuantizedStager is closed; create a new one")
-        self.synchronize_staging()
+        self._previous_landed()
         if self.reuse_buffers:
             self._wait_until_released()
         ready = None
@@ -140,6 +140,16 @@ class QuantizedStager:
         future = self._executor.submit(self._stage, state_dict, ready)
         self._staging_future = future
         return future
+
+    def _previous_landed(self) -> None:
+        """Wait for the last stage()'s copies to land before its buffers are reused. Its failure is
+        that save's own, raised by its future (and its upload), not the next save's."""
+        future, self._staging_future = self._staging_future, None  # never keep the staged dict alive
+        if future is not None:
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001
+                pass
 
     def synchronize_staging(self) -> None:
         """Wait until every copy of the last :meth:`stage` call has landed (re-raises its error)."""
@@ -250,7 +260,14 @@ class QuantizedStager:
         if isinstance(value, tuple):
             items = [self._walk(v, path + (i,), seen, memo) for i, v in enumerate(value)]
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-        return copy.deepcopy(value)
+        try:
+            return copy.deepcopy(value)  # DCP's stager copies objects so too
+        except Exception as e:
+            raise UnsupportedTensorError(
+                f"key {_path_str(path)!r}: QuantizedStager copies a non-tensor value with copy.deepcopy, which "
+                f"failed for this {type(value).__name__} ({type(e).__name__}: {e}); an object holding a "
+                f"quantized tensor (one whose clone its library lacks) cannot be copied so. Put its tensors "
+                f"in the state dict itself, or save it synchronously (qdcp.save)") from e
 
     def _stage_tensor(self, t: torch.Tensor, path: _Path, seen: set) -> torch.Tensor:
         if isinstance(t, DTensor):
