@@ -740,3 +740,33 @@ def test_3d_columnwise_raw_save_is_refused_naming_the_key(tmp_path):
     out = {"w": torch.zeros(shape, dtype=torch.bfloat16)}
     dcp.load(out, checkpoint_id=tmp_path / "dq", planner=QuantizedLoadPlanner())
     assert torch.equal(out["w"], find_adapter(t).dequantize(t))
+
+
+@pytest.mark.parametrize("name", ["f8_cs_rowwise", "mxfp8_rowwise", "block2d_rowwise", "nvfp4_rowwise"])
+def test_a_te_tensor_stock_dcp_pickled_is_read_or_named(tmp_path, monkeypatch, name):
+    """Stock ``dcp.save`` pickles a TE tensor whole (TE's reduce function, its quantizer): with TE
+    imported and its classes allowed (what ``import transformer_engine.pytorch`` does; here by
+    hand, the stand-in skips TE's __init__) qdcp reads its values, the adapter's dequantize(); with
+    TE not imported the error says to import it (it said no adapter handles the type, install it)."""
+    from transformer_engine.pytorch.tensor import float8_blockwise_tensor as bw
+    from transformer_engine.pytorch.tensor import float8_tensor as f8
+    from transformer_engine.pytorch.tensor import mxfp8_tensor as mx
+    from transformer_engine.pytorch.tensor import nvfp4_tensor as nv
+
+    case = BY_NAME[name]
+    with te_cpu.simulate_gpu(case.cap):
+        src = case.build(0)
+    dcp.save({"w": src}, checkpoint_id=tmp_path / "stock", no_dist=True)
+    want = find_adapter(src).dequantize(src)
+    for module in [m for m in list(sys.modules) if m.startswith("transformer_engine")]:
+        monkeypatch.delitem(sys.modules, module)
+    with pytest.raises(qdcp.CheckpointFormatError, match=r"key 'w'.*TransformerEngine tensor pickled by DCP's own "
+                                                         r"save.*import transformer_engine\.pytorch"):
+        qdcp.read_entry(tmp_path / "stock", "w", dequantize=True)
+    monkeypatch.undo()
+    globs = [DType, f8.Float8Quantizer, f8.Float8CurrentScalingQuantizer, mx.MXFP8Quantizer, nv.NVFP4Quantizer,
+             bw.Float8BlockQuantizer, f8._make_float8_tensor_in_reduce_ex, mx._make_mxfp8_tensor_in_reduce_ex,
+             nv._make_nvfp4_tensor_in_reduce_ex, bw._make_float8_blockwise_tensor_in_reduce_ex]
+    with torch.serialization.safe_globals(globs):
+        got = qdcp.read_entry(tmp_path / "stock", "w", dequantize=True)
+    assert torch.equal(bits(got), bits(want))

@@ -111,6 +111,19 @@ class TEAdapter(Adapter, RawInterchangeAdapter):
         return any(c.__name__ == self.cls_name and c.__module__.startswith("transformer_engine.")
                    for c in cls.__mro__)
 
+    def allow_pickled(self, qualified_name: str) -> bool:
+        """A TE tensor stock DCP pickled (TE's reduce functions, its classes): loadable where the
+        program has imported TE (which allows its own in weights-only loads); qdcp never imports
+        TE, so without it the error says to."""
+        if not qualified_name.startswith("transformer_engine."):
+            return False
+        if _te_tensor_module() is None:
+            raise UnsupportedTensorError(
+                f"the stored chunk is a TransformerEngine tensor pickled by DCP's own save ({qualified_name}); "
+                f"qdcp never imports TransformerEngine: `import transformer_engine.pytorch` before reading it "
+                f"(or re-save it with qdcp.save, whose raw entries load without TE)")
+        return True
+
     def type_name(self, t):
         return self.type_names[0]
 

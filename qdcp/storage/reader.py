@@ -482,12 +482,16 @@ def _unpickled(payload: memoryview, where: str) -> Any:
     pickles a quantized tensor whole: where the archive names classes torch does not allow, the
     adapters of their families allow them (importing their library from its known modules, as a
     raw entry of the type would); other classes are refused, never imported."""
+    names: list[str] = []
     for _ in range(3):
         try:
             return torch.load(ViewReader(payload), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:
             names = torch.serialization.get_unsafe_globals_in_checkpoint(ViewReader(payload))
-            unknown = allow_pickled(names)
+            try:
+                unknown = allow_pickled(names)
+            except QdcpError as e:  # the family's adapter says what the program must do first
+                raise CheckpointFormatError(f"{where}: {e}") from None
             if unknown or not names:
                 listed = ", ".join(unknown or names) or "a class"
                 raise CheckpointFormatError(
@@ -495,8 +499,9 @@ def _unpickled(payload: memoryview, where: str) -> Any:
                     f"without qdcp's planner), which no registered qdcp adapter handles; refusing to unpickle "
                     f"it. Install the library that provides it (torchao types: pip install 'qdcp[torchao]'), "
                     f"or register an adapter with qdcp.register_adapter (the CLI: --import MODULE)") from None
-    raise CheckpointFormatError(f"{where}: its stored chunk names classes that stay refused after their "
-                                f"library was imported; it cannot be unpickled safely")
+    raise CheckpointFormatError(f"{where}: the stored chunk is a pickled {', '.join(names)}, which torch's "
+                                f"weights-only loading still refuses with its library imported (the library does "
+                                f"not allow it); refusing to unpickle it")
 
 
 def _stored_values(tensor: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:
