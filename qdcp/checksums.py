@@ -22,6 +22,7 @@ import json
 import os
 import struct
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping
 
@@ -331,11 +332,34 @@ def record(metadata: Metadata | None) -> Record | None:
             f"the checkpoint's items are checksummed with {raw.get('algorithm')!r}, which this qdcp does "
             f"not know (it knows {ALGORITHM!r}). Upgrade qdcp, or load without verification "
             f"(QuantizedLoadPlanner(checksums=False)).")
-    if "metadata" in raw and raw["metadata"] != metadata_digest(metadata, raw["items"]):
+    if "metadata" in raw and not _digest_checked(metadata) \
+            and raw["metadata"] != _remember_digest(metadata, metadata_digest(metadata, raw["items"])):
         raise CheckpointFormatError(
             "the checkpoint's .metadata does not match the digest its save recorded: it is damaged (an entry's "
             "key, shape, dtype or chunks, its nesting or the qdcp spec changed). Restore it from a good copy")
     return Record(metadata, raw["items"])
+
+
+# Metadata objects whose digest was checked (by id, while they live): a load's reader and planner
+# both look up the record of one object; the digest of a large job's metadata takes ~0.5 s.
+_checked: dict[int, weakref.ref] = {}
+_checked_lock = threading.Lock()
+
+
+def _digest_checked(metadata: Metadata) -> bool:
+    with _checked_lock:
+        ref = _checked.get(id(metadata))
+        return ref is not None and ref() is metadata
+
+
+def _remember_digest(metadata: Metadata, digest: str) -> str:
+    """``digest`` (of ``metadata``), the object remembered as checked if it matches its record."""
+    raw = metadata.planner_data.get(PLANNER_DATA_KEY)
+    if raw.get("metadata") == digest:
+        key = id(metadata)
+        with _checked_lock:
+            _checked[key] = weakref.ref(metadata, lambda _, k=key: _checked.pop(k, None))
+    return digest
 
 
 def sealed(record: dict, metadata: Metadata) -> dict:
