@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -644,3 +645,41 @@ def test_export_of_a_checkpoint_saved_at_two_ranks(tmp_path):
     got = _torchao_load(tmp_path / "out")
     for name, hp in _sharded_sources().items():
         _assert_same_torchao(got[f"m.{name}.weight"], CASE_BY_NAME[name].from_hp(hp), name)
+
+
+@pytest.mark.parametrize("format, plain", [("torchao", "m._weight_qdata"), ("compressed-tensors", "m.weight_scale")])
+def test_two_entries_the_format_names_alike_are_refused(tmp_path, format, plain):
+    """A plain key spelling a quantized entry's inner tensor in the format: the header listed the
+    name twice and the file could not be opened, the export having returned normally."""
+    state = {"m.weight": CASE_BY_NAME["int8_row"].make(0), plain: torch.zeros(3)}
+    qdcp_save(tmp_path / "ckpt", state, no_dist=True)
+    with pytest.raises(qdcp.ExportError, match=rf"keys '.*' and '.*' both give a tensor named '{re.escape(plain)}'"):
+        qdcp.export(tmp_path / "ckpt", tmp_path / "out", format=format)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_given_configs_quantization_config_goes_where_nothing_is_quantized(tmp_path):
+    """``config=`` from the source model says compressed-tensors; a checkpoint exported with no
+    quantized entry must not keep that claim over dense weights."""
+    qdcp_save(tmp_path / "ckpt", {"m.weight": torch.randn(4, 8)}, no_dist=True)
+    config = {"model_type": "llama", "quantization_config": {"quant_method": "compressed-tensors"}}
+    qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao", config=config)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written == {"model_type": "llama"}
+
+
+@pytest.mark.parametrize("name, bits", [("int4_group32", 8), ("int4_group32_asym", 8)])
+def test_a_pack_quantized_directory_whose_num_bits_disagrees_is_refused(tmp_path, name, bits):
+    """config.json's num_bits says 8, the tensors hold 4-bit codes: read as 8-bit, the values came
+    out scrambled (torch resized the output); refused naming the key."""
+    make, _ = CT_CASES[name]
+    qdcp_save(tmp_path / "ckpt", {"m.weight": make()}, no_dist=True)
+    qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="compressed-tensors")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        group["weights"]["num_bits"] = bits
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    target = {"m.weight": torch.zeros(CASE_BY_NAME["intx_int4_group32"].make(0).shape, dtype=torch.bfloat16)}
+    with pytest.raises(BaseException, match=r"key 'm.weight': weight_packed is .* but 8-bit codes"):
+        dcp.load(target, storage_reader=qdcp.QuantizedHFReader(tmp_path / "out"), planner=qdcp.QuantizedLoadPlanner())
+    assert not target["m.weight"].any()

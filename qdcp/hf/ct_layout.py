@@ -533,6 +533,11 @@ def _packed(d: HFDirectory, key: str, t: Mapping[str, str], weights: Mapping, as
     scale = d.meta(t["weight_scale"])
     block = block_of(weights, shape, tuple(scale.shape))
     packed, zero, layout = t["weight_packed"], t["weight_zero_point"], _scale_layout(block, shape, scale)
+    per_word = 32 // bits
+    _check_packed(d, key, "weight_packed", packed, (shape[0], -(-shape[1] // per_word)), bits, shape)
+    if asymmetric:
+        _check_packed(d, key, "weight_zero_point", zero, (-(-shape[0] // per_word), tuple(scale.shape)[-1]), bits,
+                      tuple(scale.shape))
     comps = {"weight": (Blocked((1, 1)), lambda get, out: unpack_int32(get(packed), bits, shape[1], out)),
              "weight_scale": (layout, t["weight_scale"])}
     attrs, built = {"block": list(block), "bits": bits}, {"weight": (shape, torch.int8)}
@@ -541,6 +546,16 @@ def _packed(d: HFDirectory, key: str, t: Mapping[str, str], weights: Mapping, as
         attrs["symmetric"], built["weight_zero_point"] = False, (tuple(scale.shape), torch.int8)
     used = {packed, t["weight_shape"]} | ({zero} if asymmetric else set())
     return _presented(d, key, ct.INT, shape, scale.dtype, attrs, comps, built=built, used=used)
+
+
+def _check_packed(d: HFDirectory, key: str, what: str, name: str, want: tuple[int, int], bits: int, of) -> None:
+    """Refuse a packed tensor whose shape is not what ``bits``-bit codes of ``of`` pack into (the
+    config's ``num_bits`` and the tensors disagree: unpacking would read other codes)."""
+    got = d.meta(name)
+    if tuple(got.shape) != tuple(want) or got.dtype != torch.int32:
+        raise CheckpointFormatError(
+            f"key {key!r}: {what} is {tuple(got.shape)} {got.dtype}, but {bits}-bit codes of {tuple(of)} pack into "
+            f"{tuple(want)} int32 words: the directory's config (num_bits) and its tensors disagree")
 
 
 def _scale_layout(block, shape, scale):

@@ -73,6 +73,8 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
     quantization_config = layout.quantization_config(plans)
     if quantization_config is not None:
         config_json["quantization_config"] = quantization_config
+    else:  # nothing written quantized: a config given for the source model must not say otherwise
+        config_json.pop("quantization_config", None)
     shards = stf.plan_shards([p.nbytes for p in plans], stf.parse_size(max_shard_size))
     files = stf.shard_file_names(len(shards))
     tmp = scratch.new_dir(_SCRATCH, out_dir)
@@ -152,7 +154,25 @@ def _plan_all(layout: HFLayout, sources: Mapping[str, Source], dequantize_unsupp
                           + "\n  ".join(refused)
                           + "\nPass --dequantize-unsupported (dequantize_unsupported=True) to write these "
                             "entries as their dequantized values.")
+    _check_names(layout, plans)
     return plans
+
+
+def _check_names(layout: HFLayout, plans: list[EntryPlan]) -> None:
+    """Refuse two entries whose tensors the format names alike (a plain key spelling a quantized
+    entry's inner tensor, ``m._weight_qdata`` beside ``m.weight``): one file would list a name twice."""
+    owner: dict[str, str] = {}
+    clashes = []
+    for plan in plans:
+        for t in plan.tensors:
+            other = owner.setdefault(t.name, plan.key)
+            if other != plan.key:
+                clashes.append(f"keys {other!r} and {plan.key!r} both give a tensor named {t.name!r}")
+    if clashes:
+        raise ExportError(f"cannot export to the {layout.name} format (nothing was written):\n  "
+                          + "\n  ".join(clashes[:10])
+                          + "\nRename one of each pair in the checkpoint (the format names a quantized entry's "
+                            "inner tensors after its key), or export the other format.")
 
 
 def _base_config(config) -> Mapping[str, Any]:
