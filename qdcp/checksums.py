@@ -332,11 +332,13 @@ def record(metadata: Metadata | None) -> Record | None:
             f"the checkpoint's items are checksummed with {raw.get('algorithm')!r}, which this qdcp does "
             f"not know (it knows {ALGORITHM!r}). Upgrade qdcp, or load without verification "
             f"(QuantizedLoadPlanner(checksums=False)).")
-    if "metadata" in raw and not _digest_checked(metadata) \
-            and raw["metadata"] != _remember_digest(metadata, metadata_digest(metadata, raw["items"])):
-        raise CheckpointFormatError(
-            "the checkpoint's .metadata does not match the digest its save recorded: it is damaged (an entry's "
-            "key, shape, dtype or chunks, its nesting or the qdcp spec changed). Restore it from a good copy")
+    if "metadata" in raw and not _digest_checked(metadata):
+        if raw["metadata"] != metadata_digest(metadata, raw["items"]):
+            raise CheckpointFormatError(
+                "the checkpoint's .metadata does not match the digest its save recorded: it is damaged (an "
+                "entry's key, shape, dtype or chunks, its nesting or the qdcp spec changed). Restore it from a "
+                "good copy")
+        _remember_checked(metadata)
     return Record(metadata, raw["items"])
 
 
@@ -352,14 +354,10 @@ def _digest_checked(metadata: Metadata) -> bool:
         return ref is not None and ref() is metadata
 
 
-def _remember_digest(metadata: Metadata, digest: str) -> str:
-    """``digest`` (of ``metadata``), the object remembered as checked if it matches its record."""
-    raw = metadata.planner_data.get(PLANNER_DATA_KEY)
-    if raw.get("metadata") == digest:
-        key = id(metadata)
-        with _checked_lock:
-            _checked[key] = weakref.ref(metadata, lambda _, k=key: _checked.pop(k, None))
-    return digest
+def _remember_checked(metadata: Metadata) -> None:
+    key = id(metadata)
+    with _checked_lock:
+        _checked[key] = weakref.ref(metadata, lambda _, k=key: _checked.pop(k, None))
 
 
 def sealed(record: dict, metadata: Metadata) -> dict:
