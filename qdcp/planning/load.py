@@ -95,9 +95,16 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     def changed_note(self, read_item: ReadItem, written: bool) -> str:
         """What this load has changed in the targets so far, for a storage reader's error about
         ``read_item``'s corrupt bytes (``written``: they went into ``resolve_tensor``'s buffer)."""
+        key, buffered = self._target_of(read_item)
+        return self._verify.changed(key, written and not buffered)
+
+    def _target_of(self, read_item: ReadItem) -> tuple[str, bool]:
+        """The target key ``read_item`` fills, and whether it arrives in a temporary of its action's
+        (the target written only when the action finishes)."""
         hit = self._by_item.get(read_item.dest_index.fqn)
-        into_target = written and not (hit is not None and hit.read.dest.temporary)
-        return self._verify.changed(hit.action.fqn if hit else read_item.dest_index.fqn, into_target)
+        if hit is None:
+            return read_item.dest_index.fqn, False
+        return hit.action.fqn, hit.read.dest.temporary
 
     def note_verified(self, read_item: ReadItem) -> None:
         """A storage reader checked ``read_item``'s recorded checksum on the bytes it read (qdcp's
@@ -258,8 +265,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         hit = self._by_item.get(read_item.dest_index.fqn)
-        if self._verify.check(read_item, tensor, hit.action.fqn if hit else read_item.dest_index.fqn,
-                              buffered=hit is not None and hit.read.dest.temporary):
+        if self._verify.check(read_item, tensor, *self._target_of(read_item)):
             tensor = self._copy_in(self._destination(read_item), tensor)  # read into a host buffer to check it
         if hit is None:
             super().commit_tensor(read_item, tensor)
