@@ -380,7 +380,7 @@ def metadata_digest(metadata: Metadata, items: Mapping[str, Any]) -> str:
     data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     doc = {"entries": entries, "nesting": {k: list(v) for k, v in data.items() if isinstance(v, (tuple, list))},
            "spec": data.get(SPEC_KEY),
-           "items": {k: v.hex() if isinstance(v, bytes) else None for k, v in items.items()}}
+           "items": {k: v.hex() for k, v in items.items()}}
     return xxhash.xxh3_64_hexdigest(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
 
 
