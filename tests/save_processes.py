@@ -21,12 +21,11 @@ WORKER = Path(__file__).with_name("save_worker.py")
 
 
 class Worker:
-    """One tests/save_worker.py process (``dist``: ``(root, rank, world)`` for a rank of a job); a
-    claim it holds beats every 0.2 s (``QDCP_CLAIM_HEARTBEAT``)."""
+    """One tests/save_worker.py process (``dist``: ``(root, rank, world)`` for a rank of a job)."""
 
     def __init__(self, dist: tuple[str, int, int] | None = None) -> None:
         args = [sys.executable, str(WORKER)] + (["--dist", *map(str, dist)] if dist else [])
-        env = dict(os.environ, PYTHONWARNINGS="ignore", QDCP_CLAIM_HEARTBEAT="0.2")
+        env = dict(os.environ, PYTHONWARNINGS="ignore")
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=env)
         self.pid = None

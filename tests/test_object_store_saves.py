@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import qdcp
 from qdcp import ConcurrentSaveError
 from qdcp.storage import claims
-from qdcp.storage.claim_stores import CLAIM_FILE, FsspecStore
+from qdcp.storage.claims import CLAIM_FILE, FsspecStore
 from qdcp.storage.factories import FsspecWriter
 from qdcp.storage.owners import Owner
 
@@ -105,7 +105,7 @@ def test_a_claim_whose_process_ended_is_cleared_and_a_live_one_kept(store):
                   "owner": owner}
         fs.pipe_file(f"{url}/{CLAIM_FILE}", claims.json.dumps(record).encode())
         if refused:
-            with pytest.raises(ConcurrentSaveError, match="pid .* on host 'node-17'.*heartbeat"):
+            with pytest.raises(ConcurrentSaveError, match="pid .* on host 'node-17'.*delete the claim file"):
                 qdcp.save(_values(3), url, overwrite=True, storage_options=opts or None)
         else:
             qdcp.save(_values(3), url, storage_options=opts or None)

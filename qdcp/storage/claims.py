@@ -2,21 +2,20 @@
 
 A save's coordinator (rank 0) creates ``<path>/.qdcp-save.claim`` with an exclusive create (POSIX
 ``O_EXCL``; fsspec's ``"xb"`` mode, S3's ``If-None-Match: *``) before any data is written, holding
-who took it (:class:`~qdcp.storage.owners.Owner`), when, and a token no other save shares. A save
-that finds the file held fails with :class:`~qdcp.errors.ConcurrentSaveError` naming the holder.
-The holder checks, just before its commit, that the file still holds its token, and removes it
-when the save ends (success or failure).
+who took it (:class:`~qdcp.storage.owners.Owner`), when, and a token no other save shares. If the
+create fails midway (out of space, storage gone) the file is removed before the error goes on, so
+the same save retried goes through. A save that finds the file held fails with
+:class:`~qdcp.errors.ConcurrentSaveError` naming the holder. The holder checks, just before its
+commit, that the file still holds its token, and removes it when the save ends (success or failure).
 
-A claim is stale, and the next save clears it, when its process has ended: on the machine that
-took it, at once (the PID no longer runs, or runs another program); from another machine, once its
-heartbeat is older than :data:`STALE_AFTER_S` (the holder touches the file every
-:data:`HEARTBEAT_S` seconds, ``QDCP_CLAIM_HEARTBEAT``; ``QDCP_CLAIM_STALE_AFTER`` sets the limit,
-which must be several heartbeats long). An unreadable claim (its
-taker died between creating and writing it) is stale after :data:`UNREADABLE_GRACE_S`. Locally a
-stale claim is cleared by renaming it aside, checking that what moved is the claim judged stale,
-and putting it back otherwise, so two saves clearing one claim cannot both win; on object stores
-(no atomic rename) the clear is a read then a delete, and the check at commit is what keeps a
-second holder from committing.
+A claim whose save no longer runs is cleared by the next save where that can be known for certain:
+its process ran on this machine and has ended (or, in this process, its save has ended), or the
+file holds no readable claim and is older than :data:`UNREADABLE_GRACE_S`. A claim taken on
+another host is never judged: the error names the holder and says to delete the file if that
+save no longer runs. Locally a claim is cleared by renaming it aside, checking that what moved is
+the claim judged stale and putting it back otherwise, so two saves clearing one claim cannot both
+win; on object stores (no atomic rename) the clear is a read then a delete, and the check at
+commit keeps a second holder from committing.
 """
 
 from __future__ import annotations
@@ -24,36 +23,147 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import threading
 import time
 import uuid
 import weakref
-from typing import Protocol
 
 from qdcp.errors import ConcurrentSaveError
-from qdcp.storage.claim_stores import CLAIM_FILE
 from qdcp.storage.owners import Owner
 
-__all__ = ["CLAIM_FILE", "HEARTBEAT_S", "STALE_AFTER_S", "PathClaim", "ClaimRecord", "take", "read_record"]
+__all__ = ["CLAIM_FILE", "CLAIM_PREFIX", "PathClaim", "ClaimRecord", "LocalStore", "FsspecStore", "take",
+           "read_record", "honours_exclusive"]
 
-HEARTBEAT_S = float(os.environ.get("QDCP_CLAIM_HEARTBEAT", "5"))
-STALE_AFTER_S = float(os.environ.get("QDCP_CLAIM_STALE_AFTER", "60"))
-UNREADABLE_GRACE_S = 10.0
+CLAIM_PREFIX = ".qdcp-save."  #: every file of a claim's (the claim, its asides) starts so
+CLAIM_FILE = f"{CLAIM_PREFIX}claim"  #: the claim, in the checkpoint directory
+UNREADABLE_GRACE_S = 10.0  #: an unreadable claim (its taker killed between create and write) this old is stale
+
+#: fsspec protocols whose ``"xb"`` mode refuses an existing file (s3fs: S3's conditional write,
+#: tested on moto; fsspec's memory and local file systems)
+_EXCLUSIVE_PROTOCOLS = {"s3", "s3a", "memory", "file", "local"}
 
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # token -> this process's claims
 
 
-class ClaimStore(Protocol):
-    """The few operations a claim needs of a directory (:mod:`qdcp.storage.claim_stores`)."""
+def honours_exclusive(fs) -> bool:
+    """Whether ``fs`` (an fsspec file system) is known to make ``"xb"`` an exclusive create; for
+    others qdcp checks existence first (not atomic: two writers may both pass the check)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool(set(protocols) & _EXCLUSIVE_PROTOCOLS)
 
-    label: str
 
-    def create(self, name: str, data: bytes) -> bool: ...
-    def read(self, name: str) -> bytes | None: ...
-    def last_beat(self, token: str) -> float | None: ...
-    def beat(self, token: str, data: bytes) -> None: ...
-    def drop_beat(self, token: str) -> None: ...
-    def remove_if_same(self, name: str, data: bytes, aside: str) -> bool: ...
+class LocalStore:
+    """Claims in a local directory."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = self.label = os.fspath(root)
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def create(self, name: str, data: bytes) -> bool:
+        """Create ``name`` holding ``data`` unless it exists (atomic); a failed write removes it."""
+        try:
+            fd = os.open(self._path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException:
+            os.remove(self._path(name))  # ours (O_EXCL): a half-made claim would block the retry
+            raise
+        return True
+
+    def read(self, name: str) -> bytes | None:
+        """The bytes of ``name``, or None if it does not exist."""
+        try:
+            with open(self._path(name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def age(self, name: str) -> float | None:
+        """Seconds since ``name`` was last written (None: it does not exist)."""
+        try:
+            return time.time() - os.stat(self._path(name)).st_mtime
+        except FileNotFoundError:
+            return None
+
+    def remove_if_same(self, name: str, data: bytes, aside: str) -> bool:
+        """Remove ``name`` if it holds ``data``: rename it to ``aside`` (atomic: one of several
+        removers gets it), compare, and link it back if it was another claim."""
+        try:
+            os.rename(self._path(name), self._path(aside))
+        except FileNotFoundError:
+            return False
+        moved = self.read(aside)
+        if moved != data:
+            try:
+                os.link(self._path(aside), self._path(name))  # never replaces a claim taken meanwhile
+            except OSError:
+                pass
+        os.remove(self._path(aside))
+        return moved == data
+
+
+class FsspecStore:
+    """Claims under an fsspec URL (``memory://``, ``s3://``...)."""
+
+    def __init__(self, fs, root: str, label: str) -> None:
+        self.fs, self.root, self.label = fs, root.rstrip("/"), label
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def create(self, name: str, data: bytes) -> bool:
+        """Create ``name`` holding ``data`` with the store's exclusive write; read back (a store
+        that ignores ``"x"`` overwrites: the later writer then finds its bytes there). A failed
+        write removes what it may have left."""
+        path = self._path(name)
+        self.fs.invalidate_cache(path)
+        if not honours_exclusive(self.fs) and self.fs.exists(path):
+            return False
+        try:
+            with self.fs.open(path, "xb") as f:
+                f.write(data)
+        except FileExistsError:
+            return False
+        except BaseException:
+            try:
+                self.fs.rm_file(path)  # what the failed write left (created by it: "xb")
+            except (FileNotFoundError, OSError):
+                pass
+            raise
+        return self.read(name) == data
+
+    def read(self, name: str) -> bytes | None:
+        """The bytes of ``name``, or None if it does not exist."""
+        self.fs.invalidate_cache(self._path(name))
+        try:
+            return self.fs.cat_file(self._path(name))
+        except (FileNotFoundError, OSError):
+            return None
+
+    def age(self, name: str) -> float | None:
+        """Seconds since ``name`` was last written (None: absent, or the store cannot say)."""
+        self.fs.invalidate_cache(self._path(name))
+        try:
+            return time.time() - self.fs.modified(self._path(name)).timestamp()
+        except (FileNotFoundError, NotImplementedError, OSError):
+            return None
+
+    def remove_if_same(self, name: str, data: bytes, aside: str) -> bool:
+        """Delete ``name`` if it holds ``data`` (a read, then a delete: not atomic)."""
+        if self.read(name) != data:
+            return False
+        try:
+            self.fs.rm_file(self._path(name))
+        except (FileNotFoundError, OSError):
+            return False
+        return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +194,7 @@ class ClaimRecord:
         return f"{self.what}, {self.owner.describe()}, since {time.strftime('%H:%M:%S', time.localtime(self.since))}"
 
 
-def read_record(store: ClaimStore) -> tuple[bytes | None, ClaimRecord | None]:
+def read_record(store) -> tuple[bytes | None, ClaimRecord | None]:
     """The claim file's bytes (None: no claim) and its record (None: unreadable)."""
     data = store.read(CLAIM_FILE)
     if data is None:
@@ -98,16 +208,12 @@ def read_record(store: ClaimStore) -> tuple[bytes | None, ClaimRecord | None]:
 class PathClaim:
     """This save's claim on a path: :meth:`check` before committing, :meth:`release` after."""
 
-    def __init__(self, store: ClaimStore, record: ClaimRecord, cleared: list[ClaimRecord]) -> None:
-        self.store, self.record, self.cleared = store, record, cleared
+    def __init__(self, store, record: ClaimRecord) -> None:
+        self.store, self.record = store, record
         self.data = record.dumps()
         self.ended = False  #: its save can no longer commit (a write failed): the next save here clears it
-        stop = threading.Event()
-        beats = threading.Thread(target=_heartbeat, args=(store, record.token, self.data, stop),
-                                 name=f"qdcp-claim-{record.token}", daemon=True)
-        beats.start()
         # released when the save ends, or when its writer is dropped without ending it
-        self._release = weakref.finalize(self, _release, store, record.token, self.data, stop, beats)
+        self._release = weakref.finalize(self, _release, store, self.data, record.token)
         _live[record.token] = self
 
     @property
@@ -122,9 +228,8 @@ class PathClaim:
             holder = f"it is now held by {other.describe()}" if other is not None else \
                 "the claim file is gone" if data is None else "the claim file holds another claim"
             raise ConcurrentSaveError(
-                f"this save's claim on {self.store.label!r} was cleared as stale while it ran ({holder}); "
-                f"nothing was committed. Its heartbeat stopped for longer than {STALE_AFTER_S:.0f} s "
-                f"(QDCP_CLAIM_STALE_AFTER): save again")
+                f"this save's claim on {self.store.label!r} was removed while it ran ({holder}); nothing "
+                f"was committed. Someone deleted the claim file, or another save judged it stale: save again")
 
     def end(self) -> None:
         """Mark the save as over without removing the claim yet (its files are still to be removed
@@ -136,71 +241,49 @@ class PathClaim:
         self._release()
 
 
-def _heartbeat(store: ClaimStore, token: str, data: bytes, stop: threading.Event) -> None:
-    while not stop.wait(HEARTBEAT_S):
-        try:
-            store.beat(token, data)
-        except Exception:  # noqa: BLE001 (a missed beat only ages the claim)
-            pass
-
-
-def _release(store: ClaimStore, token: str, data: bytes, stop: threading.Event, beats: threading.Thread) -> None:
-    stop.set()
-    if beats is not threading.current_thread():
-        beats.join(timeout=30)  # a beat in flight would write the heartbeat file again after it is dropped
+def _release(store, data: bytes, token: str) -> None:
     try:
-        store.drop_beat(token)
         store.remove_if_same(CLAIM_FILE, data, f"{CLAIM_FILE}.{token}.release")
     except OSError:
         pass  # a claim that cannot be removed turns stale with its process
 
 
-def take(store: ClaimStore, what: str) -> PathClaim:
+def take(store, what: str) -> PathClaim:
     """Claim ``store``'s path for one save, clearing stale claims; :class:`ConcurrentSaveError`
     naming the holder if another save holds it."""
     record = ClaimRecord(uuid.uuid4().hex[:12], Owner.current(), time.time(), what)
-    cleared: list[ClaimRecord] = []
     for _ in range(5):
         if store.create(CLAIM_FILE, record.dumps()):
-            return PathClaim(store, record, cleared)
+            return PathClaim(store, record)
         data, other = read_record(store)
         if data is None:
             continue  # released meanwhile
-        why = _stale(store, data, other)
-        if why is None:
+        if not _stale(store, other):
             raise ConcurrentSaveError(_busy(store, other))
-        if other is not None:
-            store.drop_beat(other.token)
-        if store.remove_if_same(CLAIM_FILE, data, f"{CLAIM_FILE}.{record.token}.stale") and other is not None:
-            cleared.append(other)
+        store.remove_if_same(CLAIM_FILE, data, f"{CLAIM_FILE}.{record.token}.stale")
     raise ConcurrentSaveError(f"{store.label!r}: other saves kept claiming it while this one cleared stale "
                               f"claims; nothing was written. Save again")
 
 
-def _stale(store: ClaimStore, data: bytes, other: ClaimRecord | None) -> str | None:
-    """Why the claim in ``data`` is stale, or None if its save may still run."""
+def _stale(store, other: ClaimRecord | None) -> bool:
+    """Whether the claim whose record is ``other`` (None: unreadable) is known to be abandoned."""
     if other is None:
-        beat = store.last_beat("")
-        return "unreadable" if beat is not None and time.time() - beat > UNREADABLE_GRACE_S else None
+        age = store.age(CLAIM_FILE)
+        return age is not None and age > UNREADABLE_GRACE_S
     alive = other.owner.alive()
-    if alive is False:
-        return "its process has ended"
     if alive and other.owner == Owner.current():
         mine = _live.get(other.token)
-        return None if mine is not None and not mine.ended else "its save in this process has ended"
-    if alive:
-        return None
-    beat = store.last_beat(other.token)
-    return "no heartbeat" if beat is None or time.time() - beat > STALE_AFTER_S else None
+        return mine is None or mine.ended
+    return alive is False
 
 
-def _busy(store: ClaimStore, other: ClaimRecord | None) -> str:
+def _busy(store, other: ClaimRecord | None) -> str:
     holder = other.describe() if other is not None else "a save that is taking it now"
     where = os.path.join(store.label, CLAIM_FILE) if "://" not in store.label else f"{store.label}/{CLAIM_FILE}"
     if other is not None and other.owner.here() is False:
-        after = f"once its heartbeat is {STALE_AFTER_S:.0f} s old (QDCP_CLAIM_STALE_AFTER)"
+        after = ("it was taken on another host, so qdcp cannot tell whether that save still runs: if it "
+                 "does not (its job ended, its host died), delete the claim file and save again")
     else:
-        after = "as soon as its process has ended"
+        after = "a claim whose save was killed on this host is cleared by the next save"
     return (f"another save holds {store.label!r}: {holder} (claim file {where!r}); this save wrote nothing. "
-            f"Wait for that save to finish, or save to another path. A claim whose save was killed is "
-            f"cleared by the next save {after}")
+            f"Wait for that save to finish, or save to another path; {after}")

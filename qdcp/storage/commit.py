@@ -7,8 +7,11 @@ the save visible:
 - local: ``os.replace`` over the old ``.metadata`` (``overwrite``), else ``os.link`` of the new
   one to ``.metadata``, which fails if one appeared meanwhile (a save that took no claim: stock
   DCP, an older qdcp); readers see the old checkpoint or the new one, whole;
-- fsspec: ``.metadata`` is written in one go (on object stores one PUT, which readers see whole
-  or not at all), with the store's exclusive create (``"xb"``) unless ``overwrite``.
+- ``file://``: a local path (:func:`qdcp.storage.urls.local_path`), published as above;
+- an object store (s3, gcs, azure, memory): ``.metadata`` is written in one PUT, which readers see
+  whole or not at all, with the store's exclusive create (``"xb"``) unless ``overwrite``;
+- any other fsspec file system: ``.metadata.<token>.tmp`` written, then renamed into place; qdcp
+  assumes its rename replaces the destination whole (as POSIX ``rename`` does).
 
 After publishing, a save removes the data files the replaced ``.metadata`` referenced and the
 debris of qdcp saves at this path that no longer run (their token is neither the committed one's
@@ -28,11 +31,11 @@ from typing import Callable, Iterable
 from torch.distributed.checkpoint.metadata import Metadata
 
 from qdcp.errors import ConcurrentSaveError
-from qdcp.storage.claim_stores import CLAIM_PREFIX, honours_exclusive
+from qdcp.storage.claims import CLAIM_PREFIX, honours_exclusive
 from qdcp.storage.metadata import METADATA_FILE, safe_load_metadata
 
 __all__ = ["save_prefix", "data_prefix", "metadata_tmp", "token_of", "referenced", "publish_local", "publish_remote",
-           "debris", "is_save_file"]
+           "writes_whole", "debris", "is_save_file"]
 
 _DATA = re.compile(r"__([0-9a-f]{8,})_\d+_\d+\.distcp")
 _TMP = re.compile(r"\.metadata(?:\.([0-9a-f]{8,}))?\.tmp")
@@ -111,10 +114,31 @@ def publish_local(root: str, token: str, overwrite: bool, check: Callable[[], No
     os.remove(tmp)
 
 
-def publish_remote(fs, root: str, metadata: Metadata, overwrite: bool, check: Callable[[], None]) -> None:
-    """Write ``.metadata`` under an fsspec URL in one write, exclusive unless ``overwrite``."""
-    final = f"{root.rstrip('/')}/{METADATA_FILE}"
-    data = pickle.dumps(metadata)
+#: fsspec protocols of object stores, whose writes readers see whole or not at all (one PUT)
+_WHOLE_WRITES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "memory"}
+
+
+def writes_whole(fs) -> bool:
+    """Whether ``fs`` (an fsspec file system) is an object store whose writes are all-or-nothing."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool(set(protocols) & _WHOLE_WRITES)
+
+
+def publish_remote(fs, root: str, token: str, metadata: Metadata, overwrite: bool, check: Callable[[], None]) -> None:
+    """Publish ``.metadata`` under an fsspec URL: on an object store (:func:`writes_whole`) one
+    write, exclusive unless ``overwrite``; on any other file system ``.metadata.<token>.tmp`` is
+    written whole, then renamed into place (``fs.mv``), so a write cut short never touches ``.metadata``."""
+    root = root.rstrip("/")
+    final, data = f"{root}/{METADATA_FILE}", pickle.dumps(metadata)
+    if not writes_whole(fs):
+        tmp = f"{root}/{metadata_tmp(token)}"
+        fs.pipe_file(tmp, data)
+        check()
+        fs.invalidate_cache(final)
+        if not overwrite and fs.exists(final):
+            raise _appeared(root)
+        fs.mv(tmp, final)
+        return
     check()
     fs.invalidate_cache(final)
     if not overwrite and not honours_exclusive(fs) and fs.exists(final):

@@ -13,7 +13,7 @@ from qdcp.errors import QdcpError
 from qdcp.storage.pipeline import default_thread_count
 from qdcp.storage.reader import CheckpointReader, SafeReading
 from qdcp.storage.trailer import ChecksumExtension
-from qdcp.storage.urls import is_url
+from qdcp.storage.urls import is_url, local_path
 from qdcp.storage.writer import AtomicWriting, CheckpointWriter
 
 try:  # fsspec is optional; DCP's fsspec storage is public from torch 2.15 on
@@ -34,6 +34,7 @@ def storage_reader(path: str | os.PathLike, thread_count: int | None = None,
     ``thread_count``: data files read at once (default: the usable cores, at most 4).
     ``storage_options`` go to fsspec (e.g. ``client_kwargs={"endpoint_url": ...}``).
     """
+    path = local_path(path)
     if is_url(path):
         _need_fsspec()
         return FsspecCheckpointReader(os.fspath(path), thread_count=thread_count, **storage_options)
@@ -50,6 +51,7 @@ def storage_writer(path: str | os.PathLike, overwrite: bool = False, checksums: 
     stores), but ``.metadata`` is still written last. ``stager``, ``thread_count``: as
     :class:`CheckpointWriter`'s (the same write pipeline, :mod:`qdcp.storage.pipeline`).
     """
+    path = local_path(path)
     if is_url(path):
         _need_fsspec()
         return FsspecCheckpointWriter(path, overwrite=overwrite, checksums=checksums, stager=stager, **kwargs)

@@ -26,7 +26,6 @@ from qdcp import checksums
 from qdcp.errors import QdcpError
 from qdcp.storage import claims, commit, pipeline
 from qdcp.storage.causes import raise_with_cause
-from qdcp.storage.claim_stores import FsspecStore, LocalStore
 from qdcp.storage.hooks import records_checksums
 from qdcp.storage.metadata import METADATA_FILE
 from qdcp.storage.pipeline import HashedStorageInfo, default_thread_count, write_items
@@ -309,10 +308,10 @@ class AtomicWriting:
             except OSError:
                 pass
 
-    def _claim_store(self):
+    def _claim_store(self) -> claims.LocalStore | claims.FsspecStore:
         if is_url(self.path):
-            return FsspecStore(self.fs.fs, os.fspath(self.path), os.fspath(self.path))
-        return LocalStore(self.path)
+            return claims.FsspecStore(self.fs.fs, os.fspath(self.path), os.fspath(self.path))
+        return claims.LocalStore(self.path)
 
     @property
     def _files(self) -> "_SaveFiles":
@@ -340,7 +339,8 @@ class AtomicWriting:
         replaced = commit.referenced(commit.read_metadata_bytes(files.read(METADATA_FILE))) \
             if self.qdcp_overwrite else set()
         if is_url(self.path):
-            commit.publish_remote(self.fs.fs, os.fspath(self.path), metadata, self.qdcp_overwrite, self._claim.check)
+            commit.publish_remote(self.fs.fs, os.fspath(self.path), token, metadata, self.qdcp_overwrite,
+                                  self._claim.check)
         else:
             self._write_local_tmp(metadata, token)
             commit.publish_local(os.fspath(self.path), token, self.qdcp_overwrite, self._claim.check)
