@@ -13,7 +13,7 @@ One job per module:
   state-dict key on a mismatch.
 - :mod:`~qdcp.storage.owners`: which process owns a file (host, boot, PID namespace, PID, start
   time) and whether it still runs.
-- :mod:`~qdcp.storage.claim_stores` / :mod:`~qdcp.storage.claims`: one save per path at a time
+- :mod:`~qdcp.storage.claims`: one save per path at a time
   across processes and hosts: a claim file made by exclusive create, stale claims cleared.
 - :mod:`~qdcp.storage.commit`: a save's file names (its token), publishing ``.metadata``, what is
   removed after.

@@ -47,9 +47,10 @@ def storage_writer(path: str | os.PathLike, overwrite: bool = False, checksums: 
                    stager: AsyncStager | None = None, **kwargs: Any) -> FileSystemWriter:
     """A :class:`CheckpointWriter` for a local path, or its fsspec twin for a URL.
 
-    For URLs, ``kwargs`` are fsspec storage options; the commit is a rename (not atomic on object
-    stores), but ``.metadata`` is still written last. ``stager``, ``thread_count``: as
-    :class:`CheckpointWriter`'s (the same write pipeline, :mod:`qdcp.storage.pipeline`).
+    A ``file://`` URL is a local path. For other URLs, ``kwargs`` are fsspec storage options and
+    ``.metadata`` is published by the storage's rule (:func:`qdcp.storage.commit.publish_remote`).
+    ``stager``, ``thread_count``: as :class:`CheckpointWriter`'s (the same write pipeline,
+    :mod:`qdcp.storage.pipeline`).
     """
     path = local_path(path)
     if is_url(path):
@@ -72,7 +73,7 @@ if FsspecWriter is not None:
             self._setup_safe_reading(thread_count)
 
     class FsspecCheckpointWriter(AtomicWriting, FsspecWriter):
-        """:class:`CheckpointWriter` for fsspec URLs (the commit rename is not atomic on object stores)."""
+        """:class:`CheckpointWriter` for fsspec URLs."""
 
         def __init__(self, path: str, overwrite: bool = False, checksums: bool = True,
                      stager: AsyncStager | None = None, thread_count: int | None = None,

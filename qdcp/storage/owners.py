@@ -5,7 +5,7 @@ A claim on a checkpoint path (:mod:`qdcp.storage.claims`) and the scratch files 
 the PID namespace, the PID and the process's start time. On the machine that wrote it (same host
 name, boot id and PID namespace), :meth:`Owner.alive` answers for certain: the PID runs and is
 the same process (its start time matches; a reused PID does not), and a zombie counts as dead.
-From another machine it cannot tell (None): callers fall back to a heartbeat's age.
+From another machine it cannot tell (None).
 """
 
 from __future__ import annotations
