@@ -134,12 +134,14 @@ class AtomicWriting:
         self._stager = stager
         self._owns_stager = stager is None
         self.qdcp_staged = False  # set by stage(): this save's upload runs beside training
+        self._dist_seen = _dist_up()  # made in a job: a save that finds no process group would be torn
 
     # DCP's hook: ``dcp.async_save`` without ``async_stager`` stages through a writer that is an
     # AsyncStager (FileSystemWriter is one). This writer does no staging of its own: it hands the
     # call to the stager it was given, else to one from the default factory (set_default_stager).
     def stage(self, state_dict):
         self.qdcp_staged = True  # this save's upload runs beside training (see _writes_direct)
+        self._dist_seen = self._dist_seen or _dist_up()
         if self._stager is None:
             if _default_stager is None:
                 return super().stage(state_dict)  # DCP's own (FileSystemWriter's) staging
@@ -274,6 +276,13 @@ class AtomicWriting:
         return fut
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._dist_seen and not _dist_up():
+            self._release_path()
+            raise QdcpError(
+                f"the save to {os.fspath(self.path)!r} was made in a job, but torch.distributed is no longer "
+                f"initialized where it runs (the process group was destroyed before an async save finished): "
+                f"each rank would commit a checkpoint of its own data alone (a torn checkpoint); nothing was "
+                f"written. Wait for the save (its future's .result()) before dist.destroy_process_group()")
         if kwargs.get("use_collectives") is False and _world_size() > 1:
             raise QdcpError(
                 f"saving to {os.fspath(self.path)!r} with use_collectives=False: every rank would commit a "
@@ -367,6 +376,10 @@ class AtomicWriting:
             pickle.dump(metadata, f)
             if self.sync_files:
                 os.fsync(f.fileno())
+
+
+def _dist_up() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def _world_size() -> int:
