@@ -8,7 +8,7 @@ the save visible:
   one to ``.metadata``, which fails if one appeared meanwhile (a save that took no claim: stock
   DCP, an older qdcp); readers see the old checkpoint or the new one, whole;
 - ``file://``: a local path (:func:`qdcp.storage.urls.local_path`), published as above;
-- an object store (s3, gcs, azure, memory): ``.metadata`` is written in one PUT, which readers see
+- an object store (s3, gcs, azure): ``.metadata`` is written in one PUT, which readers see
   whole or not at all, with the store's exclusive create (``"xb"``) unless ``overwrite``;
 - any other fsspec file system: ``.metadata.<token>.tmp`` written, then renamed into place; qdcp
   assumes its rename replaces the destination whole (as POSIX ``rename`` does).
@@ -115,11 +115,15 @@ def publish_local(root: str, token: str, overwrite: bool, check: Callable[[], No
 
 
 #: fsspec protocols of object stores, whose writes readers see whole or not at all (one PUT)
-_WHOLE_WRITES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "memory"}
+_WHOLE_WRITES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 
 
 def writes_whole(fs) -> bool:
-    """Whether ``fs`` (an fsspec file system) is an object store whose writes are all-or-nothing."""
+    """Whether ``fs`` (an fsspec file system) is an object store whose writes are all-or-nothing (by
+    its protocol, or its class's ``qdcp_whole_writes`` where it declares one)."""
+    declared = getattr(fs, "qdcp_whole_writes", None)
+    if declared is not None:
+        return bool(declared)
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return bool(set(protocols) & _WHOLE_WRITES)
 
