@@ -35,6 +35,7 @@ from qdcp.checkpoint import async_save, load, save
 from qdcp.errors import (
     AlignmentError,
     CheckpointFormatError,
+    CheckpointNotFoundError,
     CheckpointWriteError,
     ChecksumError,
     ConcurrentSaveError,
@@ -85,7 +86,7 @@ __all__ = [
     "enable_new_empty", "Adapter", "StoredEntry", "register_adapter", "find_adapter", "registered_type_names",
     "QdcpError", "CheckpointFormatError", "ChecksumError", "UnsupportedTensorError", "AlignmentError",
     "LoadMismatchError", "StagingError", "ReplicaMismatchError", "ConcurrentSaveError", "CheckpointWriteError",
-    "ReservedKeyError",
+    "ReservedKeyError", "CheckpointNotFoundError",
     "export", "ExportResult", "ExportError", "QuantizedHFReader", "install", "uninstall", "installed",
     "is_installed", "consolidate", "dcp_to_torch_save", "ConsolidatingLoadPlanner",
 ]

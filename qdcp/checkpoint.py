@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
+import time
+import warnings
 from concurrent.futures import Future
 from typing import Any, Iterator
 
@@ -21,11 +24,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from qdcp.errors import CheckpointFormatError, CheckpointNotFoundError
 from qdcp.planning.load import QuantizedLoadPlanner
 from qdcp.planning.save import DequantizeChoice, QuantizedSavePlanner
 from qdcp.storage import storage_reader, storage_writer
 
 __all__ = ["save", "async_save", "load"]
+
+#: one INFO line per finished ``save`` / ``async_save`` / ``load`` (path, bytes, seconds, GiB/s); no
+#: handler of its own: shown only where the application configures logging
+logger = logging.getLogger("qdcp")
 
 
 def save(state_dict: dict[str, Any], path: str | os.PathLike, *, overwrite: bool = False,
@@ -40,13 +48,17 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, overwrite: bool
     ``no_dist``: this process saves alone, whatever process group is initialized (DCP's
     ``no_dist``; e.g. rank 0 of a job saving what it alone holds).
     """
+    start = time.perf_counter()
     with _own_error():
         writer = storage_writer(path, overwrite=overwrite, **(storage_options or {}))
         try:
-            return dcp.save(state_dict, storage_writer=writer, planner=QuantizedSavePlanner(dequantize=dequantize),
-                            process_group=process_group, **_alone(no_dist))
+            metadata = dcp.save(state_dict, storage_writer=writer,
+                                planner=QuantizedSavePlanner(dequantize=dequantize),
+                                process_group=process_group, **_alone(no_dist))
         finally:
             writer.abandon()  # after a failure on any rank: this save's files removed, its claim released
+    _log_done("saved", path, _stored_bytes(metadata), start)
+    return metadata
 
 
 def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=None, overwrite: bool = False,
@@ -67,6 +79,7 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     """
     # the writer stages (DCP's hook for a writer that is an AsyncStager), through ``stager`` if given:
     # a writer that staged its save knows the upload runs beside training (direct writes on few cores)
+    start = time.perf_counter()
     writer = storage_writer(path, overwrite=overwrite, stager=stager, **(storage_options or {}))
     try:
         with _own_error():
@@ -78,6 +91,7 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
         raise
     upload = getattr(result, "upload_completion", result)  # DCP's AsyncSaveResponse, or the Future itself
     upload.add_done_callback(lambda _: writer.abandon())  # a failed upload's files removed, claim released
+    upload.add_done_callback(lambda done: _log_upload(done, path, start))
     if isinstance(result, Future):
         return _own_errors(result)
     return dataclasses.replace(result, staging_completion=_own_errors(result.staging_completion),
@@ -96,13 +110,92 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = 
     were (it holds one extra copy of the loaded state meanwhile; False loads in place, as DCP does).
     ``no_dist``: this process loads alone, whatever process group is initialized (DCP's
     ``no_dist``; e.g. rank 0 of a job reading a whole checkpoint). Errors are raised as
-    :func:`save` raises them.
+    :func:`save` raises them; no checkpoint at ``path`` (no directory, or no ``.metadata`` in it) is
+    :class:`qdcp.CheckpointNotFoundError`, a ``FileNotFoundError``. Checkpoint entries the state dict
+    has no key for are not loaded (as DCP does) and warned about once (``UserWarning``, listing
+    them; ``allow_partial_load=True`` loads a part on purpose, without the warning).
     """
-    with _own_error():
-        dcp.load(state_dict, storage_reader=storage_reader(path, **(storage_options or {})),
-                 planner=QuantizedLoadPlanner(atomic=atomic, allow_partial_load=allow_partial_load,
-                                              weights_only=weights_only), process_group=process_group,
+    start = time.perf_counter()
+    try:
+        reader = storage_reader(path, **(storage_options or {}))
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(_not_found(path, "no such directory")) from e
+    planner = QuantizedLoadPlanner(atomic=atomic, allow_partial_load=allow_partial_load, weights_only=weights_only)
+    with _metadata_found(reader, path), _own_error(), _no_missing_metadata_tracebacks():
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
                  **_alone(no_dist))
+    if planner.unread_keys and not allow_partial_load:
+        _warn_unread(planner.unread_keys, path)
+    _log_done("loaded", path, planner.read_bytes, start)
+
+
+def _not_found(path: str | os.PathLike, why: str) -> str:
+    return f"no checkpoint (.metadata) at {os.fspath(path)!r} ({why}): is the path right, and did the save finish?"
+
+
+@contextlib.contextmanager
+def _metadata_found(reader: Any, path: str | os.PathLike) -> Iterator[None]:
+    """A load of a directory without ``.metadata`` raises :class:`CheckpointNotFoundError`, not
+    DCP's ``AssertionError: metadata is None`` (the reader's own error, kept on it, is its cause);
+    another unreadable ``.metadata`` raises the reader's :class:`CheckpointFormatError`."""
+    try:
+        yield
+    except (AssertionError, CheckpointFormatError) as e:
+        first = getattr(reader, "_qdcp_metadata_error", None) if isinstance(e, AssertionError) else e
+        if not isinstance(first, CheckpointFormatError):
+            raise
+        if "has no .metadata" in str(first):
+            raise CheckpointNotFoundError(_not_found(path, "a directory without .metadata; a save stopped "
+                                                           "before its commit leaves none")) from first
+        if first is e:
+            raise
+        raise first from e
+
+
+class _MissingMetadataNoise(logging.Filter):
+    """Drops DCP's warnings (with tracebacks) that a checkpoint's ``.metadata`` is missing: the
+    load raises :class:`CheckpointNotFoundError` saying so."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(err, CheckpointFormatError) and "has no .metadata" in str(err))
+
+
+@contextlib.contextmanager
+def _no_missing_metadata_tracebacks() -> Iterator[None]:
+    noise = _MissingMetadataNoise()
+    root = logging.getLogger()  # the logger DCP's loader warns on
+    root.addFilter(noise)
+    try:
+        yield
+    finally:
+        root.removeFilter(noise)
+
+
+def _warn_unread(keys: list[str], path: str | os.PathLike) -> None:
+    what = "1 entry" if len(keys) == 1 else f"{len(keys)} entries"
+    more = " ..." if len(keys) > 5 else ""
+    warnings.warn(
+        f"qdcp.load: the checkpoint at {os.fspath(path)!r} holds {what} the state dict has no key for, not "
+        f"loaded: {keys[:5]}{more}. Pass allow_partial_load=True to load a part of a checkpoint on purpose "
+        f"(no warning); qdcp.describe(path) lists its keys.", UserWarning, stacklevel=3)
+
+
+def _stored_bytes(metadata: Any) -> int:
+    """The bytes a checkpoint's items take in its files (its metadata's storage records)."""
+    storage = getattr(metadata, "storage_data", None)
+    return sum(getattr(info, "length", 0) for info in storage.values()) if isinstance(storage, dict) else 0
+
+
+def _log_upload(done: Future, path: str | os.PathLike, start: float) -> None:
+    if not done.cancelled() and done.exception() is None:
+        _log_done("saved (async)", path, _stored_bytes(done.result()), start)
+
+
+def _log_done(what: str, path: str | os.PathLike, nbytes: int, start: float) -> None:
+    seconds = time.perf_counter() - start
+    logger.info("qdcp: %s %s: %d bytes in %.3f s (%.3f GiB/s)", what, os.fspath(path), nbytes, seconds,
+                nbytes / 2**30 / seconds if seconds > 0 else 0.0)
 
 
 def _own_errors(fut: Future) -> Future:

@@ -44,3 +44,8 @@ class ConcurrentSaveError(QdcpError, RuntimeError):
 class CheckpointWriteError(QdcpError, OSError):
     """Writing a checkpoint's files failed (disk full, I/O error...); nothing was committed. ``errno``
     is the root cause's, which is also this error's ``__cause__``."""
+
+
+class CheckpointNotFoundError(QdcpError, FileNotFoundError):
+    """There is no checkpoint at the path given to :func:`qdcp.load`: no directory, or no
+    ``.metadata`` in it (an empty directory, or a save that did not finish)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
@@ -23,6 +24,7 @@ from qdcp.layouts import narrow
 from qdcp.planning.actions import ItemRead, LoadAction, Temporaries
 from qdcp.planning.key_plans import GroupTarget, KeyPlan, KeyPlanner
 from qdcp.planning.placement import planning
+from qdcp.planning.save import _check_instance
 from qdcp.planning.shadows import Shadows
 from qdcp.storage.metadata import load_object
 
@@ -70,6 +72,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self._streams: set = set()  # CUDA streams with copies from pinned buffers left running
         self.loaded_keys: list[str] = []   #: target keys the checkpoint holds (after planning)
         self.missing_keys: list[str] = []  #: target keys it lacks (a partial load skips them)
+        #: checkpoint entries no rank's target asked for (after global planning, on the coordinator only)
+        self.unread_keys: list[str] = []
+        self.read_bytes = 0  #: bytes of the items this rank's plan reads (after ``finish_plan``)
         self._actions: dict[str, LoadAction] = {}
         self._by_item: dict[str, _Dest] = {}
         self._handled: set[str] = set()
@@ -112,6 +117,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self._verify.note_verified(read_item)
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        _check_instance(self, QuantizedLoadPlanner)
         _check_is_load(metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self._verify = sums.ReadVerifier(sums.record(metadata) if self.checksums else None, atomic=self.atomic)
@@ -119,8 +125,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self._shadows = Shadows() if self.atomic else None
         self._narrowed, self._streams = {}, set()
         keys = KeyPlanner(metadata, allow_partial_load=self.allow_partial_load)
-        self.loaded_keys, self.missing_keys = [], []
-        with planning():
+        self.loaded_keys, self.missing_keys, self.unread_keys, self.read_bytes = [], [], [], 0
+        self._target_keys = list(self.state_dict)
+        with planning(), _missing_key_hint(self._target_keys, metadata, keys.specs):
             if self._shadows is not None:
                 self.state_dict = self._shadows.of_dict(self.state_dict)
             for fqn, target in list(self.state_dict.items()):
@@ -152,7 +159,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         with planning():
             if self.flatten_state_dict:
                 self._detect_pre_2_4_keys()
-            plan = create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+            with _missing_key_hint(self._target_keys, self.metadata, self._specs):
+                plan = create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
             items = list(plan.items)
             for action in self._actions.values():
                 for read in action.reads:
@@ -169,7 +177,12 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 self.state_dict = self._shadows.of_dict(self.state_dict)
             self.mappings = found[1]
 
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        self.unread_keys = _unread_entries(self.metadata, self._specs, global_plan)
+        return super().create_global_plan(global_plan)
+
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        self.read_bytes = _read_bytes(self.metadata, new_plan.items)
         self._pending = dict.fromkeys(self._actions, 0)
         for item in new_plan.items:
             hit = self._by_item.get(item.dest_index.fqn)
@@ -351,6 +364,65 @@ def _report_partial(loaded: list[str], missing: list[str], metadata: Metadata, s
         f"(e.g. {missing[:3]}) in the checkpoint, which holds {len(stored)} keys (e.g. {stored[:3]}): "
         f"nothing was loaded. Check the state dict's nesting against the checkpoint's keys "
         f"(qdcp.describe(path) lists them).", UserWarning, stacklevel=2)
+
+
+@contextlib.contextmanager
+def _missing_key_hint(target_keys: list[str], metadata: Metadata, specs):
+    """DCP's ``Missing key in checkpoint state_dict: K.`` with the nesting that matches, where one does."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not str(e).startswith("Missing key in checkpoint state_dict"):
+            raise
+        hint = _nesting_hint(target_keys, qspec.entry_keys(metadata.state_dict_metadata, specs))
+        if not hint:
+            raise
+        raise RuntimeError(f"{e} {hint}") from None
+
+
+def _nesting_hint(target: list[str], stored: list[str]) -> str:
+    """Where every target key the checkpoint lacks is a checkpoint key under one prefix (or is one
+    prefix more than a checkpoint key), what that means: a flat state dict against a nested
+    checkpoint (``{"model": model.state_dict()}``), or the other way round."""
+    have = set(stored)
+    missing = [k for k in target if k not in have]
+    if not missing:
+        return ""
+    first = missing[0]
+    for prefix in sorted({s[:-len(first) - 1] for s in have if s.endswith("." + first)}, key=len):
+        if all(f"{prefix}.{k}" in have for k in missing):
+            nested = "sd"
+            for part in reversed(prefix.split(".")):
+                nested = f'{{"{part}": {nested}}}'
+            return (f"The checkpoint holds every missing key under {prefix + '.'!r} (e.g. {prefix + '.' + first!r}): "
+                    f"it was saved nested; load into {nested} (sd: this state dict), nested as it was saved.")
+    parts = first.split(".")
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i]) + "."
+        if all(k.startswith(prefix) and k[len(prefix):] in have for k in missing):
+            inner = "sd" + "".join(f"[{p!r}]" for p in parts[:i])
+            return (f"The checkpoint holds every missing key without the prefix {prefix!r} (e.g. "
+                    f"{first[len(prefix):]!r}): it was saved flat; load into {inner} (sd: this state dict).")
+    return ""
+
+
+def _unread_entries(metadata: Metadata, specs, global_plan: list[LoadPlan]) -> list[str]:
+    """The checkpoint's entries (of stored items) that no rank's plan reads an item of."""
+    owner = {qspec.component_fqn(e.fqn, c.name): e.fqn for e in specs.values() for c in e.components}
+    read = {owner.get(i.storage_index.fqn, i.storage_index.fqn) for plan in global_plan for i in plan.items}
+    return [k for k in dict.fromkeys(owner.get(f, f) for f in metadata.state_dict_metadata) if k not in read]
+
+
+def _read_bytes(metadata: Metadata, items: list[ReadItem]) -> int:
+    """The bytes ``items`` read: a tensor item's elements, an object's stored length."""
+    total = 0
+    for item in items:
+        md = metadata.state_dict_metadata.get(item.storage_index.fqn)
+        if isinstance(md, TensorStorageMetadata):
+            total += math.prod(item.lengths) * md.properties.dtype.itemsize
+        else:
+            total += getattr((metadata.storage_data or {}).get(item.storage_index), "length", 0)
+    return total
 
 
 def _reads_of(key: str, read: ItemRead) -> list[ReadItem]:

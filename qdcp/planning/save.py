@@ -92,7 +92,10 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         need no checksums of their own then)."""
         return self.checksums
 
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+    # ``self=None``: DCP calls this by keyword, so ``planner=QuantizedSavePlanner`` (the class, no
+    # ``()``) arrives here without a planner and is told so, not with Python's "missing 'self'"
+    def set_up_planner(self=None, state_dict=None, storage_meta=None, is_coordinator=False) -> None:
+        _check_instance(self, QuantizedSavePlanner)
         _check_is_save(storage_meta)
         if not self.overwrite:
             refuse_existing_checkpoint(storage_meta, type(self).__name__)
@@ -166,6 +169,14 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             data = self._ready[item.index] = data.detach().cpu()
             self._entries.release(item)  # the device data is not needed again
         return data
+
+
+def _check_instance(planner: Any, cls: type) -> None:
+    """Refuse a planner passed as its class (``planner=QuantizedSavePlanner``, without ``()``): DCP
+    then calls its methods unbound, with the state dict (or nothing) in the planner's place."""
+    if not isinstance(planner, cls):
+        raise TypeError(f"planner={cls.__name__} is the class itself: pass {cls.__name__}(), an instance "
+                        f"(e.g. planner=qdcp.{cls.__name__}())")
 
 
 def _check_is_save(storage_meta) -> None:
