@@ -48,6 +48,7 @@ class CheckpointEntries:
         self._memory = _Arena() if reuse_memory else None
         self._storage = storage_reader(path)
         self.metadata = metadata if metadata is not None else self._storage.read_metadata()
+        self._storage.check_files(self.metadata)  # symlinks out of it, FIFOs: the whole checkpoint refused
         self._set_up = False  # the storage reader (which checks the chunk geometry) at the first read
         self.specs = qspec.read_specs(self.metadata)
         self._stored = qspec.stored_components(self.metadata.state_dict_metadata)

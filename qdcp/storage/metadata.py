@@ -6,6 +6,8 @@ import argparse
 import io
 import pickle
 import re
+import reprlib
+from pathlib import PurePath
 from typing import IO, Any
 
 import torch
@@ -90,7 +92,8 @@ def safe_load_metadata(stream: IO[bytes]) -> Metadata:
         raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {e!r}") from None
     if not isinstance(md, Metadata):
         raise CheckpointFormatError(f".metadata holds a {type(md).__name__}, not DCP Metadata")
-    damage = _malformed(md)
+    # planner_data: the free-form part (DCP's other fields are checked field by field below)
+    damage = _graph_problem(md.planner_data, _MAX_NODES_PER_BYTE * len(data) + (1 << 16)) or _malformed(md)
     if damage is not None:
         raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {damage}; it is corrupt "
                                     f"(restore it from a good copy)")
@@ -136,11 +139,61 @@ def _malformed(md: Metadata) -> str | None:
         if isinstance(path, (tuple, list)):
             nested = True
             if not (all(isinstance(p, (str, int)) for p in path) and ".".join(map(str, path)) == key):
-                return f"the nesting it records for key {key!r} ({tuple(path)!r}) does not spell that key"
+                return f"the nesting it records for key {_short(key)} ({_short(path)}) does not spell that key"
     if nested:  # DCP records the nesting of every item it flattened, or none
         unmapped = [fqn for fqn in entries if not isinstance(planner.get(fqn), (tuple, list))]
         if unmapped:
             return f"{describe_item(unmapped[0])} has no recorded nesting, unlike the others"
+    return None
+
+
+# nesting deeper than DCP's metadata has (Metadata > dict > record > list > chunk > size > int: 7)
+_MAX_DEPTH = 32
+# objects a walk of the unpickled graph meets (shared objects once per reference: as repr, json.dumps
+# or any check walks them), at most this many per byte of the pickle (plus a floor): the work of
+# every later walk stays linear in the file's size
+_MAX_NODES_PER_BYTE = 16
+_LEAVES = (str, bytes, int, float, complex, type(None), torch.dtype, PurePath, slice)
+_LEAF_TYPES = frozenset((str, bytes, int, float, bool, complex, type(None), torch.dtype, slice))
+_REPR = reprlib.Repr()  # a bounded repr for messages
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 60, 60
+_short = _REPR.repr
+
+
+def _children(obj: Any) -> list:
+    if isinstance(obj, dict):
+        return [*obj.keys(), *obj.values()]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return list(obj)
+    return list(vars(obj).values()) if hasattr(obj, "__dict__") and not isinstance(obj, _LEAVES) else []
+
+
+def _graph_problem(root: Any, max_nodes: int) -> str | None:
+    """Why the unpickled object graph of ``root`` is refused: a cycle, nesting deeper than
+    :data:`_MAX_DEPTH`, or more than ``max_nodes`` objects counted as a walk meets them (shared
+    references let a small pickle stand for an exponential tree). Each object is visited once
+    (its count and depth kept by id): linear in the pickle's size. None where it is fine."""
+    done: dict[int, tuple[int, int]] = {}  # id -> (objects under it, counted per reference; depth)
+    open_ids: set[int] = set()
+    stack: list[tuple[Any, list | None]] = [(root, None)]
+    while stack:
+        obj, kids = stack.pop()
+        if kids is not None:  # every child done (leaves: one object, no depth)
+            open_ids.discard(id(obj))
+            got = [done.get(id(k), (1, 0)) for k in kids]
+            count, depth = 1 + sum(n for n, _ in got), 1 + max((d for _, d in got), default=0)
+            if depth > _MAX_DEPTH:
+                return f"it nests objects deeper than {_MAX_DEPTH} levels"
+            if count > max_nodes:
+                return f"its shared references stand for more than {max_nodes} objects"
+            done[id(obj)] = (count, depth)
+        elif id(obj) in open_ids:
+            return "an object in it contains itself"
+        elif id(obj) not in done:
+            kids = _children(obj)
+            open_ids.add(id(obj))
+            stack.append((obj, kids))
+            stack.extend((k, None) for k in kids if type(k) not in _LEAF_TYPES and id(k) not in done)
     return None
 
 

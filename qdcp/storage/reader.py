@@ -22,6 +22,7 @@ from qdcp.adapters import allow_pickled, find_adapter
 from qdcp.errors import CheckpointFormatError, QdcpError
 from qdcp.spec import describe_item
 from qdcp.storage.hooks import AdoptingLoadPlanner, ReportingLoadPlanner, verifies_whole_items
+from qdcp.storage.local_files import file_problem, open_inside, refusal
 from qdcp.storage.metadata import check_chunk_geometry, safe_load_metadata
 from qdcp.storage.pipeline import default_thread_count
 from qdcp.storage.threads import run_jobs
@@ -170,7 +171,7 @@ class SafeReading:
                 f"{os.fspath(self.path)!r} has no .metadata: it is not a DCP checkpoint, or its save "
                 f"did not finish (a partial checkpoint)")
         try:
-            with self.fs.create_stream(path, "rb") as f:
+            with self._open_file(os.path.basename(os.fspath(path)), "the checkpoint's .metadata") as f:
                 metadata = safe_load_metadata(f)
         except OSError as e:
             raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {e}") from None
@@ -179,7 +180,16 @@ class SafeReading:
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def _open_file(self, name: str, what: str) -> Any:
+        """File ``name`` of the checkpoint, opened for reading (``what``: how an error names it)."""
+        return self.fs.create_stream(self.fs.concat_path(self.path, name), "rb")
+
+    def check_files(self, metadata: Metadata) -> None:
+        """Refuse a checkpoint whose data files may not be read (here: none; local checkpoints check),
+        before anything is read: :meth:`set_up_storage_reader` calls it, as does qdcp's entry reader."""
+
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.check_files(metadata)
         check_chunk_geometry(metadata)  # here, not in read_metadata: `qdcp verify` lists such problems
         self._qdcp_sums = checksums.record(metadata)
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -253,7 +263,7 @@ class SafeReading:
     def _read_file(self, lane: _Lane, rel: str, reqs: list, failed: threading.Event) -> None:
         """Read ``reqs`` from data file ``rel``, in order (until ``failed`` is set: another file failed)."""
         try:
-            stream_cm = self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb")
+            stream_cm = self._open_file(rel, f"{describe_item(reqs[0].storage_index.fqn)}: its data file")
             stream = stream_cm.__enter__()
         except OSError as e:
             raise CheckpointFormatError(
@@ -542,3 +552,18 @@ class CheckpointReader(SafeReading, FileSystemReader):
     def __init__(self, path: str | os.PathLike, thread_count: int | None = None, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self._setup_safe_reading(thread_count)
+
+    def _open_file(self, name: str, what: str) -> Any:
+        """Only a regular file inside the checkpoint directory (:func:`~qdcp.storage.local_files.open_inside`)."""
+        return open_inside(self.path, name, what)
+
+    def check_files(self, metadata: Metadata) -> None:
+        """Refuse, before anything is read, a checkpoint whose data files resolve outside its
+        directory or are not regular files (each file named, with the first key stored in it)."""
+        first: dict[str, str] = {}
+        for index, info in (metadata.storage_data or {}).items():
+            first.setdefault(info.relative_path, index.fqn)
+        for rel, fqn in first.items():
+            problem = file_problem(self.path, rel)
+            if problem is not None:
+                raise refusal(f"{describe_item(fqn)}: its data file", self.path, rel, problem)
