@@ -31,7 +31,7 @@ from qdcp.errors import ConcurrentSaveError
 from qdcp.storage.owners import Owner
 
 __all__ = ["CLAIM_FILE", "CLAIM_PREFIX", "PathClaim", "ClaimRecord", "LocalStore", "FsspecStore", "take",
-           "read_record", "honours_exclusive"]
+           "read_record", "honours_exclusive", "protocols"]
 
 CLAIM_PREFIX = ".qdcp-save."  #: every file of a claim's (the claim, its asides) starts so
 CLAIM_FILE = f"{CLAIM_PREFIX}claim"  #: the claim, in the checkpoint directory
@@ -44,11 +44,15 @@ _EXCLUSIVE_PROTOCOLS = {"s3", "s3a", "memory", "file", "local"}
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # token -> this process's claims
 
 
+def protocols(fs) -> set[str]:
+    """The protocol names of ``fs`` (an fsspec file system)."""
+    return set(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else {fs.protocol}
+
+
 def honours_exclusive(fs) -> bool:
     """Whether ``fs`` (an fsspec file system) is known to make ``"xb"`` an exclusive create; for
     others qdcp checks existence first (not atomic: two writers may both pass the check)."""
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return bool(set(protocols) & _EXCLUSIVE_PROTOCOLS)
+    return bool(protocols(fs) & _EXCLUSIVE_PROTOCOLS)
 
 
 class LocalStore:

@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 from torch.distributed.checkpoint.metadata import Metadata
 
 from qdcp.errors import ConcurrentSaveError
-from qdcp.storage.claims import CLAIM_PREFIX, honours_exclusive
+from qdcp.storage.claims import CLAIM_PREFIX, honours_exclusive, protocols
 from qdcp.storage.metadata import METADATA_FILE, safe_load_metadata
 
 __all__ = ["save_prefix", "data_prefix", "metadata_tmp", "token_of", "referenced", "publish_local", "publish_remote",
@@ -124,8 +124,7 @@ def writes_whole(fs) -> bool:
     declared = getattr(fs, "qdcp_whole_writes", None)
     if declared is not None:
         return bool(declared)
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return bool(set(protocols) & _WHOLE_WRITES)
+    return bool(protocols(fs) & _WHOLE_WRITES)
 
 
 def publish_remote(fs, root: str, token: str, metadata: Metadata, overwrite: bool, check: Callable[[], None]) -> None:

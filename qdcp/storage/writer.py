@@ -277,7 +277,6 @@ class AtomicWriting:
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._dist_seen and not _dist_up():
-            self._release_path()
             raise QdcpError(
                 f"the save to {os.fspath(self.path)!r} was made in a job, but torch.distributed is no longer "
                 f"initialized where it runs (the process group was destroyed before an async save finished): "
