@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from qdcp.errors import CheckpointFormatError, CheckpointNotFoundError
+from qdcp.errors import CheckpointFormatError, CheckpointNotFoundError, QdcpError
 from qdcp.planning.load import QuantizedLoadPlanner
 from qdcp.planning.save import DequantizeChoice, QuantizedSavePlanner
 from qdcp.storage import storage_reader, storage_writer
@@ -93,9 +93,9 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     upload.add_done_callback(lambda _: writer.abandon())  # a failed upload's files removed, claim released
     upload.add_done_callback(lambda done: _log_upload(done, path, start))
     if isinstance(result, Future):
-        return _own_errors(result)
-    return dataclasses.replace(result, staging_completion=_own_errors(result.staging_completion),
-                               upload_completion=_own_errors(upload))
+        return _own_errors(result, writer)
+    return dataclasses.replace(result, staging_completion=_own_errors(result.staging_completion, writer),
+                               upload_completion=_own_errors(upload, writer))
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = True,
@@ -198,8 +198,10 @@ def _log_done(what: str, path: str | os.PathLike, nbytes: int, start: float) -> 
                 nbytes / 2**30 / seconds if seconds > 0 else 0.0)
 
 
-def _own_errors(fut: Future) -> Future:
-    """A Future with ``fut``'s result, or its error as :func:`_own_error` re-raises it."""
+def _own_errors(fut: Future, writer: Any) -> Future:
+    """A Future with ``fut``'s result, or its error as :func:`_own_error` re-raises it (a save
+    whose process group was destroyed meanwhile failing with the writer's error that says so,
+    whichever of DCP's collectives found the group gone first)."""
     out: Future = Future()
 
     def relay(done: Future) -> None:
@@ -207,6 +209,10 @@ def _own_errors(fut: Future) -> Future:
             with _own_error():
                 value = done.result()
         except BaseException as e:  # noqa: BLE001 (handed to the caller's Future)
+            torn = writer.group_gone()
+            if torn is not None and not isinstance(e, QdcpError):
+                torn.__cause__ = e
+                e = torn
             out.set_exception(e)
         else:
             out.set_result(value)

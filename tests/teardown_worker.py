@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -42,7 +43,8 @@ def main(door: str, root: str) -> None:
         upload.result(timeout=120)
         outcome = {"raised": None}
     except BaseException as e:  # noqa: BLE001 (the outcome is the finding)
-        outcome = {"raised": type(e).__name__, "message": str(e)[:2000]}
+        outcome = {"raised": type(e).__name__, "message": str(e)[:2000],
+                   "trace": "".join(traceback.format_exception(e))[-6000:]}
     with open(os.path.join(root, f"outcome-{rank}.json"), "w") as f:
         json.dump(outcome, f)
 

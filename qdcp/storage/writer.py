@@ -275,13 +275,21 @@ class AtomicWriting:
             self._release()
         return fut
 
+    def group_gone(self) -> QdcpError | None:
+        """The error of a save made in a job that runs on after its process group was destroyed
+        (an async save not waited for), or None while the group stands."""
+        if not self._dist_seen or _dist_up():
+            return None
+        return QdcpError(
+            f"the save to {os.fspath(self.path)!r} was made in a job, but torch.distributed is no longer "
+            f"initialized where it runs (the process group was destroyed before an async save finished): "
+            f"each rank would commit a checkpoint of its own data alone (a torn checkpoint); nothing was "
+            f"committed. Wait for the save (its future's .result()) before dist.destroy_process_group()")
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if self._dist_seen and not _dist_up():
-            raise QdcpError(
-                f"the save to {os.fspath(self.path)!r} was made in a job, but torch.distributed is no longer "
-                f"initialized where it runs (the process group was destroyed before an async save finished): "
-                f"each rank would commit a checkpoint of its own data alone (a torn checkpoint); nothing was "
-                f"written. Wait for the save (its future's .result()) before dist.destroy_process_group()")
+        torn = self.group_gone()
+        if torn is not None:
+            raise torn
         if kwargs.get("use_collectives") is False and _world_size() > 1:
             raise QdcpError(
                 f"saving to {os.fspath(self.path)!r} with use_collectives=False: every rank would commit a "
