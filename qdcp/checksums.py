@@ -22,7 +22,7 @@ import json
 import os
 import struct
 import threading
-import weakref
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping
 
@@ -37,6 +37,9 @@ from qdcp.spec import COMPONENT_SEPARATOR, describe_item
 from qdcp.spec import PLANNER_DATA_KEY as SPEC_KEY
 
 PLANNER_DATA_KEY = "__qdcp_checksums__"
+# beside the record, under a key of its own: "this checkpoint's save recorded every item's checksum".
+# A record deleted, or renamed by a flipped bit, is then damage, not a checkpoint without checksums.
+SEALED_KEY = "__qdcp_sealed__"
 ALGORITHM = "xxh3_64"
 
 _U64 = struct.Struct("<Q")
@@ -83,6 +86,39 @@ def of_data(data: Any) -> int | None:
     """XXH3-64 of what a writer is given for an item: a CPU tensor, or the bytes of an object
     (None: a tensor subclass whose values cannot be read, see :func:`of_tensor`)."""
     return of_tensor(data) if isinstance(data, torch.Tensor) else of_bytes(data)
+
+
+# ----------------------------------------------------------------------------- trailers (read only)
+# Items written by qdcp's writer before it recorded every item's hash itself carry their hash after
+# their bytes ("qdcp-checksum/1": CRC-32, qdcp 0.1; "/2": XXH3-64), named in transform_descriptors.
+_TRAILERS = {"1": 4, "2": 8}  # version -> bytes of the hash after the item
+TRAILER_EXTENSION = "qdcp-checksum"
+
+
+def trailer_version(descriptors: list[str], where: str = "stored item") -> str | None:
+    """The qdcp-checksum version among an item's transform descriptors (None if absent)."""
+    for d in descriptors:
+        name, _, version = d.partition("/")
+        if name == TRAILER_EXTENSION:
+            major = version.partition(".")[0]
+            if major not in _TRAILERS:
+                raise CheckpointFormatError(f"{where}: unknown qdcp-checksum version {version!r}; upgrade qdcp")
+            return major
+    return None
+
+
+def trailed_payload(data: Any, where: str, version: str) -> memoryview:
+    """The payload of a ``qdcp-checksum/<version>`` item (without a copy), after checking its hash."""
+    size = _TRAILERS[version]
+    if len(data) < size:
+        raise ChecksumError(f"{where}: the stored item is truncated ({len(data)} bytes)")
+    payload = memoryview(data)[:-size]
+    expected = int.from_bytes(bytes(data[-size:]), "little")
+    actual = zlib.crc32(payload) if version == "1" else of_bytes(payload)
+    if actual != expected:
+        raise ChecksumError(f"{where}: checksum mismatch (stored {expected:0{2 * size}x}, computed "
+                            f"{actual:0{2 * size}x}); the data file is corrupt")
+    return payload
 
 
 # xxHash releases the GIL while it hashes: large items are hashed on these threads, beside the
@@ -154,9 +190,11 @@ class RecordBuilder:
             self._missing[fqn] -= 1
 
     def record(self) -> dict:
-        """The record: items every chunk of which was hashed."""
+        """The record: items every chunk of which was hashed; ``unchecked`` lists the others (a
+        tensor subclass whose values cannot be read: :func:`of_tensor`)."""
         items = {fqn: bytes(b) for fqn, b in self._items.items() if self._missing[fqn] == 0 and b}
-        return {"algorithm": ALGORITHM, "items": items}
+        unchecked = sorted(fqn for fqn, b in self._items.items() if b and self._missing[fqn])
+        return {"algorithm": ALGORITHM, "items": items, **({"unchecked": unchecked} if unchecked else {})}
 
 
 def item_key(item: WriteItem) -> tuple[str, tuple[int, ...]]:
@@ -319,59 +357,74 @@ class Record:
 
 def record(metadata: Metadata | None) -> Record | None:
     """The checksum record of ``metadata``, or None for a checkpoint written without checksums;
-    the metadata's digest checked where the record carries one (:func:`sealed`)."""
+    the metadata's digest checked where the record carries one (:func:`sealed`). A checkpoint
+    marked sealed (:func:`attach`) must carry the record, its digest and every item's hash."""
     data = getattr(metadata, "planner_data", None)
     raw = data.get(PLANNER_DATA_KEY) if isinstance(data, dict) else None
+    marked = isinstance(data, dict) and data.get(SEALED_KEY) is not None
     if raw is None:
+        if marked:
+            raise _damaged("its save recorded every item's checksum, but the record is missing (or its name damaged)")
         return None
     if not isinstance(raw, dict) or not isinstance(raw.get("items"), dict) \
-            or not all(isinstance(k, str) and isinstance(v, bytes) for k, v in raw["items"].items()):
+            or not all(isinstance(k, str) and isinstance(v, bytes) for k, v in raw["items"].items()) \
+            or not isinstance(raw.get("unchecked", []), list) \
+            or not all(isinstance(k, str) for k in raw.get("unchecked", [])):
         raise CheckpointFormatError("the checkpoint's checksum record is malformed; the metadata is damaged")
     if raw.get("algorithm") != ALGORITHM:
         raise CheckpointFormatError(
             f"the checkpoint's items are checksummed with {raw.get('algorithm')!r}, which this qdcp does "
             f"not know (it knows {ALGORITHM!r}). Upgrade qdcp, or load without verification "
             f"(QuantizedLoadPlanner(checksums=False)).")
-    if "metadata" in raw and not _digest_checked(metadata):
-        if raw["metadata"] != metadata_digest(metadata, raw["items"]):
+    if marked:
+        _check_complete(metadata, raw)
+    if "metadata" in raw:  # checked once a load: by the reader that verifies, else by the load planner
+        if raw["metadata"] != metadata_digest(metadata, raw["items"], raw.get("unchecked", ())):
             raise CheckpointFormatError(
                 "the checkpoint's .metadata does not match the digest its save recorded: it is damaged (an "
                 "entry's key, shape, dtype or chunks, its nesting or the qdcp spec changed). Restore it from a "
                 "good copy")
-        _remember_checked(metadata)
     return Record(metadata, raw["items"])
 
 
-# Metadata objects whose digest was checked (by id, while they live): a load's reader and planner
-# both look up the record of one object; the digest of a large job's metadata takes ~0.5 s.
-_checked: dict[int, weakref.ref] = {}
-_checked_lock = threading.Lock()
+def _damaged(what: str) -> CheckpointFormatError:
+    return CheckpointFormatError(f"the checkpoint's .metadata is damaged: {what}. It cannot be verified, so it "
+                                 f"is not loaded; restore it from a good copy")
 
 
-def _digest_checked(metadata: Metadata) -> bool:
-    with _checked_lock:
-        ref = _checked.get(id(metadata))
-        return ref is not None and ref() is metadata
-
-
-def _remember_checked(metadata: Metadata) -> None:
-    key = id(metadata)
-    with _checked_lock:
-        _checked[key] = weakref.ref(metadata, lambda _, k=key: _checked.pop(k, None))
+def _check_complete(metadata: Metadata, raw: dict) -> None:
+    """A sealed checkpoint's record has its digest and a hash (or an ``unchecked`` note) for every item."""
+    if "metadata" not in raw:
+        raise _damaged("its checksum record has lost its digest")
+    items, unchecked = raw["items"], set(raw.get("unchecked", ()))
+    for fqn, item in (metadata.state_dict_metadata or {}).items():
+        if fqn not in items and fqn not in unchecked and (not isinstance(item, TensorStorageMetadata) or item.chunks):
+            raise _damaged(f"its checksum record has no checksum for {describe_item(fqn)}")
 
 
 def sealed(record: dict, metadata: Metadata) -> dict:
     """``record`` (the checksum record about to join ``metadata``'s ``planner_data``) with the
     digest of what the metadata says of the checkpoint's entries (:func:`metadata_digest`)."""
-    return {**record, "metadata": metadata_digest(metadata, record["items"])}
+    return {**record, "metadata": metadata_digest(metadata, record["items"], record.get("unchecked", ()))}
 
 
-def metadata_digest(metadata: Metadata, items: Mapping[str, Any]) -> str:
+def attach(metadata: Metadata, record: dict) -> None:
+    """Put ``record`` into ``metadata``'s ``planner_data``, sealed, with the mark that says the
+    checkpoint carries one (:data:`SEALED_KEY`), replacing an earlier save's (DCP's plan caching
+    hands the same metadata object to every save)."""
+    if metadata.planner_data is None:
+        metadata.planner_data = {}
+    metadata.planner_data[PLANNER_DATA_KEY] = sealed(record, metadata)
+    metadata.planner_data[SEALED_KEY] = ALGORITHM
+
+
+def metadata_digest(metadata: Metadata, items: Mapping[str, Any], unchecked: Iterable[str] = ()) -> str:
     """XXH3-64 (16 hex digits) of the canonical JSON (keys sorted, no spaces) of ``{"entries": {fqn:
     [dtype, size, [[offsets, sizes], ...]] or "bytes"}, "nesting": {key: path}, "spec": the qdcp
     spec text or null, "items": {fqn: hashes as hex}}``: every item of ``state_dict_metadata`` (its
     chunks in their order), ``planner_data``'s paths (DCP's ``{flat key: path}``), and the record's
-    item hashes. docs/format.md, *Checksums*."""
+    item hashes; ``"unchecked": [fqn, ...]`` too where the record lists items it could not hash.
+    docs/format.md, *Checksums*."""
     entries: dict[str, Any] = {}
     for fqn, item in (metadata.state_dict_metadata or {}).items():
         entries[fqn] = [str(item.properties.dtype), list(item.size),
@@ -381,6 +434,8 @@ def metadata_digest(metadata: Metadata, items: Mapping[str, Any]) -> str:
     doc = {"entries": entries, "nesting": {k: list(v) for k, v in data.items() if isinstance(v, (tuple, list))},
            "spec": data.get(SPEC_KEY),
            "items": {k: v.hex() for k, v in items.items()}}
+    if unchecked:
+        doc["unchecked"] = sorted(unchecked)
     return xxhash.xxh3_64_hexdigest(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
 
 
@@ -407,13 +462,12 @@ class ReadVerifier:
         self._remaining = 0
         self._lock = threading.Lock()
         self.hashed = 0  #: items this verifier hashed itself (this load)
-        self.noted = 0  #: items the storage reader verified (note_verified) and this one did not hash again
 
     def plan(self, read_items) -> None:
         """Note which of the final plan's read items take a stored chunk (or object) whole."""
         self._whole, self._temps, self._filled, self._pending = {}, set(), set(), collections.deque()
         self._pending_bytes = 0
-        self.hashed = self.noted = 0
+        self.hashed = 0
         if self.record is None:
             return
         self._remaining = len(read_items)
@@ -424,22 +478,13 @@ class ReadVerifier:
                 sizes, h = found
                 self._whole[item] = (h, md[item.storage_index.fqn].properties.dtype if sizes is not None else None)
 
-    def note_verified(self, read_item) -> None:
-        """The storage reader checks ``read_item`` against its recorded hash before it is committed
-        (told before ``resolve_tensor``): not hashed here, nor staged in a host buffer to hash."""
-        with self._lock:
-            found = self._whole.get(read_item)
-            if found is not None and found[0] is not None:
-                self._whole[read_item] = (None, found[1])
-                self.noted += 1
-
     def buffer(self, read_item, dest: torch.Tensor) -> torch.Tensor:
         """Where DCP should copy ``read_item``'s data: ``dest``, or a host buffer to check first
         (pinned where ``dest`` is on CUDA: torch's caching host allocator reuses it from load to
         load, and the copy on to the device need not block)."""
         found = self._whole.get(read_item)
-        if found is None or found[0] is None or (dest.device.type == "cpu" and dest.dtype == found[1]):
-            return dest  # found[0] None: the storage reader checks it (note_verified)
+        if found is None or (dest.device.type == "cpu" and dest.dtype == found[1]):
+            return dest
         with self._lock:
             self._temps.add(id(read_item))
         return torch.empty(tuple(read_item.lengths), dtype=found[1], pin_memory=dest.device.type == "cuda")
@@ -467,7 +512,7 @@ class ReadVerifier:
         copies it into the target once this returns); ``buffered``: in a temporary of the load's,
         written into the target later (:meth:`finished`)."""
         found = self._whole.get(read_item)
-        if found is not None and found[0] is not None:  # None: the reader verified it (note_verified)
+        if found is not None:
             with self._lock:
                 self.hashed += 1
             n = _nbytes(data)

@@ -6,6 +6,8 @@
     qdcp convert PATH OUT --to dcp --dequantize [--dtype bf16|fp16|fp32] [--quiet]
     qdcp export PATH OUT_DIR --format {torchao,compressed-tensors} [--config CONFIG.json]
                 [--max-shard-size 5GB] [--dequantize-unsupported] [--overwrite] [--quiet]
+    qdcp list DIR [--json]                 # a run's checkpoints: step, state, size, age
+    qdcp prune DIR --keep K [--yes]        # what it would remove; --yes removes it
 
 Every verb works without the libraries of the quantized types a checkpoint stores where their
 adapter can compute values in plain torch (TransformerEngine's: TE need not be importable). Long
@@ -17,6 +19,7 @@ Exit status: 0 success, 1 a check failed, 2 bad usage / missing or unreadable ch
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import logging
@@ -29,6 +32,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from tqdm import tqdm
 
+from qdcp import checksums, runs
 from qdcp.checkpoint import save
 from qdcp.errors import QdcpError
 from qdcp.hf.convert import UnwritableDtype, to_safetensors
@@ -147,8 +151,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             problems.append(f"{key}: {_root_cause(e)}")
     for p in problems:
         print(f"FAIL {p}")
+    checked = "every item checked against its recorded checksum" if checksums.record(md) is not None \
+        else "no checksums recorded: items checked only for their structure"
     print(f"{'OK' if not problems else 'FAILED'}: {_count(len(entries.keys), 'entry', 'entries')}, "
-          f"{_count(len(problems), 'problem', 'problems')}")
+          f"{_count(len(problems), 'problem', 'problems')}; {checked}")
     return EXIT_OK if not problems else EXIT_FAILED
 
 
@@ -275,6 +281,56 @@ def _config(path: str | None) -> dict | None:
     return loaded
 
 
+# ----------------------------------------------------------------------------- a run's checkpoints
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _run_dir(path: str) -> str:
+    if not os.path.isdir(path):
+        raise QdcpError(f"no directory at {path!r} (the directory holding a run's checkpoints)")
+    return path
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    found = runs.checkpoints(_run_dir(args.path))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(c) for c in found], indent=1))
+        return EXIT_OK
+    latest = runs.latest(args.path)
+    print(f"{'step':>8}  {'state':<9} {'size':>10} {'age':>5}  checkpoint")
+    for c in found:
+        mark = "  <- latest" if c.path == latest else ""
+        step = "-" if c.step is None else str(c.step)
+        print(f"{step:>8}  {c.state:<9} {runs.format_bytes(c.nbytes):>10} {_age(c.age_s):>5}  "
+              f"{os.path.basename(c.path)}{mark}")
+        if c.why and c.state != "complete":
+            print(f"{'':>8}  ({_one_line(c.why)[:200]})")
+    return EXIT_OK
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    root = _run_dir(args.path)
+    found = {c.path: c for c in runs.checkpoints(root)}
+    doomed = runs.prune(root, keep=args.keep, dry_run=not args.yes)
+    verb = "removed" if args.yes else "would remove"
+    for path in doomed:
+        c = found[path]
+        print(f"{verb} {os.path.basename(path)} ({c.state}, {runs.format_bytes(c.nbytes)})")
+        left = runs.left_behind(path)
+        if left:
+            print(f"  left in it (not written by qdcp): {', '.join(left[:10])}{' ...' if len(left) > 10 else ''}")
+    if not doomed:
+        print(f"nothing to remove (keeping the last {args.keep} complete checkpoints)")
+    elif not args.yes:
+        print(f"dry run: nothing removed; run again with --yes to remove {_count(len(doomed), 'checkpoint', 'checkpoints')}")
+    return EXIT_OK
+
+
 # ----------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -326,6 +382,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "config.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("list", help="a run's checkpoints (the directories in DIR): step, state, size, age")
+    p.add_argument("path", metavar="DIR", help="the directory holding a run's checkpoints (step_100, ...)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_list)
+    p = sub.add_parser("prune", help="remove a run's complete checkpoints but the last K, and what failed "
+                                     "saves left (prints what it would remove unless --yes)")
+    p.add_argument("path", metavar="DIR", help="the directory holding a run's checkpoints")
+    p.add_argument("--keep", type=int, required=True, metavar="K",
+                   help="complete checkpoints to keep (at least 1: the latest is never removed)")
+    p.add_argument("--yes", action="store_true", help="remove them (default: only print what would be removed)")
+    p.set_defaults(func=cmd_prune)
     return parser
 
 

@@ -1,6 +1,6 @@
 """qdcp.checksums through the planners: the save planner records a checksum of every item it
 writes (from the bytes being written), the load planner verifies every item it reads whole.
-(CheckpointReader's own verification and CheckpointWriter's trailers: tests/test_storage.py.)
+(CheckpointReader's own verification and CheckpointWriter's record: tests/test_storage.py.)
 
 Everything here goes through DCP's own calls (stock FileSystemWriter / FileSystemReader) with only
 qdcp's planners passed in.
@@ -15,7 +15,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import qdcp
-from qdcp import CheckpointFormatError, ChecksumError, QuantizedLoadPlanner, QuantizedSavePlanner, checksums
+from qdcp import (
+    CheckpointFormatError,
+    CheckpointWriter,
+    ChecksumError,
+    QuantizedLoadPlanner,
+    QuantizedSavePlanner,
+    checksums,
+)
 from quantized_cases import CASE_BY_NAME, assert_same_buffers, gated_save_planner, inner, raise_inner
 from state_dicts import mutate, snapshot
 from stored_bytes import flip_stored_bytes, tensor_bytes
@@ -88,12 +95,15 @@ def _save_sync(state, path):
     return path
 
 
-def test_plan_caching_records_fresh_checksums_every_save(tmp_path):
-    """With ``enable_plan_caching`` the second save reuses the cached global plan, but the
-    checksums are of the second save's values."""
+@pytest.mark.parametrize("writer", ["dcp", "qdcp"])
+def test_plan_caching_records_fresh_checksums_every_save(tmp_path, writer):
+    """With ``enable_plan_caching`` the second save reuses the cached global plan (and its
+    metadata object), but the checksums are of the second save's values, whoever records them."""
     for i in range(3):
         state = _state(i)
-        dcp.save(state, checkpoint_id=tmp_path / f"c{i}", planner=QuantizedSavePlanner(enable_plan_caching=True))
+        where = {"checkpoint_id": tmp_path / f"c{i}"} if writer == "dcp" else \
+            {"storage_writer": CheckpointWriter(tmp_path / f"c{i}")}
+        dcp.save(state, **where, planner=QuantizedSavePlanner(enable_plan_caching=True))
         loaded = _load(tmp_path / f"c{i}", _targets())
         assert_same_buffers(loaded["w"], state["w"])
         assert _hashes(tmp_path / f"c{i}") == _hashes(_save_sync(state, tmp_path / f"s{i}"))
@@ -227,7 +237,7 @@ def test_unknown_algorithm_is_refused_before_reading(tmp_path):
 def test_the_metadata_digest_refuses_a_consistent_rename_and_is_optional(tmp_path, door):
     """A key renamed in every place .metadata names it (what one flipped byte of a pickled string
     does) passes every structural check; the digest the save records catches it. A record without
-    the digest (earlier qdcp) loads as before."""
+    the digest (earlier qdcp, which set no mark either) loads as before."""
     import dataclasses
     import pickle
 
@@ -253,6 +263,10 @@ def test_the_metadata_digest_refuses_a_consistent_rename_and_is_optional(tmp_pat
         _load(tmp_path / "c", {"bjas": torch.zeros(64)}, allow_partial_load=True)
     md = pickle.loads(raw)
     del md.planner_data[checksums.PLANNER_DATA_KEY]["metadata"]
+    (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointFormatError, match="is damaged: its checksum record has lost its digest"):
+        _load(tmp_path / "c", _targets())  # this save sealed its record: a lost digest is damage
+    del md.planner_data[checksums.SEALED_KEY]  # as an earlier qdcp saved it: neither digest nor mark
     (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(md))
     out = _load(tmp_path / "c", _targets())
     assert torch.equal(out["bias"], state["bias"])

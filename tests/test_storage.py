@@ -1,4 +1,4 @@
-"""qdcp.storage: CheckpointWriter (checksum trailers only where the planner records none),
+"""qdcp.storage: CheckpointWriter (every item's checksum recorded, whatever the planner),
 CheckpointReader (checkpoints written before planner checksums, items verified when read in part),
 and checkpoints through fsspec URLs: memory:// and s3:// against a real S3-compatible server (moto)
 that the tests start on loopback (the ``s3_endpoint`` fixture, tests/conftest.py)."""
@@ -24,6 +24,7 @@ from qdcp import (
     ChecksumError,
     QuantizedLoadPlanner,
     QuantizedSavePlanner,
+    checksums,
 )
 from quantized_cases import CASE_BY_NAME, assert_bitwise_equal, assert_same_buffers, raise_inner
 from stored_bytes import flip_stored_bytes, tensor_bytes
@@ -47,19 +48,23 @@ def _check(loaded, saved):
 
 # ----------------------------------------------------------------------------- CheckpointWriter
 
-def test_checkpoint_writer_leaves_checksums_to_the_planner(tmp_path):
-    """QuantizedSavePlanner + CheckpointWriter: no qdcp-checksum trailers; stock DCP reads it. With
-    the planner's checksums off, the writer appends one to every item."""
+@pytest.mark.parametrize("planner_checksums", [True, False])
+def test_checkpoint_writer_records_every_items_checksum_whatever_the_planner(tmp_path, planner_checksums):
+    """CheckpointWriter hashes every item as it writes it and records the hashes in the metadata,
+    whatever the planner asks (no trailers: stock DCP reads the files); a flipped stored value is
+    then refused through DCP's own reader too, by the load planner."""
     saved = _state(0)
-    dcp.save(saved, storage_writer=CheckpointWriter(tmp_path), planner=QuantizedSavePlanner())
-    md = qdcp.read_metadata(tmp_path)
+    dcp.save(saved, storage_writer=CheckpointWriter(tmp_path / "c"),
+             planner=QuantizedSavePlanner(checksums=planner_checksums))
+    md = qdcp.read_metadata(tmp_path / "c")
     assert not any(info.transform_descriptors for info in md.storage_data.values())
+    assert set(md.planner_data[checksums.PLANNER_DATA_KEY]["items"]) == set(md.state_dict_metadata)
     loaded = _state(1)
-    raise_inner(lambda: dcp.load(loaded, checkpoint_id=tmp_path, planner=QuantizedLoadPlanner()))  # stock reader
+    raise_inner(lambda: dcp.load(loaded, checkpoint_id=tmp_path / "c", planner=QuantizedLoadPlanner()))
     _check(loaded, saved)
-    dcp.save(_state(0), storage_writer=CheckpointWriter(tmp_path / "t"), planner=QuantizedSavePlanner(checksums=False))
-    md = qdcp.read_metadata(tmp_path / "t")
-    assert {tuple(i.transform_descriptors) for i in md.storage_data.values()} == {("qdcp-checksum/2",)}
+    flip_stored_bytes(tmp_path / "c", tensor_bytes(saved["int8_group32"].qdata))
+    with pytest.raises(ChecksumError, match="key 'int8_group32'"):
+        raise_inner(lambda: dcp.load(_state(1), checkpoint_id=tmp_path / "c", planner=QuantizedLoadPlanner()))
 
 
 # ----------------------------------------------------------------------------- CheckpointReader
@@ -193,18 +198,27 @@ def test_async_save_to_memory_url():
     _check(loaded, saved)
 
 
-def test_the_planner_storage_contract_is_stated_as_protocols():
-    """qdcp's storage asks planners for more than DCP's protocols through runtime-checkable
-    protocols (qdcp.storage.hooks): qdcp's planners state them, DCP's default ones do not (and get
-    DCP's behaviour)."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+def test_the_storage_says_what_it_does_in_the_storage_meta_it_gives_dcp(tmp_path):
+    """qdcp's writer and reader declare what they do themselves in the ``StorageMeta`` DCP hands
+    the planner (so that the planner does not do it again), and that declaration never reaches a
+    file: the committed ``.metadata`` and one read by qdcp and pickled again hold DCP's class. The
+    planner's extra capabilities are runtime-checkable protocols: qdcp's state them, DCP's do not."""
+    import pickle
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
     from qdcp.reading.entries import _Assembler
-    from qdcp.storage.hooks import AdoptingLoadPlanner, ChecksummingSavePlanner, VerifyingLoadPlanner
+    from qdcp.storage.reader import AdoptingLoadPlanner, ReportingLoadPlanner
 
-    assert isinstance(qdcp.QuantizedLoadPlanner(), VerifyingLoadPlanner)
+    meta = CheckpointWriter(tmp_path / "c").storage_meta()
+    assert (meta.guards_path, meta.hashes_items, meta.verifies_items) == (True, True, False)
+    qdcp.save(_state(0), tmp_path / "c")
+    md = CheckpointReader(tmp_path / "c").read_metadata()
+    assert md.storage_meta.verifies_items and type(pickle.loads(pickle.dumps(md)).storage_meta) is StorageMeta
+    with open(tmp_path / "c" / ".metadata", "rb") as f:
+        assert type(pickle.load(f).storage_meta) is StorageMeta
+    assert isinstance(qdcp.QuantizedLoadPlanner(), ReportingLoadPlanner)
     assert not isinstance(qdcp.QuantizedLoadPlanner(), AdoptingLoadPlanner)
     assert isinstance(_Assembler({}), AdoptingLoadPlanner)
-    assert isinstance(qdcp.QuantizedSavePlanner(), ChecksummingSavePlanner)
-    assert not isinstance(DefaultLoadPlanner(), (VerifyingLoadPlanner, AdoptingLoadPlanner))
-    assert not isinstance(DefaultSavePlanner(), ChecksummingSavePlanner)
+    assert not isinstance(DefaultLoadPlanner(), (ReportingLoadPlanner, AdoptingLoadPlanner))

@@ -86,16 +86,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self._verify = sums.ReadVerifier(None)
 
     @property
-    def verifies_whole_items(self) -> bool:
-        """Whether this planner checks every item it reads whole against the checkpoint's checksums
-        (a storage reader then needs to check only the items read in part)."""
-        return self._verify.record is not None
-
-    @property
-    def verified_items(self) -> dict[str, int]:
-        """How the last load's whole items were verified: ``{"by_planner": n, "by_reader": m}``
-        (qdcp's readers check the bytes as they read them and this planner skips them)."""
-        return {"by_planner": self._verify.hashed, "by_reader": self._verify.noted}
+    def hashed_items(self) -> int:
+        """Items this planner hashed itself in the last load: those it reads whole, unless the
+        storage reader verifies every item (qdcp's readers do, as they read: 0 then)."""
+        return self._verify.hashed
 
     def changed_note(self, read_item: ReadItem, written: bool) -> str:
         """What this load has changed in the targets so far, for a storage reader's error about
@@ -111,16 +105,14 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             return read_item.dest_index.fqn, False
         return hit.action.fqn, hit.read.dest.temporary
 
-    def note_verified(self, read_item: ReadItem) -> None:
-        """A storage reader checked ``read_item``'s recorded checksum on the bytes it read (qdcp's
-        readers do, while the bytes are hot): this planner does not hash them again."""
-        self._verify.note_verified(read_item)
-
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         _check_instance(self, QuantizedLoadPlanner)
         _check_is_load(metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        self._verify = sums.ReadVerifier(sums.record(metadata) if self.checksums else None, atomic=self.atomic)
+        # the one rule: a reader that verifies every item says so (qdcp's); with any other, this planner does
+        reader_verifies = getattr(metadata.storage_meta, "verifies_items", False)
+        self._verify = sums.ReadVerifier(sums.record(metadata) if self.checksums and not reader_verifies else None,
+                                         atomic=self.atomic)
         self._actions, self._by_item, self._handled, self._groups = {}, {}, set(), {}
         self._shadows = Shadows() if self.atomic else None
         self._narrowed, self._streams = {}, set()

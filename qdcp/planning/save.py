@@ -25,7 +25,7 @@ from qdcp import spec as qspec
 from qdcp.planning.placement import planning
 from qdcp.planning.save_entries import DequantizeChoice, EntryPlanner, fall_back, merge_specs
 from qdcp.staging.new_empty import register_new_empty
-from qdcp.storage import refuse_existing_checkpoint, writer_hashes_items
+from qdcp.storage import refuse_existing_checkpoint
 
 __all__ = ["QuantizedSavePlanner", "DequantizeChoice"]
 
@@ -39,12 +39,12 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         dequantize: False (default) stores quantized entries raw; True stores them as plain tensors
             of their logical dtype; a callable ``(fqn, tensor) -> bool`` chooses per entry.
         dequantize_dtype: dtype of dequantized entries (default: each entry's logical dtype).
-        checksums: hash every item written (XXH3-64 of the bytes being written, the staged copy in
-            an async save) into the checkpoint's metadata; :class:`QuantizedLoadPlanner` verifies
-            them (default True). qdcp's writers hash each item as they write it and make the record
-            (:func:`qdcp.storage.writer_hashes_items`); with another writer the items are hashed
-            here, at planning, device tensors copied to the host then (the one copy the writer
-            would make) and kept until written.
+        checksums: with a storage writer that does not hash what it writes (DCP's own), hash every
+            item here (XXH3-64 of the data the writer is given, the staged copy in an async save),
+            at planning, device tensors copied to the host then (the one copy the writer would
+            make) and kept until written, into the checkpoint's metadata (default True). qdcp's
+            writers hash each item as they write it and make the record themselves (they say so
+            in the ``StorageMeta`` they give DCP: ``QdcpStorageMeta.hashes_items``).
         overwrite: with a storage writer of DCP's own (``checkpoint_id=path``), a checkpoint already
             at that local path is refused (``FileExistsError``, before anything is written) unless
             True; DCP itself writes over it in place. qdcp's writers (``qdcp.save``,
@@ -86,12 +86,6 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         self._ready: dict[MetadataIndex, torch.Tensor | bytes] = {}  # host copies, object bytes: as hashed, to write
         self._sums_record: dict | None = None  # the checksum record (coordinator), added by finish_plan
 
-    @property
-    def records_checksums(self) -> bool:
-        """Whether the checkpoint's metadata will hold a checksum of every item (storage writers
-        need no checksums of their own then)."""
-        return self.checksums
-
     # ``self=None``: DCP calls this by keyword, so ``planner=QuantizedSavePlanner`` (the class, no
     # ``()``) arrives here without a planner and is told so, not with Python's "missing 'self'"
     def set_up_planner(self=None, state_dict=None, storage_meta=None, is_coordinator=False) -> None:
@@ -102,7 +96,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
         self._entries = EntryPlanner(self.dequantize, self.dequantize_dtype)
         # qdcp's writers hash each item as they write it (no pass over the data, no device copy, here)
-        self._hashes = sums.SaveHashes(self.checksums, self.check_replicas, writer_hashes_items(storage_meta))
+        by_writer = getattr(storage_meta, "hashes_items", False)
+        self._hashes = sums.SaveHashes(self.checksums, self.check_replicas, by_writer)
         self._ready, self._sums_record = {}, None
         with planning():
             self._entries.plan(self.state_dict)
@@ -138,7 +133,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         # On the coordinator: the checksums join the Metadata that finish() writes. Added here, not
         # in create_global_plan, which returns (and plan caching keeps) what DCP's would.
         if self._sums_record is not None and getattr(self, "metadata", None) is not None:
-            self.metadata.planner_data[sums.PLANNER_DATA_KEY] = sums.sealed(self._sums_record, self.metadata)
+            sums.attach(self.metadata, self._sums_record)
         plan = super().finish_plan(new_plan)
         # only what the writer will ask for is kept (DCP may have another rank write a replica)
         keep = {item.index for item in plan.items}

@@ -4,13 +4,11 @@ One job per module:
 
 - :mod:`~qdcp.storage.metadata`: :func:`safe_load_metadata` unpickles DCP's ``.metadata`` with an
   allowlist (no code runs); :func:`check_chunk_geometry`.
-- :mod:`~qdcp.storage.trailer`: :class:`ChecksumExtension` appends an XXH3-64 to every stored item
-  (where the save planner records no checksums of its own), and its reader-side check.
 - :mod:`~qdcp.storage.torch_save`: a stored item's torch.save archive read in place (no copy), its
   zip CRCs checked where nothing else checks the bytes.
-- :mod:`~qdcp.storage.reader`: :class:`CheckpointReader` verifies every item it reads (the
-  trailer, or the planner's checksum) and checks every number the metadata gives, naming the
-  state-dict key on a mismatch.
+- :mod:`~qdcp.storage.reader`: :class:`CheckpointReader` verifies every item it reads against
+  the checksums its save recorded (:mod:`qdcp.checksums`) and checks every number the metadata
+  gives, naming the state-dict key on a mismatch.
 - :mod:`~qdcp.storage.owners`: which process owns a file (host, boot, PID namespace, PID, start
   time) and whether it still runs.
 - :mod:`~qdcp.storage.claims`: one save per path at a time
@@ -36,11 +34,10 @@ from qdcp.errors import CheckpointFormatError, ChecksumError
 from qdcp.storage.factories import storage_reader, storage_writer
 from qdcp.storage.metadata import MAX_METADATA_BYTES, METADATA_FILE, check_chunk_geometry, safe_load_metadata
 from qdcp.storage.reader import CheckpointReader
-from qdcp.storage.trailer import ChecksumExtension
-from qdcp.storage.writer import CheckpointWriter, refuse_existing_checkpoint, set_default_stager, writer_hashes_items
+from qdcp.storage.writer import CheckpointWriter, refuse_existing_checkpoint, set_default_stager
 
 __all__ = [
     "CheckpointReader", "CheckpointWriter", "storage_reader", "storage_writer", "safe_load_metadata",
-    "check_chunk_geometry", "refuse_existing_checkpoint", "set_default_stager", "writer_hashes_items",
-    "ChecksumExtension", "ChecksumError", "CheckpointFormatError", "MAX_METADATA_BYTES", "METADATA_FILE",
+    "check_chunk_geometry", "refuse_existing_checkpoint", "set_default_stager", "ChecksumError",
+    "CheckpointFormatError", "MAX_METADATA_BYTES", "METADATA_FILE",
 ]

@@ -12,7 +12,6 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from qdcp.errors import QdcpError
 from qdcp.storage.pipeline import default_thread_count
 from qdcp.storage.reader import CheckpointReader, SafeReading
-from qdcp.storage.trailer import ChecksumExtension
 from qdcp.storage.urls import is_url, local_path
 from qdcp.storage.writer import AtomicWriting, CheckpointWriter
 
@@ -78,9 +77,8 @@ if FsspecWriter is not None:
         def __init__(self, path: str, overwrite: bool = False, checksums: bool = True,
                      stager: AsyncStager | None = None, thread_count: int | None = None,
                      direct_io: bool | None = None, **kwargs: Any) -> None:
-            extensions = [ChecksumExtension()] if checksums else None
-            super().__init__(os.fspath(path), overwrite=True, _extensions=extensions,
-                             thread_count=thread_count or default_thread_count(), **kwargs)
-            self._setup_atomic(overwrite, stager)
+            super().__init__(os.fspath(path), overwrite=True, thread_count=thread_count or default_thread_count(),
+                             **kwargs)
+            self._setup_atomic(overwrite, checksums, stager)
             self.qdcp_auto_threads = thread_count is None
             self.qdcp_direct_io = direct_io  # taken as CheckpointWriter takes it; fsspec files are written buffered

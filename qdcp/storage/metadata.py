@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import pickle
 import re
@@ -16,6 +17,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -24,7 +26,7 @@ from qdcp.errors import CheckpointFormatError, LoadMismatchError
 from qdcp.spec import chunk_problems, describe_item
 
 __all__ = ["MAX_METADATA_BYTES", "METADATA_FILE", "safe_load_metadata", "check_chunk_geometry", "load_object",
-           "SAFE_OBJECT_TYPES"]
+           "SAFE_OBJECT_TYPES", "QdcpStorageMeta"]
 
 MAX_METADATA_BYTES = 1 << 30
 METADATA_FILE = ".metadata"
@@ -41,6 +43,36 @@ _ALLOWED_GLOBALS = {
     ("collections", "OrderedDict"),
     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
 }
+
+
+@dataclasses.dataclass
+class QdcpStorageMeta(StorageMeta):
+    """The ``StorageMeta`` qdcp's storage hands DCP, which hands it to the planner
+    (``set_up_planner(state_dict, storage_meta)`` at a save, ``metadata.storage_meta`` at a load):
+    what the storage does itself, so that the planner does not. It pickles (and copies) as the
+    plain ``StorageMeta`` it extends: a checkpoint never stores qdcp's class, nor does a
+    ``.metadata`` read by qdcp's reader and written again.
+
+    ``guards_path``: the writer refuses an existing checkpoint itself. ``hashes_items``: the writer
+    hashes every item as it writes it and records the checksums. ``verifies_items``: the reader
+    verifies every item it reads against the checksums its save recorded."""
+
+    guards_path: bool = False
+    hashes_items: bool = False
+    verifies_items: bool = False
+
+    @classmethod
+    def of(cls, meta: StorageMeta | None, **fields: Any) -> "QdcpStorageMeta":
+        """``meta``'s fields (DCP's own) with ``fields`` set."""
+        base = {f.name: getattr(meta, f.name) for f in dataclasses.fields(StorageMeta)} if meta is not None else {}
+        return cls(**{**base, **fields})
+
+    def plain(self) -> StorageMeta:
+        """The same ``StorageMeta`` without qdcp's fields (what a checkpoint stores)."""
+        return StorageMeta(**{f.name: getattr(self, f.name) for f in dataclasses.fields(StorageMeta)})
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return StorageMeta, (), self.plain().__dict__
 
 
 class _AnyVersionTensorProperties(TensorProperties):

@@ -4,8 +4,7 @@
   :func:`default_thread_count`, and no more files than :data:`MIN_FILE_BYTES` each fill), each
   written and fsync'd by its own thread (the caller's among them): the storage sees parallel writes.
 - Serialization: each tensor item is a ``torch.save`` archive, as DCP writes it (stock DCP reads
-  the files), but without the archive's zip CRC-32s where the checkpoint checks every item
-  otherwise (the save planner's recorded checksums, or the writer's ``qdcp-checksum`` trailers):
+  the files), but without the archive's zip CRC-32s where every item is hashed as written (below):
   one pass over the bytes fewer. ``torch.load`` never checks those CRCs; qdcp's reader checks them
   only where nothing else checks an item.
 - No extra copies: a tensor is written from its own memory (a copy only where its storage is

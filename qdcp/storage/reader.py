@@ -1,6 +1,11 @@
 """qdcp's storage reader: DCP's file-system reader with a safe ``.metadata``, every number it
-gives checked before use, and every item verified once (its trailer, the checksum the save
-recorded, or torch.save's zip CRCs)."""
+gives checked before use, and every item verified once (against the checksum the save recorded,
+its trailer, or torch.save's zip CRCs). It says so to the planner through the ``StorageMeta`` of
+the metadata it reads (:class:`~qdcp.storage.metadata.QdcpStorageMeta`: ``verifies_items``).
+
+A load planner may offer two things more, beside DCP's protocol (runtime-checkable, as DCP states
+``AsyncStager``): :class:`ReportingLoadPlanner` (what the load changed, for an error) and
+:class:`AdoptingLoadPlanner` (memory to read stored items into, kept as loaded)."""
 
 from __future__ import annotations
 
@@ -9,27 +14,25 @@ import io
 import os
 import pickle
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.futures import Future
 
 from qdcp import checksums
 from qdcp.adapters import allow_pickled, find_adapter
 from qdcp.errors import CheckpointFormatError, QdcpError
 from qdcp.spec import describe_item
-from qdcp.storage.hooks import AdoptingLoadPlanner, ReportingLoadPlanner, verifies_whole_items
 from qdcp.storage.local_files import file_problem, open_inside, refusal
-from qdcp.storage.metadata import check_chunk_geometry, safe_load_metadata
+from qdcp.storage.metadata import QdcpStorageMeta, check_chunk_geometry, safe_load_metadata
 from qdcp.storage.pipeline import default_thread_count
 from qdcp.storage.threads import run_jobs
 from qdcp.storage.torch_save import ViewReader, archived_tensor, check_zip_crcs, read_archive_into
-from qdcp.storage.trailer import VerifyingTransforms, checksum_version, verified_view
 
-__all__ = ["SafeReading", "CheckpointReader", "metadata_error_told"]
+__all__ = ["SafeReading", "CheckpointReader", "metadata_error_told", "ReportingLoadPlanner", "AdoptingLoadPlanner"]
 
 # torch 2.11's dcp.load catches every Exception of read_metadata() and of its rank-local fallback
 # read_metadata(rank=...) and then says only "metadata is None" (2.12 on quote them).
@@ -41,6 +44,28 @@ _DCP_HIDES_METADATA_ERRORS = torch.__version__ < "2.12"
 _PINNED_MAX = 256 << 20
 
 
+@runtime_checkable
+class ReportingLoadPlanner(Protocol):
+    """A load planner that can say what a load has changed in its targets so far
+    (:class:`qdcp.QuantizedLoadPlanner`), said in the error for an item found corrupt."""
+
+    def changed_note(self, read_item: ReadItem, written: bool) -> str:
+        """What the load has changed so far, ``read_item``'s bytes included if ``written`` (copied
+        into ``resolve_tensor``'s buffer before they were found corrupt)."""
+
+
+@runtime_checkable
+class AdoptingLoadPlanner(Protocol):
+    """A load planner that keeps stored items as loaded, in memory it offers (qdcp's entry reader)."""
+
+    def buffer_for(self, read_item: ReadItem, nbytes: int) -> torch.Tensor | None:
+        """Memory to read a stored item into (a contiguous CPU uint8 tensor of ``nbytes``), or None."""
+
+    def adopt_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> bool:
+        """Keep ``tensor`` (the item as loaded, verified, possibly a view of :meth:`buffer_for`'s
+        memory); False: the reader copies it into ``resolve_tensor``'s buffer, as DCP's does."""
+
+
 class _PlannerCalls:
     """The planner as the reading threads call it: one call at a time (DCP's load planners are
     called by one thread), its optional capabilities looked up once."""
@@ -48,7 +73,6 @@ class _PlannerCalls:
     def __init__(self, planner: Any, shared: bool) -> None:
         self.planner = planner
         self.adopting = isinstance(planner, AdoptingLoadPlanner)
-        self.verifying = verifies_whole_items(planner)
         self.reporting = isinstance(planner, ReportingLoadPlanner)
         self._lock = threading.Lock() if shared else contextlib.nullcontext()
 
@@ -63,10 +87,6 @@ class _PlannerCalls:
     def load_bytes(self, req, value: io.BytesIO) -> None:
         with self._lock:
             self.planner.load_bytes(req, value)
-
-    def note_verified(self, req) -> None:
-        with self._lock:
-            self.planner.note_verified(req)
 
     def changed(self, req, written: bool) -> str:
         """What the load has changed so far, for an error about ``req`` ("" if the planner cannot say)."""
@@ -149,7 +169,6 @@ class SafeReading:
     """Mixin for DCP's file-system readers: safe ``.metadata`` and verified checksums."""
 
     def _setup_safe_reading(self, thread_count: int | None = None) -> None:
-        self.transforms = VerifyingTransforms(self.transforms)
         self.thread_count = max(1, int(thread_count)) if thread_count else None  # None: read_threads()
         self._qdcp_lanes: list[_Lane] = []
 
@@ -175,9 +194,8 @@ class SafeReading:
                 metadata = safe_load_metadata(f)
         except OSError as e:
             raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {e}") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        # this reader verifies every item it reads: the planner need not (one rule, no per-item calls)
+        metadata.storage_meta = QdcpStorageMeta.of(metadata.storage_meta, load_id=self.load_id, verifies_items=True)
         return metadata
 
     def _open_file(self, name: str, what: str) -> Any:
@@ -201,9 +219,8 @@ class SafeReading:
     def read_data(self, plan, planner) -> Future:
         """DCP's ``FileSystemReader.read_data``, checking every number the metadata gives before it is
         used: files stay inside the checkpoint, byte ranges inside their file, the stored tensor has
-        the dtype and chunk shape the metadata records. Every item is verified once: against its
-        ``qdcp-checksum`` trailer, else against the checksum the save planner recorded (left to a
-        planner that ``verifies_whole_items`` for items it reads whole), else by torch.save's zip
+        the dtype and chunk shape the metadata records. Every item is verified once, here: against
+        the checksum its save recorded, else its ``qdcp-checksum`` trailer, else torch.save's zip
         CRCs. Any failure is a :class:`CheckpointFormatError` naming the state-dict key. A planner
         may offer memory for an item (``buffer_for(req, nbytes)``, a uint8 CPU tensor): the item is
         read there and offered back as a view of it (``adopt_tensor(req, tensor)``), no copy made.
@@ -281,11 +298,6 @@ class SafeReading:
         finally:
             stream_cm.__exit__(None, None, None)
 
-    def _planner_checks(self, req, calls: _PlannerCalls) -> bool:
-        """Whether the planner verifies this item itself: it says it checks the items it reads
-        whole (``verifies_whole_items``), the checkpoint records a checksum, and it is read whole."""
-        return self._qdcp_sums is not None and calls.verifying and self._qdcp_sums.whole(req) is not None
-
     def _recorded(self, req) -> int | None:
         """The checksum the checkpoint records for the stored item ``req`` reads (None if none)."""
         found = self._qdcp_sums.expected(req.storage_index.fqn, req.storage_index.offset) \
@@ -304,17 +316,11 @@ class SafeReading:
                       recorded: int | None) -> Callable[..., None]:
         """Start hashing the stored chunk just read (large ones on a background thread, while the
         caller copies it on); the returned call (``written``: whether the bytes were copied into
-        ``resolve_tensor``'s buffer meanwhile, default True) waits and compares with ``recorded``
-        (the planner was told before ``resolve_tensor`` that this reader checks it)."""
+        ``resolve_tensor``'s buffer meanwhile, default True) waits and compares with ``recorded``."""
         if recorded is None:
             return lambda written=True: None
         pending = checksums.hash_later(tensor)
         return lambda written=True: self._compare(calls, req, pending(), recorded, written)
-
-    def _note_verified(self, req, calls: _PlannerCalls) -> None:
-        """Tell a qdcp planner that would check ``req`` itself that this reader does."""
-        if self._planner_checks(req, calls):
-            calls.note_verified(req)
 
     def _payload(self, stream, offset: int, length: int, rel: str, *, where: str, descriptors, version, req,
                  memory: torch.Tensor):
@@ -325,10 +331,12 @@ class SafeReading:
         got = stream.readinto(data)
         if got != length:
             raise CheckpointFormatError(f"{where}: {rel!r} ended after {got} of {length} bytes")
+        if version is not None:  # written last-applied-first: the trailer wraps the raw bytes in the file
+            if checksums.trailer_version(descriptors[-1:]) is None:
+                raise CheckpointFormatError(f"{where}: unexpected extension order {descriptors}")
+            data, descriptors = checksums.trailed_payload(data, where, version), descriptors[:-1]
         if not descriptors:
             return data
-        if version is not None and len(descriptors) == 1:
-            return verified_view(data, where, version)
         return memoryview(self.transforms.transform_load_stream(req, descriptors, io.BytesIO(data)).read(-1))
 
     @staticmethod
@@ -371,15 +379,10 @@ class SafeReading:
         info = self.storage_data[req.storage_index]
         offset, length = _stored_range(info, size, rel, where)
         descriptors = list(info.transform_descriptors or ())
-        version = checksum_version(descriptors, where)
-        # the recorded checksum is checked here, on the bytes just read (hot), also where the planner
-        # would check it (it is told, and skips its own pass over them)
+        version = checksums.trailer_version(descriptors, where)
+        # the recorded checksum is checked here, on the bytes just read (hot)
         recorded = self._recorded(req) if version is None else None
         zip_crcs = version is None and recorded is None  # nothing else checks it
-        if recorded is not None and req.type != LoadItemType.BYTE_IO:
-            # told before resolve_tensor: the planner then gives its real destination (a CUDA
-            # buffer, another dtype) instead of a host buffer to hash the item in itself
-            self._note_verified(req, calls)
         in_place = req.type != LoadItemType.BYTE_IO \
             and (not descriptors or (version is not None and len(descriptors) == 1))
         buffer = self._planner_buffer(calls, req, length) if in_place else None
@@ -441,7 +444,6 @@ class SafeReading:
         """An object item, checked (the recorded checksum, else a torch.save archive's CRCs), to the planner."""
         if recorded is not None:
             self._compare(calls, req, checksums.of_bytes(payload), recorded, written=False)
-            self._note_verified(req, calls)
         elif zip_crcs and payload[:4] == b"PK\x03\x04":  # a torch.save archive
             check_zip_crcs(payload, where)
         calls.load_bytes(req, io.BytesIO(payload))

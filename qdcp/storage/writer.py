@@ -12,7 +12,6 @@ import os
 import pickle
 import sys
 import threading
-import weakref
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -26,10 +25,8 @@ from qdcp import checksums
 from qdcp.errors import QdcpError
 from qdcp.storage import claims, commit, pipeline
 from qdcp.storage.causes import raise_with_cause
-from qdcp.storage.hooks import records_checksums
-from qdcp.storage.metadata import METADATA_FILE
+from qdcp.storage.metadata import METADATA_FILE, QdcpStorageMeta
 from qdcp.storage.pipeline import HashedStorageInfo, default_thread_count, write_items
-from qdcp.storage.trailer import ChecksumExtension
 from qdcp.storage.urls import is_url
 
 __all__ = ["AtomicWriting", "CheckpointWriter", "refuse_existing_checkpoint"]
@@ -45,28 +42,13 @@ _in_flight: set[str] = set()
 #: training beside them at 0.63-0.78x its speed alone against 0.74-0.79x beside direct ones (three).
 DIRECT_UPLOAD_BELOW_CORES = 8
 
-# ----------------------------------------------------------------------------- overwrite guard
-
-# the StorageMeta objects qdcp's writers gave to this process's saves (by id): those writers
-# guard their path themselves (refusing an existing checkpoint unless overwrite=True)
-_guarded_metas: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-# ... and those whose writer hashes every item as it writes it, making the checksum record itself
-# when the planner records checksums (qdcp.storage.pipeline): the planner need not hash them first
-_hashing_metas: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def writer_hashes_items(storage_meta: StorageMeta | None) -> bool:
-    """Whether the save that ``storage_meta`` came from has a writer that hashes every item as it
-    writes it and records the checksums (a :class:`CheckpointWriter` writing torch.save archives)."""
-    return storage_meta is not None and _hashing_metas.get(id(storage_meta)) is storage_meta
-
 
 def refuse_existing_checkpoint(storage_meta: StorageMeta | None, who: str) -> None:
     """Raise :class:`FileExistsError` if a DCP checkpoint already lies at the local path a save is
     about to write (``storage_meta.checkpoint_id``), unless that save's writer is one of qdcp's
-    (which guards its path itself). Remote paths (URLs) are not checked."""
+    (which guards its path itself: ``QdcpStorageMeta.guards_path``). Remote paths (URLs) are not checked."""
     path = getattr(storage_meta, "checkpoint_id", None)
-    if path is None or _guarded_metas.get(id(storage_meta)) is storage_meta or is_url(path):
+    if path is None or getattr(storage_meta, "guards_path", False) or is_url(path):
         return
     if os.path.isfile(os.path.join(os.fspath(path), METADATA_FILE)):
         raise FileExistsError(
@@ -114,20 +96,20 @@ class AtomicWriting:
     """Mixin for DCP's file-system writers: no silent overwrite, atomic commit, one save per path."""
 
     def storage_meta(self) -> StorageMeta | None:
-        meta = super().storage_meta()
-        if meta is not None:
-            _guarded_metas[id(meta)] = meta  # this writer refuses an existing checkpoint itself
-            if self._own_pipeline():
-                _hashing_metas[id(meta)] = meta
-        return meta
+        """DCP's, declaring to the planner what this writer does itself (:class:`QdcpStorageMeta`)."""
+        return QdcpStorageMeta.of(super().storage_meta(), guards_path=True, hashes_items=self._hashes_items())
+
+    def _hashes_items(self) -> bool:
+        """Whether this writer hashes every item as it writes it and records the checksums."""
+        return self.qdcp_checksums and self._own_pipeline()
 
     def _own_pipeline(self) -> bool:
         """Whether items are written by qdcp's pipeline (torch.save archives), not DCP's own."""
         return getattr(self, "serialization_format", SerializationFormat.TORCH_SAVE) == SerializationFormat.TORCH_SAVE
 
-    def _setup_atomic(self, overwrite: bool, stager: AsyncStager | None = None) -> None:
+    def _setup_atomic(self, overwrite: bool, checksums: bool, stager: AsyncStager | None = None) -> None:
         self.qdcp_overwrite = overwrite
-        self._qdcp_extensions = tuple(self.transforms.extensions)
+        self.qdcp_checksums = bool(checksums)
         self._holds_path = False
         self._claim: claims.PathClaim | None = None
         self._published = False
@@ -209,6 +191,23 @@ class AtomicWriting:
             self._holds_path = True
         return plan
 
+    def check_path(self) -> None:
+        """Raise now what planning this save would raise for its path, taking and writing nothing
+        (``qdcp.async_save`` calls it before staging): a checkpoint there (no ``overwrite``), a save
+        of this process to it in progress, a claim on it held by a save that may still run."""
+        if not self.qdcp_overwrite and self.fs.exists(self._get_metadata_path()):
+            raise QdcpError(
+                f"a checkpoint already exists at {os.fspath(self.path)!r}; pass overwrite=True to "
+                f"replace it (the old one stays loadable until the new one is complete), or save "
+                f"to a new path")
+        with _in_flight_lock:
+            if self._key() in _in_flight:
+                raise QdcpError(
+                    f"another save to {os.fspath(self.path)!r} is in progress in this process; wait "
+                    f"for it (call .result() on its future) before saving there again")
+        if self.fs.exists(self.path):
+            claims.refuse_if_held(self._claim_store())
+
     def _release_path(self) -> None:
         if self._holds_path:
             with _in_flight_lock:
@@ -243,26 +242,20 @@ class AtomicWriting:
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan, planner):
-        # a planner that records every item's checksum in the metadata makes the writer's own
-        # qdcp-checksum trailers redundant: leave them out (the files stay stock-DCP readable)
-        checked = records_checksums(planner)
-        self.transforms.extensions = () if checked else self._qdcp_extensions
-        # the planner records checksums and left the hashing to this writer (writer_hashes_items):
-        # each item hashed as written, the record made in finish() from the ranks' results
-        self._records_hashes = checked and self._own_pipeline()
+        # each item hashed as written (_hashes_items), the record made in finish() from the ranks' results
         try:
             if not getattr(self, "_is_coordinator", True):
                 self.fs.mkdir(self.path)  # made by the coordinator, unless this host does not share its disk
             # qdcp's pipeline (qdcp.storage.pipeline): files on threads, no zip CRC-32 where every
-            # item is checksummed otherwise, device copies ahead of the writes
+            # item is hashed, device copies ahead of the writes
             if not self._own_pipeline():
                 fut = super().write_data(plan, planner)  # DCP's own (safetensors files)
                 fut.wait()
             else:
                 fut = Future()
-                fut.set_result(write_items(self, plan.items, plan.storage_data.prefix, planner,
-                                           crc=not (checked or self.transforms.extensions),
-                                           hash_items=self._records_hashes, direct=self._writes_direct()))
+                hashed = self._hashes_items()
+                fut.set_result(write_items(self, plan.items, plan.storage_data.prefix, planner, crc=not hashed,
+                                           hash_items=hashed, direct=self._writes_direct()))
         except BaseException as e:
             self._files.remove_prefixed(plan.storage_data.prefix)  # this rank's own, partly written
             if self._claim is not None:
@@ -345,12 +338,9 @@ class AtomicWriting:
                     hashes[wr.index], info = info.qdcp_hash, info.stored()
                 storage_md[wr.index] = info
         metadata.storage_data = storage_md
-        if getattr(self, "_records_hashes", False):
-            if metadata.planner_data is None:
-                metadata.planner_data = {}
-            metadata.planner_data[checksums.PLANNER_DATA_KEY] = checksums.sealed(
-                checksums.written_record(metadata, hashes), metadata)
-        metadata.storage_meta = self.storage_meta()
+        if self._hashes_items():
+            checksums.attach(metadata, checksums.written_record(metadata, hashes))
+        metadata.storage_meta = self.storage_meta().plain()
         token, files = self._claim.token, self._files
         replaced = commit.referenced(commit.read_metadata_bytes(files.read(METADATA_FILE))) \
             if self.qdcp_overwrite else set()
@@ -466,11 +456,10 @@ class CheckpointWriter(AtomicWriting, FileSystemWriter):
     Args:
         path: checkpoint directory.
         overwrite: replace an existing checkpoint (atomically). Default False: raise before writing.
-        checksums: every item is checksummed: by the save planner where it records checksums
-            in the metadata (:class:`~qdcp.QuantizedSavePlanner`, the default; the files stay
-            readable by stock DCP), otherwise by this writer, which appends an XXH3-64 to each
-            item (``qdcp-checksum/2``; such files need :class:`CheckpointReader`). Both are
-            verified by :class:`CheckpointReader`. False: no writer checksums.
+        checksums: every item is hashed (XXH3-64) as it is written and the hashes recorded in the
+            metadata, whatever the planner (:mod:`qdcp.checksums`; the files stay readable by
+            stock DCP); :class:`CheckpointReader` and :class:`~qdcp.QuantizedLoadPlanner` verify
+            them. False: none (a :class:`~qdcp.QuantizedSavePlanner` records none either).
         stager: what ``dcp.async_save`` stages through when it uses this writer as its stager (no
             ``async_stager`` given); it stays the caller's to close. Default: a
             :class:`~qdcp.QuantizedStager` shared by this process's qdcp writers (its buffers
@@ -496,9 +485,7 @@ class CheckpointWriter(AtomicWriting, FileSystemWriter):
     def __init__(self, path: str | os.PathLike, overwrite: bool = False, checksums: bool = True,
                  stager: AsyncStager | None = None, thread_count: int | None = None,
                  direct_io: bool | None = None, **kwargs: Any) -> None:
-        extensions = [ChecksumExtension()] if checksums else None
-        super().__init__(path, overwrite=True, _extensions=extensions,
-                         thread_count=thread_count or default_thread_count(), **kwargs)
-        self._setup_atomic(overwrite, stager)
+        super().__init__(path, overwrite=True, thread_count=thread_count or default_thread_count(), **kwargs)
+        self._setup_atomic(overwrite, checksums, stager)
         self.qdcp_auto_threads = thread_count is None
         self.qdcp_direct_io = direct_io
