@@ -6,6 +6,7 @@
     qdcp convert PATH OUT --to dcp --dequantize [--dtype bf16|fp16|fp32] [--quiet]
     qdcp export PATH OUT_DIR --format {torchao,compressed-tensors} [--config CONFIG.json]
                 [--max-shard-size 5GB] [--dequantize-unsupported] [--overwrite] [--quiet]
+                [--prefix model] [--include-optimizer]
     qdcp list DIR [--json]                 # a run's checkpoints: step, state, size, age
     qdcp prune DIR --keep K [--yes]        # what it would remove; --yes removes it
 
@@ -327,15 +328,45 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if not doomed:
         print(f"nothing to remove (keeping the last {args.keep} complete checkpoints)")
     elif not args.yes:
-        print(f"dry run: nothing removed; run again with --yes to remove {_count(len(doomed), 'checkpoint', 'checkpoints')}")
+        what = _count(len(doomed), "checkpoint", "checkpoints")
+        print(f"dry run: nothing removed; run again with --yes to remove {what}")
     return EXIT_OK
 
 
 # ----------------------------------------------------------------------------- main
 
+def _add_export(sub) -> None:
+    """``qdcp export``."""
+    p = sub.add_parser("export", help="write a Hugging Face safetensors directory an inference engine loads "
+                                      "(torchao or compressed-tensors layout), raw bits carried over")
+    p.add_argument("path", help="the qdcp/DCP checkpoint")
+    p.add_argument("out", help="the directory to write; never inside or around PATH")
+    p.add_argument("--format", choices=["torchao", "compressed-tensors"], required=True,
+                   help="the layout: torchao's (transformers + torchao load it) or compressed-tensors' "
+                        "(vLLM, transformers)")
+    p.add_argument("--config", help="config.json of the model; the format's quantization_config is added to it")
+    p.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB); above it, sharded "
+                                                           "files and model.safetensors.index.json")
+    p.add_argument("--dequantize-unsupported", action="store_true",
+                   help="write entries the format cannot represent as their dequantized values "
+                        "(default: refuse, naming them, before writing anything)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it holds only what an export writes (model*.safetensors, the index, "
+                        "config.json)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_export)
+    p.add_argument("--prefix", help="export the subtree under PREFIX only, its keys written without it "
+                                    "(--prefix model for a checkpoint of {'model': ..., 'optim': ...})")
+    p.add_argument("--include-optimizer", action="store_true",
+                   help="also export optimizer states (default: left out, and listed)")
+
+
+_DESCRIPTION = "Inspect, verify, convert, export, list and prune qdcp/DCP checkpoints."
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``qdcp`` argument parser (every argument has help text)."""
-    parser = argparse.ArgumentParser(prog="qdcp", description="Inspect, verify and convert qdcp/DCP checkpoints.")
+    parser = argparse.ArgumentParser(prog="qdcp", description=_DESCRIPTION)
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="import MODULE first, to register adapters of your own (repeatable); "
                              "nothing is ever imported because a checkpoint names it")
@@ -364,24 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace OUT if qdcp wrote it (a qdcp safetensors file, a DCP checkpoint)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
-    p = sub.add_parser("export", help="write a Hugging Face safetensors directory an inference engine loads "
-                                      "(torchao or compressed-tensors layout), raw bits carried over")
-    p.add_argument("path", help="the qdcp/DCP checkpoint")
-    p.add_argument("out", help="the directory to write; never inside or around PATH")
-    p.add_argument("--format", choices=["torchao", "compressed-tensors"], required=True,
-                   help="the layout: torchao's (transformers + torchao load it) or compressed-tensors' "
-                        "(vLLM, transformers)")
-    p.add_argument("--config", help="config.json of the model; the format's quantization_config is added to it")
-    p.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB); above it, sharded "
-                                                           "files and model.safetensors.index.json")
-    p.add_argument("--dequantize-unsupported", action="store_true",
-                   help="write entries the format cannot represent as their dequantized values "
-                        "(default: refuse, naming them, before writing anything)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace OUT if it holds only what an export writes (model*.safetensors, the index, "
-                        "config.json)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_export)
+    _add_export(sub)
+    return _with_run_commands(parser, sub)
+
+
+def _with_run_commands(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
+    """``parser`` with ``qdcp list`` and ``qdcp prune`` (a run's checkpoints: :mod:`qdcp.runs`)."""
     p = sub.add_parser("list", help="a run's checkpoints (the directories in DIR): step, state, size, age")
     p.add_argument("path", metavar="DIR", help="the directory holding a run's checkpoints (step_100, ...)")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import math
 import pickle
 import re
 import reprlib
@@ -25,8 +26,8 @@ from torch.distributed.checkpoint.metadata import (
 from qdcp.errors import CheckpointFormatError, LoadMismatchError
 from qdcp.spec import chunk_problems, describe_item
 
-__all__ = ["MAX_METADATA_BYTES", "METADATA_FILE", "safe_load_metadata", "check_chunk_geometry", "load_object",
-           "SAFE_OBJECT_TYPES", "QdcpStorageMeta"]
+__all__ = ["MAX_METADATA_BYTES", "METADATA_FILE", "safe_load_metadata", "check_chunk_geometry", "check_stored_sizes",
+           "load_object", "SAFE_OBJECT_TYPES", "QdcpStorageMeta"]
 
 MAX_METADATA_BYTES = 1 << 30
 METADATA_FILE = ".metadata"
@@ -239,6 +240,42 @@ def check_chunk_geometry(md: Metadata) -> None:
     if problems:
         fqn, problem = problems[0]
         raise CheckpointFormatError(f"{describe_item(fqn)}: {problem}; the checkpoint's metadata is corrupt")
+
+
+#: a stored chunk may hold fewer bytes than its elements take in the dtype the metadata records (a
+#: tensor subclass DCP pickled whole: 4-bit codes of fp32 values are 1/8), never fewer than this share
+STORED_SHARE = 16
+
+
+def check_stored_sizes(md: Metadata) -> None:
+    """Refuse metadata that would have a reader allocate far more than the checkpoint stores: a
+    tensor chunk whose elements take more than :data:`STORED_SHARE` times the bytes its storage
+    record holds (plus 1 MiB), or two storage records of one file whose byte ranges overlap (one
+    stored range read again under other keys). Linear in the records (a sort per file); records of
+    the wrong types are left to the checks made as each item is read."""
+    claimed = {}
+    for fqn, item in (md.state_dict_metadata or {}).items():
+        if isinstance(item, TensorStorageMetadata) and isinstance(item.properties.dtype, torch.dtype):
+            size = item.properties.dtype.itemsize
+            claimed.update({(fqn, tuple(c.offsets)): math.prod(c.sizes) * size for c in item.chunks})
+    spans: dict[Any, list[tuple[int, int, str]]] = {}
+    for index, info in (md.storage_data if isinstance(md.storage_data, dict) else {}).items():
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if type(offset) is not int or type(length) is not int or not isinstance(index, MetadataIndex):
+            continue
+        want = claimed.get((index.fqn, tuple(index.offset or ())), 0)
+        if want > STORED_SHARE * length + (1 << 20):
+            raise CheckpointFormatError(
+                f"{describe_item(index.fqn)}: its chunk at {tuple(index.offset or ())} claims {want} bytes of "
+                f"values but stores {length}; the checkpoint's metadata is corrupt")
+        spans.setdefault(getattr(info, "relative_path", None), []).append((offset, length, index.fqn))
+    for rel, found in spans.items():
+        found.sort()
+        for (a, la, fa), (b, _, fb) in zip(found, found[1:]):
+            if a + la > b:
+                raise CheckpointFormatError(
+                    f"{describe_item(fb)}: its stored bytes in {rel!r} overlap those of {describe_item(fa)}; "
+                    f"the checkpoint's metadata is corrupt")
 
 
 # types a stored non-tensor object may hold beyond torch.load's weights_only allowlist

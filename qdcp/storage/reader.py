@@ -27,16 +27,12 @@ from qdcp.adapters import allow_pickled, find_adapter
 from qdcp.errors import CheckpointFormatError, QdcpError
 from qdcp.spec import describe_item
 from qdcp.storage.local_files import file_problem, open_inside, refusal
-from qdcp.storage.metadata import QdcpStorageMeta, check_chunk_geometry, safe_load_metadata
+from qdcp.storage.metadata import QdcpStorageMeta, check_chunk_geometry, check_stored_sizes, safe_load_metadata
 from qdcp.storage.pipeline import default_thread_count
 from qdcp.storage.threads import run_jobs
 from qdcp.storage.torch_save import ViewReader, archived_tensor, check_zip_crcs, read_archive_into
 
 __all__ = ["SafeReading", "CheckpointReader", "metadata_error_told", "ReportingLoadPlanner", "AdoptingLoadPlanner"]
-
-# torch 2.11's dcp.load catches every Exception of read_metadata() and of its rank-local fallback
-# read_metadata(rank=...) and then says only "metadata is None" (2.12 on quote them).
-_DCP_HIDES_METADATA_ERRORS = torch.__version__ < "2.12"
 
 # a whole stored chunk bound for a CUDA buffer, up to this size divided by the number of reading
 # threads, is read into one of its thread's two reused pinned buffers and copied without blocking:
@@ -145,14 +141,16 @@ class _Lane:
 
 
 class _MetadataUnreadable(BaseException):
-    """Carries qdcp's ``.metadata`` error (its ``__cause__``) past torch 2.11's ``except Exception``
-    around ``read_metadata``: DCP wraps it in its CheckpointException, message intact."""
+    """Carries qdcp's ``.metadata`` error (its ``__cause__``) past ``dcp.load``'s ``except Exception``
+    around ``read_metadata``, which would turn it into ``AssertionError("metadata is None; ...")``
+    (torch 2.11 without the message): DCP wraps it in its CheckpointException, message intact, and
+    ``qdcp.load`` raises the error it carries."""
 
 
 def metadata_error_told(reader: Any, rank: int | None, read: Callable[[], Metadata]) -> Metadata:
     """``read()``: a reader's ``read_metadata`` (``rank``: DCP's rank-local fallback, called when
-    the first call raised), whose qdcp error reaches the user on every torch: the error of the
-    first call is kept on ``reader``, and the fallback's raises it again past torch 2.11's
+    the first call raised), whose qdcp error reaches the user as itself: the error of the first
+    call is kept on ``reader``, and a fallback that fails too raises it again past DCP's
     ``except Exception`` (:class:`_MetadataUnreadable`, message intact in DCP's exception)."""
     try:
         return read()
@@ -160,7 +158,7 @@ def metadata_error_told(reader: Any, rank: int | None, read: Callable[[], Metada
         first = getattr(reader, "_qdcp_metadata_error", None)
         if rank is None:
             reader._qdcp_metadata_error = e
-        elif first is not None and _DCP_HIDES_METADATA_ERRORS:
+        elif first is not None:
             raise _MetadataUnreadable(str(first)) from first
         raise
 
@@ -194,6 +192,7 @@ class SafeReading:
                 metadata = safe_load_metadata(f)
         except OSError as e:
             raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {e}") from None
+        check_stored_sizes(metadata)  # before any planner allocates for what the metadata claims
         # this reader verifies every item it reads: the planner need not (one rule, no per-item calls)
         metadata.storage_meta = QdcpStorageMeta.of(metadata.storage_meta, load_id=self.load_id, verifies_items=True)
         return metadata
@@ -388,17 +387,8 @@ class SafeReading:
         buffer = self._planner_buffer(calls, req, length) if in_place else None
         adoptable = True  # a view of the reader's own scratch buffer is copied out, never kept
         if not descriptors and recorded is not None and buffer is None and req.type != LoadItemType.BYTE_IO \
-                and not calls.adopting:
-            target = self._whole_chunk_target(lane, req)
-            try:
-                direct = target is not None and read_archive_into(stream, offset, length, lane.buffer(length), target)
-            except Exception as e:
-                raise CheckpointFormatError(
-                    f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
-            if direct:  # read straight into the planner's buffer: checked there, then committed
-                return self._commit(calls, req, target, self._verification(calls, req, target, recorded), where)
-            if target is not None:
-                lane.resolved = (req, target)  # handed out once: the usual path uses it
+                and not calls.adopting and self._read_straight(lane, stream, req, (offset, length), recorded, where):
+            return None
         resolved = lane.resolved
         pinned = buffer is None and resolved is not None and resolved[0] is req and length <= lane.pinned_max \
             and resolved[1].device.type == "cuda" and torch.cuda.is_available()
@@ -425,6 +415,21 @@ class SafeReading:
         self._deliver(lane, req, self._requested_part(tensor, req, where), verified, adoptable, where,
                       pinned and in_place)
         return None
+
+    def _read_straight(self, lane: _Lane, stream, req, span: tuple[int, int], recorded: int, where: str) -> bool:
+        """Read a whole stored chunk straight into the planner's buffer, check it there and commit
+        it, where that buffer takes it as stored (True); else False (the buffer, if one was handed
+        out, kept for the usual path)."""
+        target = self._whole_chunk_target(lane, req)
+        try:
+            direct = target is not None and read_archive_into(stream, *span, lane.buffer(span[1]), target)
+        except Exception as e:
+            raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
+        if direct:
+            self._commit(lane.calls, req, target, self._verification(lane.calls, req, target, recorded), where)
+        elif target is not None:
+            lane.resolved = (req, target)  # handed out once: the usual path uses it
+        return direct
 
     def _whole_chunk_target(self, lane: _Lane, req) -> torch.Tensor | None:
         """``resolve_tensor``'s buffer for ``req`` where ``req`` reads a whole stored chunk into a
