@@ -112,6 +112,23 @@ def test_data_file_symlinked_outside_is_refused(ckpt):
     _verify_refuses(ckpt, "outside the checkpoint directory")
 
 
+@pytest.mark.parametrize("scheme", ["local://", "file://"])
+def test_a_local_fsspec_url_is_checked_as_its_path(ckpt, scheme):
+    """fsspec's own local file system (``local://``) is read as the local path it names: the same
+    refusal of a data file symlinked out of the checkpoint."""
+    name = _data_files(ckpt)[0]
+    outside = _outside_copy(ckpt, name)
+    url = f"{scheme}{ckpt}"
+    assert isinstance(qdcp.storage_reader(url), qdcp.CheckpointReader)
+    for load in (lambda t: qdcp.load(t, url), lambda t: dcp.load(t, storage_reader=qdcp.storage_reader(url),
+                                                                  planner=qdcp.QuantizedLoadPlanner())):
+        target = _state(7)
+        before = snapshot(target)
+        with pytest.raises(CheckpointFormatError, match=f"resolves to {outside!r}, outside the checkpoint"):
+            raise_inner(lambda: load(target))
+        assert_same_state(target, before)
+
+
 def test_storage_name_under_a_symlinked_directory_is_refused(ckpt, tmp_path):
     name = _data_files(ckpt)[0]
     os.mkdir(tmp_path / "outdir")

@@ -31,9 +31,12 @@ def storage_reader(path: str | os.PathLike, thread_count: int | None = None,
     """A safe, verifying reader for a local path or an fsspec URL (``memory://``, ``s3://``...).
 
     ``thread_count``: data files read at once (default: the usable cores, at most 4).
-    ``storage_options`` go to fsspec (e.g. ``client_kwargs={"endpoint_url": ...}``).
+    ``storage_options`` go to fsspec (e.g. ``client_kwargs={"endpoint_url": ...}``). A URL whose
+    fsspec file system is the local one (``file://``, ``local://``) is read as the local path it
+    names: its files are then checked to be regular files inside the checkpoint
+    (:mod:`qdcp.storage.local_files`), as a local path's are.
     """
-    path = local_path(path)
+    path = _local_file_system_path(local_path(path), storage_options)
     if is_url(path):
         _need_fsspec()
         return FsspecCheckpointReader(os.fspath(path), thread_count=thread_count, **storage_options)
@@ -56,6 +59,17 @@ def storage_writer(path: str | os.PathLike, overwrite: bool = False, checksums: 
         _need_fsspec()
         return FsspecCheckpointWriter(path, overwrite=overwrite, checksums=checksums, stager=stager, **kwargs)
     return CheckpointWriter(path, overwrite=overwrite, checksums=checksums, stager=stager, **kwargs)
+
+
+def _local_file_system_path(path: str | os.PathLike, storage_options: dict) -> str | os.PathLike:
+    """The local path an fsspec URL on the local file system names (``local://``), else ``path``."""
+    if not is_url(path) or FsspecReader is None:
+        return path
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, inner = fsspec.core.url_to_fs(os.fspath(path), **storage_options)
+    return inner if isinstance(fs, LocalFileSystem) else path
 
 
 def _need_fsspec() -> None:
