@@ -14,7 +14,7 @@ fresh), in ONE run:
 - ``dcp.save(state, planner=QuantizedSavePlanner())`` (DCP's own writer);
 - ``qdcp.save`` (synchronous) and ``qdcp.async_save`` (the whole save: the call until its future is
   done), both at qdcp's defaults (the sync save buffered; the async one with direct writes,
-  :mod:`qdcp.storage.direct`, on a host of fewer than 8 usable cores, buffered on more), the sync
+  :mod:`qdcp.io.direct`, on a host of fewer than 8 usable cores, buffered on more), the sync
   save again direct (``direct_io=True``) and the async one both ways (``direct_io=True`` / ``False``);
   ``async_save`` also with a ``QuantizedStager`` kept across saves (its steady state: buffers reused);
 - the staging copy alone (``QuantizedStager.stage`` into kept buffers): DCP starts an async save's
@@ -50,7 +50,7 @@ import qdcp
 from common import add_profile_argument, device_of, plain_twin, profile, quantized_state
 from qdcp import QuantizedSavePlanner, QuantizedStager
 from qdcp.adapters.base import find_adapter
-from qdcp.storage.pipeline import usable_cores
+from qdcp.io.pipeline import usable_cores
 from qdcp.storage.writer import DIRECT_UPLOAD_BELOW_CORES
 
 

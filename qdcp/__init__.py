@@ -19,10 +19,12 @@ The package, data flowing one way (each folder's ``__init__`` says what its modu
   format (versioned JSON spec), the checksums recorded with it.
 - ``planning/``: DCP's save and load planners over those.
 - ``staging/``: copies by inner buffers (async saves, offloading).
-- ``storage/``: safe metadata, verified reads, atomic checksummed writes.
-- ``checkpoint.py`` (``qdcp.save`` / ``load``), ``reading/`` (reading without a target: entries,
-  describe, verify, consolidation), ``hf/`` (Hugging Face layouts), ``frameworks/`` (torchtitan,
-  Lightning, ``install()``), ``cli.py``.
+- ``storage/``: safe metadata, verified reads, atomic checksummed writes; ``io/``: how their bytes
+  move fast (the write pipeline, direct writes, archives read in place).
+- ``checkpoint.py`` (``qdcp.save`` / ``load``), ``runs.py`` (a run's checkpoints: ``latest``,
+  ``checkpoints``, ``prune``), ``reading/`` (reading without a target: entries, describe, verify,
+  consolidation), ``hf/`` (Hugging Face layouts), ``frameworks/`` (torchtitan, Lightning,
+  ``install()``), ``cli.py``.
 """
 
 from qdcp.adapters import Adapter, StoredEntry, find_adapter, register_adapter, registered_type_names

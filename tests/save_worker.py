@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 import qdcp  # noqa: E402
 from qdcp import checkpoint as front_door  # noqa: E402
-from qdcp.storage import direct  # noqa: E402
+from qdcp.io import direct  # noqa: E402
 
 
 def state(seed: int, n: int, rank: int = 0, world: int = 1) -> dict:
@@ -122,7 +122,7 @@ def _disk_full_after(room: int | None):
         with real(self, path, mode) as stream:
             yield _FullDisk(stream, room) if "w" in mode and str(path).endswith(".distcp") else stream
 
-    def write(self, b):  # qdcp's direct data files (qdcp.storage.direct), on the same disk
+    def write(self, b):  # qdcp's direct data files (qdcp.io.direct), on the same disk
         n, left = memoryview(b).nbytes, getattr(self, "_room", room)
         if n > left:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -1,4 +1,4 @@
-"""Direct writes (qdcp.storage.direct): an async save's large items go to the disk from the
+"""Direct writes (qdcp.io.direct): an async save's large items go to the disk from the
 staging buffers (``O_DIRECT``; a synchronous save's too with ``direct_io=True``), each item placed
 up to a block after the previous one so that its data lands at a file offset congruent to its
 address; every byte still reads back exactly, through stock DCP and qdcp, and the items' bytes are
@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 import qdcp
 from cli_in_process import qdcp_cli
 from qdcp import CheckpointWriter, QuantizedSavePlanner, QuantizedStager
-from qdcp.storage import direct, pipeline
-from qdcp.storage.torch_save import ViewReader, _record_start
+from qdcp.io import direct, pipeline
+from qdcp.io.torch_save import ViewReader, _record_start
 from qdcp.storage.writer import DIRECT_UPLOAD_BELOW_CORES
 from stored_bytes import gap_bytes, stored_items
 
@@ -241,7 +241,7 @@ def _staged(stager: QuantizedStager, sources: dict[str, torch.Tensor]) -> dict[s
 
 @pytest.fixture
 def cores(monkeypatch):
-    """Pin the cores the writers see this process may use (``qdcp.storage.pipeline.usable_cores``)."""
+    """Pin the cores the writers see this process may use (``qdcp.io.pipeline.usable_cores``)."""
     def pin(n: int) -> None:
         monkeypatch.setattr(pipeline, "usable_cores", lambda: n)
     return pin

@@ -140,7 +140,7 @@ def test_an_fsspec_url_is_read_on_several_threads():
 def test_default_reading_threads(tmp_path):
     """The usable cores (at most 4), as the writer's default, with or without CUDA in use;
     asked-for counts are kept."""
-    from qdcp.storage.pipeline import default_thread_count
+    from qdcp.io.pipeline import default_thread_count
 
     _save(tmp_path / "c")
     assert qdcp.CheckpointReader(tmp_path / "c").read_threads() == default_thread_count()

@@ -1,4 +1,4 @@
-"""qdcp's write pipeline (qdcp.storage.pipeline): files on threads, torch.save archives without the
+"""qdcp's write pipeline (qdcp.io.pipeline): files on threads, torch.save archives without the
 redundant zip CRC-32s, read back bit for bit by stock DCP and by qdcp."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch.distributed.checkpoint as dcp
 
 import qdcp
 from qdcp import CheckpointWriter, QuantizedLoadPlanner, QuantizedSavePlanner
-from qdcp.storage import pipeline
-from qdcp.storage.torch_save import _record_start
+from qdcp.io import pipeline
+from qdcp.io.torch_save import _record_start
 
 
 def _archive(t: torch.Tensor, crc: bool) -> bytes:

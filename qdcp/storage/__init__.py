@@ -1,11 +1,11 @@
 """Storage: safe metadata reading, checksummed items and atomic commits on top of DCP's file writers.
 
-One job per module:
+What a checkpoint is lives here; how its bytes move fast (the write pipeline, direct writes,
+archives read in place, threads) lives in :mod:`qdcp.io`, which the writer and reader call. One job
+per module:
 
 - :mod:`~qdcp.storage.metadata`: :func:`safe_load_metadata` unpickles DCP's ``.metadata`` with an
   allowlist (no code runs); :func:`check_chunk_geometry`.
-- :mod:`~qdcp.storage.torch_save`: a stored item's torch.save archive read in place (no copy), its
-  zip CRCs checked where nothing else checks the bytes.
 - :mod:`~qdcp.storage.reader`: :class:`CheckpointReader` verifies every item it reads against
   the checksums its save recorded (:mod:`qdcp.checksums`) and checks every number the metadata
   gives, naming the state-dict key on a mismatch.

@@ -10,7 +10,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from qdcp.errors import QdcpError
-from qdcp.storage.pipeline import default_thread_count
+from qdcp.io.pipeline import default_thread_count
 from qdcp.storage.reader import CheckpointReader, SafeReading
 from qdcp.storage.urls import is_url, local_path
 from qdcp.storage.writer import AtomicWriting, CheckpointWriter
@@ -52,7 +52,7 @@ def storage_writer(path: str | os.PathLike, overwrite: bool = False, checksums: 
     A ``file://`` URL is a local path. For other URLs, ``kwargs`` are fsspec storage options and
     ``.metadata`` is published by the storage's rule (:func:`qdcp.storage.commit.publish_remote`).
     ``stager``, ``thread_count``: as :class:`CheckpointWriter`'s (the same write pipeline,
-    :mod:`qdcp.storage.pipeline`).
+    :mod:`qdcp.io.pipeline`).
     """
     path = local_path(path)
     if is_url(path):

@@ -25,12 +25,12 @@ from torch.futures import Future
 from qdcp import checksums
 from qdcp.adapters import allow_pickled, find_adapter
 from qdcp.errors import CheckpointFormatError, QdcpError
+from qdcp.io.pipeline import default_thread_count
+from qdcp.io.threads import run_jobs
+from qdcp.io.torch_save import ViewReader, archived_tensor, check_zip_crcs, read_archive_into
 from qdcp.spec import describe_item
 from qdcp.storage.local_files import file_problem, open_inside, refusal
 from qdcp.storage.metadata import QdcpStorageMeta, check_chunk_geometry, check_stored_sizes, safe_load_metadata
-from qdcp.storage.pipeline import default_thread_count
-from qdcp.storage.threads import run_jobs
-from qdcp.storage.torch_save import ViewReader, archived_tensor, check_zip_crcs, read_archive_into
 
 __all__ = ["SafeReading", "CheckpointReader", "metadata_error_told", "ReportingLoadPlanner", "AdoptingLoadPlanner"]
 

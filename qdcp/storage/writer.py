@@ -23,10 +23,11 @@ from torch.futures import Future
 
 from qdcp import checksums
 from qdcp.errors import QdcpError
-from qdcp.storage import claims, commit, pipeline
+from qdcp.io import pipeline
+from qdcp.io.pipeline import HashedStorageInfo, default_thread_count, write_items
+from qdcp.storage import claims, commit
 from qdcp.storage.causes import raise_with_cause
 from qdcp.storage.metadata import METADATA_FILE, QdcpStorageMeta
-from qdcp.storage.pipeline import HashedStorageInfo, default_thread_count, write_items
 from qdcp.storage.urls import is_url
 
 __all__ = ["AtomicWriting", "CheckpointWriter", "refuse_existing_checkpoint"]
@@ -37,7 +38,7 @@ _in_flight: set[str] = set()
 
 #: ``direct_io=None``: an async save's upload (a save this writer staged) is written directly where
 #: the process may use fewer cores than this, buffered where it may use this many or more. Measured
-#: (docs/benchmarks.md, issue 39): on 2 cores training beside a direct upload ran 2-3x as fast as
+#: (docs/benchmarks.md, *Async save on few cores*): on 2 cores training beside a direct upload ran 2-3x as fast as
 #: beside a buffered one; on a 16-core H100 host buffered uploads finished 10-40% sooner (four runs),
 #: training beside them at 0.63-0.78x its speed alone against 0.74-0.79x beside direct ones (three).
 DIRECT_UPLOAD_BELOW_CORES = 8
@@ -158,7 +159,7 @@ class AtomicWriting:
         return state
 
     def _writes_direct(self) -> bool:
-        """Whether this save's large items go to the disk from their memory (:mod:`qdcp.storage.direct`):
+        """Whether this save's large items go to the disk from their memory (:mod:`qdcp.io.direct`):
         where ``direct_io`` asks (None: where this writer staged the save, an async one, and this
         process may use fewer than :data:`DIRECT_UPLOAD_BELOW_CORES` cores), files are fsync'd and
         lie on the local file system."""
@@ -246,7 +247,7 @@ class AtomicWriting:
         try:
             if not getattr(self, "_is_coordinator", True):
                 self.fs.mkdir(self.path)  # made by the coordinator, unless this host does not share its disk
-            # qdcp's pipeline (qdcp.storage.pipeline): files on threads, no zip CRC-32 where every
+            # qdcp's pipeline (qdcp.io.pipeline): files on threads, no zip CRC-32 where every
             # item is hashed, device copies ahead of the writes
             if not self._own_pipeline():
                 fut = super().write_data(plan, planner)  # DCP's own (safetensors files)
@@ -465,9 +466,9 @@ class CheckpointWriter(AtomicWriting, FileSystemWriter):
             :class:`~qdcp.QuantizedStager` shared by this process's qdcp writers (its buffers
             reused from save to save; :func:`set_default_stager`).
         thread_count: files (and threads) each rank writes into; default
-            :func:`~qdcp.storage.pipeline.default_thread_count` (the usable cores, at most 4).
+            :func:`~qdcp.io.pipeline.default_thread_count` (the usable cores, at most 4).
         direct_io: write large items around the page cache, from their own memory
-            (:mod:`qdcp.storage.direct`; items may then start up to 4 KiB apart), where files are
+            (:mod:`qdcp.io.direct`; items may then start up to 4 KiB apart), where files are
             fsync'd (``sync_files``, the default) on a local file system that offers ``O_DIRECT``
             (Linux). None (default): for the saves this writer stages (``dcp.async_save`` through
             it, ``qdcp.async_save``), whose upload runs beside training, where this process may
@@ -477,7 +478,7 @@ class CheckpointWriter(AtomicWriting, FileSystemWriter):
             buffered. True: every save; False: none (buffered, as DCP's writer).
         **kwargs: other ``FileSystemWriter`` options (``sync_files``, ``per_thread_copy_ahead``...).
 
-    Each rank's items are written by :mod:`qdcp.storage.pipeline`: split by bytes over
+    Each rank's items are written by :mod:`qdcp.io.pipeline`: split by bytes over
     ``thread_count`` files written and fsync'd in parallel, device copies ahead of the writes,
     without the ``torch.save`` zip CRC-32s where every item is checksummed otherwise.
     """

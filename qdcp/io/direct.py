@@ -1,5 +1,5 @@
 """Writing a checkpoint file around the page cache: ``O_DIRECT`` writes straight from the tensors'
-memory (Linux; the write pipeline's files where they are fsync'd, :mod:`qdcp.storage.pipeline`).
+memory (Linux; the write pipeline's files where they are fsync'd, :mod:`qdcp.io.pipeline`).
 
 A buffered write copies every byte into the page cache before the disk sees it; a checkpoint is
 written once and seldom read back by its writer, so that copy is one a save need not make (nor

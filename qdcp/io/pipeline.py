@@ -10,7 +10,7 @@
 - No extra copies: a tensor is written from its own memory (a copy only where its storage is
   larger than its bytes, as DCP does); objects are written from their buffer. In an async save
   (or wherever the writer's ``direct_io`` asks), large items skip the page cache too
-  (``O_DIRECT``, :mod:`qdcp.storage.direct`): the disk reads them from that memory.
+  (``O_DIRECT``, :mod:`qdcp.io.direct`): the disk reads them from that memory.
 - Device-to-host copies and writes overlap: where an accelerator is present, the next items are
   resolved and copied to the host by a helper thread while one is written (at least one item
   ahead, at most ``per_thread_copy_ahead`` bytes beyond it).
@@ -41,8 +41,8 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from qdcp import checksums
-from qdcp.storage.direct import open_direct
-from qdcp.storage.threads import run_jobs
+from qdcp.io.direct import open_direct
+from qdcp.io.threads import run_jobs
 
 __all__ = ["default_thread_count", "usable_cores", "write_items", "serialize_tensor"]
 
@@ -159,7 +159,7 @@ def write_items(writer: Any, items: list[WriteItem], prefix: str, planner: Any, 
     thread, or one per item where ``writer.single_file_per_rank`` is False), each fsync'd where
     ``writer.sync_files``; the results of every item, as DCP's writer returns them (with each
     item's hash where ``hash_items``). ``direct``: local files written with direct writes
-    (:mod:`qdcp.storage.direct`) where the file system takes them."""
+    (:mod:`qdcp.io.direct`) where the file system takes them."""
     if getattr(writer, "single_file_per_rank", True):
         files = int(writer.thread_count or 1)
         if getattr(writer, "qdcp_auto_threads", False):  # the default: no file smaller than MIN_FILE_BYTES
