@@ -33,7 +33,7 @@ from qdcp.adapters import te_grouped as _te_grouped
 from qdcp.adapters import torchao as _torchao
 from qdcp.adapters import torchao_training as _torchao_training
 from qdcp.adapters import transformer_engine as _transformer_engine
-from qdcp.checkpoint import async_save, load, save
+from qdcp.checkpoint import async_save, checkpoint_group, load, save
 from qdcp.errors import (
     AlignmentError,
     CheckpointFormatError,
@@ -61,6 +61,7 @@ from qdcp.reading import (
     read_metadata,
     read_stored,
 )
+from qdcp.runs import CheckpointInfo, checkpoints, latest, prune
 from qdcp.staging import QuantizedStager, enable_new_empty, register_new_empty, to_device, unregister_new_empty
 from qdcp.storage import (
     CheckpointReader,
@@ -91,4 +92,5 @@ __all__ = [
     "ReservedKeyError", "CheckpointNotFoundError",
     "export", "ExportResult", "ExportError", "QuantizedHFReader", "install", "uninstall", "installed",
     "is_installed", "consolidate", "dcp_to_torch_save", "ConsolidatingLoadPlanner",
+    "checkpoint_group", "latest", "checkpoints", "prune", "CheckpointInfo",
 ]

@@ -14,9 +14,11 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 import warnings
-from concurrent.futures import Future
+from collections.abc import Mapping
+from concurrent.futures import Future, wait
 from typing import Any, Iterator
 
 import torch.distributed as dist
@@ -24,12 +26,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from qdcp import errors
 from qdcp.errors import CheckpointFormatError, CheckpointNotFoundError, QdcpError
 from qdcp.planning.load import QuantizedLoadPlanner
 from qdcp.planning.save import DequantizeChoice, QuantizedSavePlanner
 from qdcp.storage import storage_reader, storage_writer
 
-__all__ = ["save", "async_save", "load"]
+__all__ = ["save", "async_save", "load", "checkpoint_group"]
 
 #: one INFO line per finished ``save`` / ``async_save`` / ``load`` (path, bytes, seconds, GiB/s); no
 #: handler of its own: shown only where the application configures logging
@@ -71,31 +74,65 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     the later ones); without one the writer stages through a ``QuantizedStager`` shared by this
     process's qdcp writers (its buffers reused too). On a host where this process may use fewer
     than 8 cores the upload writes the staged buffers' large items straight to the disk (direct
-    writes, :mod:`qdcp.storage.direct`), taking little CPU from training; with more it writes
+    writes, :mod:`qdcp.io.direct`), taking little CPU from training; with more it writes
     through the page cache, which finishes sooner there (``storage_options={"direct_io": True}`` /
     ``False`` chooses either on any host). ``no_dist``: as in :func:`save`. Errors, raised by the
     call or by the Future's ``result()``, are this rank's own, as :func:`save` raises them.
     Wait for the previous save's future before the next save.
+
+    ``process_group``: where the save's collectives run (from DCP's background thread); default
+    :func:`checkpoint_group`, never the group training's collectives run on (they would interleave).
+    What is known at the call is raised by it on every rank, before staging (:func:`_refuse_at_call`:
+    a checkpoint at ``path``, a claim held, a state dict the planner refuses); errors from the
+    futures are ordinary exceptions with a note naming the path and the rank (docs/api.md).
     """
     # the writer stages (DCP's hook for a writer that is an AsyncStager), through ``stager`` if given:
     # a writer that staged its save knows the upload runs beside training (direct writes on few cores)
     start = time.perf_counter()
     writer = storage_writer(path, overwrite=overwrite, stager=stager, **(storage_options or {}))
+    group = process_group if process_group is not None or no_dist else checkpoint_group()
+    _refuse_at_call(state_dict, path, writer, dequantize, group, no_dist)
     try:
         with _own_error():
             result = dcp.async_save(state_dict, storage_writer=writer,
                                     planner=QuantizedSavePlanner(dequantize=dequantize),
-                                    process_group=process_group, **_alone(no_dist))
+                                    process_group=group, **_alone(no_dist))
     except BaseException:
         writer.abandon()
         raise
     upload = getattr(result, "upload_completion", result)  # DCP's AsyncSaveResponse, or the Future itself
     upload.add_done_callback(lambda _: writer.abandon())  # a failed upload's files removed, claim released
     upload.add_done_callback(lambda done: _log_upload(done, path, start))
+    _in_flight_on(group).add(upload)
+    where = _where(path, no_dist)
     if isinstance(result, Future):
-        return _own_errors(result, writer)
-    return dataclasses.replace(result, staging_completion=_own_errors(result.staging_completion, writer),
-                               upload_completion=_own_errors(upload, writer))
+        return _own_errors(result, writer, where)
+    return dataclasses.replace(result, staging_completion=_own_errors(result.staging_completion, writer, where),
+                               upload_completion=_own_errors(upload, writer, where))
+
+
+# (the default group it was made for, the group): one checkpoint group per default group
+_checkpoint_groups: list[tuple[Any, Any]] = []
+_checkpoint_groups_lock = threading.Lock()
+
+
+def checkpoint_group():
+    """The process group :func:`async_save` runs its collectives on when given none: a gloo group of
+    all ranks, made by the first call after the default group is initialized and reused by every
+    later one (a new default group, after ``destroy_process_group`` and ``init_process_group``, gets
+    a new one). Making it is a collective (``dist.new_group``): every rank must call this at the same
+    point, as every rank calls ``async_save``. None where ``torch.distributed`` is not initialized
+    (a save of one process) or has no gloo backend (then DCP's default group)."""
+    if not (dist.is_available() and dist.is_initialized()) or not dist.is_gloo_available():
+        return None
+    world = dist.group.WORLD
+    with _checkpoint_groups_lock:
+        if _checkpoint_groups and _checkpoint_groups[0][0] is world:
+            return _checkpoint_groups[0][1]
+        group = dist.new_group(backend="gloo")
+        _checkpoint_groups[:] = [(world, group)]  # the old default group's (destroyed with it) dropped
+        logger.debug("qdcp: made a gloo process group for async saves' collectives")
+        return group
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = True,
@@ -198,10 +235,12 @@ def _log_done(what: str, path: str | os.PathLike, nbytes: int, start: float) -> 
                 nbytes / 2**30 / seconds if seconds > 0 else 0.0)
 
 
-def _own_errors(fut: Future, writer: Any) -> Future:
+def _own_errors(fut: Future, writer: Any, where: str) -> Future:
     """A Future with ``fut``'s result, or its error as :func:`_own_error` re-raises it (a save
     whose process group was destroyed meanwhile failing with the writer's error that says so,
-    whichever of DCP's collectives found the group gone first)."""
+    whichever of DCP's collectives found the group gone first), always an ``Exception`` (what is
+    not one, e.g. DCP's ``CheckpointException`` without a rank's error, is a :class:`QdcpError`
+    caused by it), with a note saying ``where`` (the path, the rank)."""
     out: Future = Future()
 
     def relay(done: Future) -> None:
@@ -213,12 +252,83 @@ def _own_errors(fut: Future, writer: Any) -> Future:
             if torn is not None and not isinstance(e, QdcpError):
                 torn.__cause__ = e
                 e = torn
+            if not isinstance(e, Exception):
+                wrapped = QdcpError(f"{where} failed: {type(e).__name__}: {_short(e)}")
+                wrapped.__cause__ = e
+                e = wrapped
+            _add_note(e, where)
             out.set_exception(e)
         else:
             out.set_result(value)
 
     fut.add_done_callback(relay)
     return out
+
+
+def _add_note(e: BaseException, note: str) -> None:
+    if note in getattr(e, "__notes__", ()):
+        return  # (one error relayed by both of an AsyncSaveResponse's futures)
+    if hasattr(e, "add_note"):
+        e.add_note(note)
+    else:  # Python 3.10: the attribute alone (3.11 shows it in tracebacks)
+        e.__notes__ = [*getattr(e, "__notes__", []), note]
+
+
+def _short(e: BaseException, limit: int = 2000) -> str:
+    text = str(e)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _where(path: str | os.PathLike, no_dist: bool) -> str:
+    """``qdcp.async_save to 'PATH' on rank R of W`` (``... in this process alone`` without a job)."""
+    if no_dist or not (dist.is_available() and dist.is_initialized()):
+        return f"qdcp.async_save to {os.fspath(path)!r} in this process alone"
+    return f"qdcp.async_save to {os.fspath(path)!r} on rank {dist.get_rank()} of {dist.get_world_size()}"
+
+
+# this process's qdcp.async_save uploads not yet done, per process group (None: the default one)
+_uploads: dict[Any, set[Future]] = {}
+_uploads_lock = threading.Lock()
+
+
+def _in_flight_on(group: Any) -> set[Future]:
+    with _uploads_lock:
+        pending = {f for f in _uploads.get(group, ()) if not f.done()}
+        _uploads[group] = pending
+        return pending
+
+
+def _refuse_at_call(state_dict: Any, path: str | os.PathLike, writer: Any, dequantize: DequantizeChoice,
+                    group: Any, no_dist: bool) -> None:
+    """Raise, on every rank of an async save, what would make it fail that is known now (see
+    :func:`async_save`), before anything is staged: each rank checks, then the ranks share their
+    findings (one ``all_gather_object`` on the save's group, in the caller's thread, once this
+    process's earlier async saves on that group are done, so no two saves' collectives meet)."""
+    try:
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"qdcp.async_save: state_dict must be a dict, not {type(state_dict).__name__}")
+        writer.check_path()
+        QuantizedSavePlanner(dequantize=dequantize).set_up_planner(  # a dry run: plans, writes nothing
+            state_dict=dict(state_dict), storage_meta=None, is_coordinator=False)
+        mine = None
+    except Exception as e:  # noqa: BLE001 (shared with the other ranks, then raised)
+        mine = e
+    found = [mine]
+    if not no_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        wait(_in_flight_on(group))
+        found = [None] * dist.get_world_size(group)
+        dist.all_gather_object(found, None if mine is None else (type(mine).__name__, _short(mine)), group=group)
+    if mine is not None:
+        writer.abandon()
+        raise mine
+    failed = next(((rank, f) for rank, f in enumerate(found) if f is not None), None)
+    if failed is not None:
+        writer.abandon()
+        rank, (kind, message) = failed
+        cls = getattr(errors, kind, None)
+        cls = cls if isinstance(cls, type) and issubclass(cls, QdcpError) else QdcpError
+        raise cls(f"the async save to {os.fspath(path)!r} was refused on rank {rank} ({kind}: {message}); "
+                  f"nothing was staged or written")
 
 
 def _alone(no_dist: bool) -> dict[str, bool]:

@@ -6,6 +6,9 @@
     qdcp convert PATH OUT --to dcp --dequantize [--dtype bf16|fp16|fp32] [--quiet]
     qdcp export PATH OUT_DIR --format {torchao,compressed-tensors} [--config CONFIG.json]
                 [--max-shard-size 5GB] [--dequantize-unsupported] [--overwrite] [--quiet]
+                [--prefix model] [--include-optimizer]
+    qdcp list DIR [--json]                 # a run's checkpoints: step, state, size, age
+    qdcp prune DIR --keep K [--yes]        # what it would remove; --yes removes it
 
 Every verb works without the libraries of the quantized types a checkpoint stores where their
 adapter can compute values in plain torch (TransformerEngine's: TE need not be importable). Long
@@ -17,6 +20,7 @@ Exit status: 0 success, 1 a check failed, 2 bad usage / missing or unreadable ch
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import logging
@@ -29,7 +33,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from tqdm import tqdm
 
-from qdcp import checksums
+from qdcp import checksums, runs
 from qdcp.checkpoint import save
 from qdcp.errors import QdcpError
 from qdcp.hf.convert import UnwritableDtype, to_safetensors
@@ -252,7 +256,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     """``qdcp export``: a Hugging Face directory through :func:`qdcp.export`."""
     result = export(args.path, args.out, format=args.format, config=_config(args.config),
                     max_shard_size=args.max_shard_size, dequantize_unsupported=args.dequantize_unsupported,
-                    overwrite=args.overwrite, progress=False if args.quiet else None)
+                    overwrite=args.overwrite, progress=False if args.quiet else None, prefix=args.prefix,
+                    include_optimizer=args.include_optimizer)
+    if result.left_out:
+        what = "outside --prefix or optimizer states" if args.prefix else "optimizer states (--include-optimizer)"
+        print(f"qdcp: left out {_count(len(result.left_out), 'entry', 'entries')}, {what}: "
+              f"{', '.join(result.left_out[:3])}{' ...' if len(result.left_out) > 3 else ''}", file=sys.stderr)
     for key in result.skipped:
         print(f"qdcp: skipped non-tensor entry {key!r} (safetensors holds tensors only)", file=sys.stderr)
     for key in result.dequantized:
@@ -278,11 +287,91 @@ def _config(path: str | None) -> dict | None:
     return loaded
 
 
+# ----------------------------------------------------------------------------- a run's checkpoints
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _run_dir(path: str) -> str:
+    if not os.path.isdir(path):
+        raise QdcpError(f"no directory at {path!r} (the directory holding a run's checkpoints)")
+    return path
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    found = runs.checkpoints(_run_dir(args.path))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(c) for c in found], indent=1))
+        return EXIT_OK
+    latest = runs.latest(args.path)
+    print(f"{'step':>8}  {'state':<9} {'size':>10} {'age':>5}  checkpoint")
+    for c in found:
+        mark = "  <- latest" if c.path == latest else ""
+        step = "-" if c.step is None else str(c.step)
+        print(f"{step:>8}  {c.state:<9} {runs.format_bytes(c.nbytes):>10} {_age(c.age_s):>5}  "
+              f"{os.path.basename(c.path)}{mark}")
+        if c.why and c.state != "complete":
+            print(f"{'':>8}  ({_one_line(c.why)[:200]})")
+    return EXIT_OK
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    root = _run_dir(args.path)
+    found = {c.path: c for c in runs.checkpoints(root)}
+    doomed = runs.prune(root, keep=args.keep, dry_run=not args.yes)
+    verb = "removed" if args.yes else "would remove"
+    for path in doomed:
+        c = found[path]
+        print(f"{verb} {os.path.basename(path)} ({c.state}, {runs.format_bytes(c.nbytes)})")
+        left = runs.left_behind(path)
+        if left:
+            print(f"  left in it (not written by qdcp): {', '.join(left[:10])}{' ...' if len(left) > 10 else ''}")
+    if not doomed:
+        print(f"nothing to remove (keeping the last {args.keep} complete checkpoints)")
+    elif not args.yes:
+        what = _count(len(doomed), "checkpoint", "checkpoints")
+        print(f"dry run: nothing removed; run again with --yes to remove {what}")
+    return EXIT_OK
+
+
 # ----------------------------------------------------------------------------- main
+
+def _add_export(sub) -> None:
+    """``qdcp export``."""
+    p = sub.add_parser("export", help="write a Hugging Face safetensors directory an inference engine loads "
+                                      "(torchao or compressed-tensors layout), raw bits carried over")
+    p.add_argument("path", help="the qdcp/DCP checkpoint")
+    p.add_argument("out", help="the directory to write; never inside or around PATH")
+    p.add_argument("--format", choices=["torchao", "compressed-tensors"], required=True,
+                   help="the layout: torchao's (transformers + torchao load it) or compressed-tensors' "
+                        "(vLLM, transformers)")
+    p.add_argument("--config", help="config.json of the model; the format's quantization_config is added to it")
+    p.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB); above it, sharded "
+                                                           "files and model.safetensors.index.json")
+    p.add_argument("--dequantize-unsupported", action="store_true",
+                   help="write entries the format cannot represent as their dequantized values "
+                        "(default: refuse, naming them, before writing anything)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it holds only what an export writes (model*.safetensors, the index, "
+                        "config.json)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_export)
+    p.add_argument("--prefix", help="export the subtree under PREFIX only, its keys written without it "
+                                    "(--prefix model for a checkpoint of {'model': ..., 'optim': ...})")
+    p.add_argument("--include-optimizer", action="store_true",
+                   help="also export optimizer states (default: left out, and listed)")
+
+
+_DESCRIPTION = "Inspect, verify, convert, export, list and prune qdcp/DCP checkpoints."
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``qdcp`` argument parser (every argument has help text)."""
-    parser = argparse.ArgumentParser(prog="qdcp", description="Inspect, verify and convert qdcp/DCP checkpoints.")
+    parser = argparse.ArgumentParser(prog="qdcp", description=_DESCRIPTION)
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="import MODULE first, to register adapters of your own (repeatable); "
                              "nothing is ever imported because a checkpoint names it")
@@ -311,24 +400,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace OUT if qdcp wrote it (a qdcp safetensors file, a DCP checkpoint)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
-    p = sub.add_parser("export", help="write a Hugging Face safetensors directory an inference engine loads "
-                                      "(torchao or compressed-tensors layout), raw bits carried over")
-    p.add_argument("path", help="the qdcp/DCP checkpoint")
-    p.add_argument("out", help="the directory to write; never inside or around PATH")
-    p.add_argument("--format", choices=["torchao", "compressed-tensors"], required=True,
-                   help="the layout: torchao's (transformers + torchao load it) or compressed-tensors' "
-                        "(vLLM, transformers)")
-    p.add_argument("--config", help="config.json of the model; the format's quantization_config is added to it")
-    p.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB); above it, sharded "
-                                                           "files and model.safetensors.index.json")
-    p.add_argument("--dequantize-unsupported", action="store_true",
-                   help="write entries the format cannot represent as their dequantized values "
-                        "(default: refuse, naming them, before writing anything)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace OUT if it holds only what an export writes (model*.safetensors, the index, "
-                        "config.json)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_export)
+    _add_export(sub)
+    return _with_run_commands(parser, sub)
+
+
+def _with_run_commands(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
+    """``parser`` with ``qdcp list`` and ``qdcp prune`` (a run's checkpoints: :mod:`qdcp.runs`)."""
+    p = sub.add_parser("list", help="a run's checkpoints (the directories in DIR): step, state, size, age")
+    p.add_argument("path", metavar="DIR", help="the directory holding a run's checkpoints (step_100, ...)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_list)
+    p = sub.add_parser("prune", help="remove a run's complete checkpoints but the last K, and what failed "
+                                     "saves left (prints what it would remove unless --yes)")
+    p.add_argument("path", metavar="DIR", help="the directory holding a run's checkpoints")
+    p.add_argument("--keep", type=int, required=True, metavar="K",
+                   help="complete checkpoints to keep (at least 1: the latest is never removed)")
+    p.add_argument("--yes", action="store_true", help="remove them (default: only print what would be removed)")
+    p.set_defaults(func=cmd_prune)
     return parser
 
 

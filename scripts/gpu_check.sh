@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# qdcp on one GPU, in one command (issue 39): at most about 5 minutes on one H100/H200.
+# qdcp on one GPU, in one command: at most about 5 minutes on one H100/H200.
 #
 #   scripts/gpu_check.sh                  # on the GPU machine (fails at once without CUDA)
 #   scripts/gpu_check.sh --cpu-dry-run    # every step on the CPU, small sizes: checks the script itself
@@ -77,8 +77,8 @@ step gpu-tests 75 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x tests/test_cu
 step fsdp2-1rank 45 bash -c "${TORCHRUN[*]} --nproc-per-node 1 examples/fsdp2_train.py --dir $OUT/fsdp2 --steps 6 \
   --ckpt-every 2 --stager qdcp && ${TORCHRUN[*]} --nproc-per-node 1 examples/fsdp2_train.py --dir $OUT/fsdp2 \
   --steps 6 --ckpt-every 2 --resume --resume-step 4"
-# each launch on: the FSDP2 jobs do not need the reshard checkpoints, so one failure (session 18's
-# unexplained hang in reshard-save) still lets the others say whether they pass
+# each launch on: the FSDP2 jobs do not need the reshard checkpoints, so one failure (a hang in
+# reshard-save was seen once, cause unknown) still lets the others say whether they pass
 step dist-2ranks-1gpu 150 env QDCP_SHARED_GPU=1 QDCP_WORKER_TIMEOUT=$((60 * SCALE)) bash -c "rc=0; \
   for c in reshard-save reshard-load fsdp-save fsdp-load; do t0=\$SECONDS; \
   ${TORCHRUN[*]} --nproc-per-node 2 tests/dist_worker.py \$c $OUT/dist || { rc=1; echo \"== \$c FAILED\"; }; \

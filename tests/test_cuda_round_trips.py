@@ -1,4 +1,4 @@
-"""Every torchao type of quantized_cases round-trips from CUDA (issue 39; run by scripts/gpu_check.sh):
+"""Every torchao type of quantized_cases round-trips from CUDA (run by scripts/gpu_check.sh):
 raw into the same type on CUDA and on CPU with its bits, into a plain CUDA tensor with the values a
 plain CPU target gets, and through the async paths (qdcp.async_save with a QuantizedStager, plain
 dcp.async_save with QuantizedSavePlanner) with the source overwritten right after the call."""

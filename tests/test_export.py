@@ -683,3 +683,58 @@ def test_a_pack_quantized_directory_whose_num_bits_disagrees_is_refused(tmp_path
     with pytest.raises(BaseException, match=r"key 'm.weight': weight_packed is .* but 8-bit codes"):
         dcp.load(target, storage_reader=qdcp.QuantizedHFReader(tmp_path / "out"), planner=qdcp.QuantizedLoadPlanner())
     assert not target["m.weight"].any()
+
+
+# ----------------------------------------------------------------------------- a training checkpoint
+
+def _training_checkpoint(path):
+    """A checkpoint as a training loop writes it (the demo's, docs/fsdp2.md's): the model under
+    ``model``, torchao AdamW8bit states and param groups under ``optim``, the step; returns the
+    model's config and state dict."""
+    config, state = _llama_with(lambda i, hp: TORCHAO_CASES[0].from_hp(hp))
+    optim8 = CASE_BY_NAME["optim8bit_signed"]
+    trained = [k for k in state if k.endswith("up_proj.weight") or k.endswith("norm.weight")]
+    optim = {"state": {k: {"exp_avg": optim8.make(i), "exp_avg_sq": optim8.make(i + 1), "step": torch.tensor(3.0)}
+                       for i, k in enumerate(trained)},
+             "param_groups": [{"lr": 1e-3, "params": trained}]}
+    qdcp.save({"model": dict(state), "optim": optim, "step": 3}, path)
+    return config, state
+
+
+def test_a_training_checkpoints_model_exports_under_its_own_names_and_loads_in_transformers(tmp_path):
+    """``prefix="model"`` exports the model subtree under the model's own names (was
+    ``model.model.layers...``, which from_pretrained does not load) and leaves the optimizer out
+    (its states needed --dequantize-unsupported); transformers loads it, every entry bit for bit."""
+    config, state = _training_checkpoint(tmp_path / "ckpt")
+    result = qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao", config=config.to_dict(),
+                         prefix="model")
+    assert result.skipped == () and result.dequantized == ()
+    assert sorted(result.left_out) == sorted(k for k in qdcp.describe(tmp_path / "ckpt")
+                                             if k.startswith("optim.") and "exp_avg" in k or k.endswith(".step"))
+    model = _transformers_load(tmp_path / "out", run=False)
+    got = model.state_dict()
+    assert set(got) == set(state)
+    for key, want in state.items():
+        if type(want) is torch.Tensor:
+            assert bits_diff(got[key], want) is None, key
+        else:
+            _assert_same_torchao(got[key], want, key)
+
+
+def test_an_export_leaves_optimizer_states_out_unless_asked(tmp_path):
+    _training_checkpoint(tmp_path / "ckpt")
+    optim_keys = sorted(k for k, v in qdcp.describe(tmp_path / "ckpt").items()
+                        if k.startswith("optim.") and v["stored_as"] != "object")
+    result = qdcp.export(tmp_path / "ckpt", tmp_path / "out", format="torchao")
+    assert sorted(result.left_out) == optim_keys and len(optim_keys) == 3 * 4  # 4 trained parameters
+    _, tensors = read_dir(tmp_path / "out")
+    names = [n for md in tensors.values() for n in json.loads(md["tensor_names"])]
+    assert names and all(n.startswith("model.") for n in names), names
+    with pytest.raises(qdcp.ExportError, match=r"nothing to export under prefix 'modle'.*\['model', 'optim'\]"):
+        qdcp.export(tmp_path / "ckpt", tmp_path / "out2", format="torchao", prefix="modle")
+    assert not (tmp_path / "out2").exists()
+    proc = subprocess.run([sys.executable, "-m", "qdcp", "export", str(tmp_path / "ckpt"), str(tmp_path / "out3"),
+                           "--format", "torchao", "--prefix", "model"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "qdcp: left out 12 entries, outside --prefix or optimizer states: optim." in proc.stderr, proc.stderr
+    assert sorted(os.listdir(tmp_path / "out3")) == ["config.json", "model.safetensors"]

@@ -1,5 +1,5 @@
 """DCP's own reader with ``QuantizedLoadPlanner`` into targets on the CPU and, where CUDA is present,
-on the GPU (issue 39): each whole item is checked in a host buffer before it reaches its target
+on the GPU: each whole item is checked in a host buffer before it reaches its target
 (pinned for a CUDA target, copied on without blocking), and ``dcp.load`` returns with every target
 filled, as vanilla's does. Run on CPU by the suite and on CUDA by scripts/gpu_check.sh."""
 

@@ -52,7 +52,7 @@ def torchrun(worker: Path, command: str, nproc: int, root: Path, timeout_s: int)
         try:
             out, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_tree(proc.pid)  # torchrun starts each rank in a session of its own
             out, _ = proc.communicate()
             out += f"\n[torchrun_jobs] torchrun killed after {timeout_s} s"
         elapsed = time.monotonic() - start
@@ -60,6 +60,34 @@ def torchrun(worker: Path, command: str, nproc: int, root: Path, timeout_s: int)
             continue  # another job took the port between free_port and torchrun's bind
         return proc.returncode, out, elapsed
     raise AssertionError("unreachable")
+
+
+def _children() -> dict[int, list[int]]:
+    """``{ppid: [pid, ...]}`` of the processes now running (from /proc)."""
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            tree.setdefault(ppid, []).append(int(entry))
+    return tree
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every process descended from ``pid``."""
+    tree, todo, found = _children(), [pid], []
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(tree.get(p, ()))
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
 
 
 def shared_dir(tmp_path_factory, name: str) -> Path:

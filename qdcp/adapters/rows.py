@@ -24,7 +24,8 @@ from qdcp.layouts import Blocked, Chunk, Flat, Layout, Replicated, ceil_div, ful
 __all__ = ["DEQUANTIZE_ELEMENTS", "row_blocks", "dequantize_by_rows"]
 
 #: logical elements dequantized at a time, rounded up to whole blocks of rows (2^20: the peak and
-#: the memory glibc keeps afterwards both below a whole-tensor dequantize's; docs/benchmarks.md)
+#: the memory glibc keeps afterwards both below a whole-tensor dequantize's; docs/benchmarks.md,
+#: *Dequantizing loads and saves*)
 DEQUANTIZE_ELEMENTS = 1 << 20
 
 

@@ -47,12 +47,14 @@ class ExportResult:
     nbytes: int                       #: tensor bytes written
     dequantized: tuple[str, ...]      #: quantized keys written as plain values
     skipped: tuple[str, ...]          #: non-tensor entries (safetensors holds tensors only)
+    left_out: tuple[str, ...] = ()    #: optimizer states and entries outside ``prefix`` (checkpoint keys)
 
 
 def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format: str,
            config: str | os.PathLike | Mapping[str, Any] | None = None, max_shard_size: int | str = "5GB",
            dequantize_unsupported: bool = False, overwrite: bool = False,
-           progress: bool | None = None) -> ExportResult:
+           progress: bool | None = None, prefix: str | None = None,
+           include_optimizer: bool = False) -> ExportResult:
     """Write the checkpoint at ``checkpoint`` as a Hugging Face directory ``out_dir`` in ``format``.
 
     ``config``: a ``config.json`` (path or dict) to which the format's ``quantization_config`` is
@@ -60,15 +62,21 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
     ``"5GB"``) are split as ``model-0000i-of-0000N.safetensors`` with an index. An entry the format
     cannot represent raises :class:`ExportError` naming it before anything is written, unless
     ``dequantize_unsupported`` writes it dequantized (its logical dtype). ``progress``: a bar on
-    stderr (None: on a terminal only).
+    stderr (None: on a terminal only). ``prefix``: export the subtree under it only, its keys
+    written without it (``"model"`` for a training checkpoint ``{"model": ..., "optim": ...}``: the
+    model's own names, as ``from_pretrained`` expects). Optimizer states (entries under a top-level
+    key of :data:`OPTIMIZER_KEYS`: ``optim``, ``optimizer``...) are left out unless
+    ``include_optimizer``; what was left out is :attr:`ExportResult.left_out`.
     """
     layout = layout_named(format)
     checkpoint, out_dir = os.fspath(checkpoint), os.fspath(out_dir)
     _check_output(checkpoint, out_dir, overwrite)
     entries = CheckpointEntries(checkpoint, reuse_memory=True)  # one entry in memory at a time
     sources, skipped = _sources(entries)
+    sources, names, left_out = _selected(sources, prefix, include_optimizer)
+    skipped = [k for k in skipped if _under(k, prefix)]
     plans = _plan_all(layout, sources, dequantize_unsupported,
-                      lambda key: functools.partial(entries.components, key))
+                      lambda key: functools.partial(entries.components, names[key]))
     config_json = dict(_base_config(config))
     quantization_config = layout.quantization_config(plans)
     if quantization_config is not None:
@@ -80,7 +88,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
     tmp = scratch.new_dir(_SCRATCH, out_dir)
     try:
         weight_map = _write_files(layout, [[plans[i] for i in s] for s in shards], files,
-                                  _Reading(entries, sources), tmp, progress)
+                                  _Reading(entries, sources, names), tmp, progress)
         if len(files) > 1:
             stf.write_index(tmp, weight_map, sum(p.nbytes for p in plans))
         with open(os.path.join(tmp, stf.CONFIG_FILE), "w") as f:
@@ -91,7 +99,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(out_dir, tuple(files), sum(len(p.tensors) for p in plans), sum(p.nbytes for p in plans),
-                        tuple(p.key for p in plans if p.dequantized), tuple(skipped))
+                        tuple(p.key for p in plans if p.dequantized), tuple(skipped), tuple(left_out))
 
 
 _SCRATCH = "export"  #: the scratch directory's kind (:mod:`qdcp.storage.scratch`)
@@ -133,6 +141,38 @@ def _sources(entries: CheckpointEntries) -> tuple[dict[str, Source], list[str]]:
         elif item is not None:
             skipped.append(key)
     return sources, skipped
+
+
+#: top-level keys a training checkpoint keeps its optimizer's state under
+OPTIMIZER_KEYS = ("optim", "optimizer", "optimizers", "optim_state", "optimizer_state")
+
+
+def _under(key: str, prefix: str | None) -> bool:
+    return prefix is None or key.startswith(prefix.rstrip(".") + ".")
+
+
+def _selected(sources: Mapping[str, Source], prefix: str | None,
+              include_optimizer: bool) -> tuple[dict[str, Source], dict[str, str], list[str]]:
+    """``(sources by the name they are written under, {that name: checkpoint key}, keys left out)``:
+    those under ``prefix`` (written without it), optimizer states left out unless asked for."""
+    kept: dict[str, Source] = {}
+    names: dict[str, str] = {}
+    left_out = []
+    for key, src in sources.items():
+        optimizer = key.split(".", 1)[0] in OPTIMIZER_KEYS
+        if not _under(key, prefix) or (optimizer and not include_optimizer and prefix is None):
+            left_out.append(key)
+            continue
+        name = key if prefix is None else key[len(prefix.rstrip(".")) + 1:]
+        kept[name] = dataclasses.replace(src, key=name)
+        names[name] = key
+    if not kept and left_out:
+        tops = sorted({k.split(".", 1)[0] for k in sources})
+        raise ExportError(f"nothing to export under prefix {prefix!r} (nothing was written): the checkpoint's "
+                          f"tensors lie under {tops}" if prefix is not None else
+                          "the checkpoint holds no tensor but optimizer states (nothing was written): pass "
+                          "include_optimizer=True (--include-optimizer) to export them")
+    return kept, names, left_out
 
 
 def _plan_all(layout: HFLayout, sources: Mapping[str, Source], dequantize_unsupported: bool,
@@ -193,12 +233,14 @@ class _Reading:
 
     entries: CheckpointEntries
     sources: Mapping[str, Source]
+    keys: Mapping[str, str]  #: the checkpoint key of each name written
 
     def tensors(self, layout: HFLayout, plan: EntryPlan) -> dict[str, torch.Tensor]:
         """The planned tensors of one entry, read and converted (this entry only in memory)."""
+        key = self.keys[plan.key]
         if self.sources[plan.key].spec is None or plan.dequantized:
-            return {plan.key: self.entries.entry(plan.key, dequantize=True, dtype=plan.tensors[0].dtype)}
-        return layout.produce(plan, self.entries.stored(plan.key))
+            return {plan.key: self.entries.entry(key, dequantize=True, dtype=plan.tensors[0].dtype)}
+        return layout.produce(plan, self.entries.stored(key))
 
 
 def _write_files(layout: HFLayout, shards: list[list[EntryPlan]], files: list[str], reading: _Reading,

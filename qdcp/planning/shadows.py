@@ -16,7 +16,7 @@ target's values wherever the reads will not write every byte of a shadow buffer,
 load fills only in part (a partial load, a component the checkpoint does not carry, a buffer a load
 action computes) keeps the rest of its values. Cost: one extra copy of the loaded state on each
 rank, on the targets' devices, for the duration of the load, and one more copy of its bytes (the
-copy-in; see docs/benchmarks.md).
+copy-in; see docs/benchmarks.md, *All-or-nothing load*).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from qdcp.errors import ConcurrentSaveError
 from qdcp.storage.owners import Owner
 
 __all__ = ["CLAIM_FILE", "CLAIM_PREFIX", "PathClaim", "ClaimRecord", "LocalStore", "FsspecStore", "take",
-           "read_record", "honours_exclusive", "protocols"]
+           "read_record", "refuse_if_held", "honours_exclusive", "protocols"]
 
 CLAIM_PREFIX = ".qdcp-save."  #: every file of a claim's (the claim, its asides) starts so
 CLAIM_FILE = f"{CLAIM_PREFIX}claim"  #: the claim, in the checkpoint directory
@@ -267,6 +267,14 @@ def take(store, what: str) -> PathClaim:
         store.remove_if_same(CLAIM_FILE, data, f"{CLAIM_FILE}.{record.token}.stale")
     raise ConcurrentSaveError(f"{store.label!r}: other saves kept claiming it while this one cleared stale "
                               f"claims; nothing was written. Save again")
+
+
+def refuse_if_held(store) -> None:
+    """Raise :class:`ConcurrentSaveError` naming the holder, as :func:`take` would, if a save that
+    may still run holds ``store``'s path; takes nothing and clears nothing (a check before a save)."""
+    data, other = read_record(store)
+    if data is not None and not _stale(store, other):
+        raise ConcurrentSaveError(_busy(store, other))
 
 
 def _stale(store, other: ClaimRecord | None) -> bool:

@@ -178,34 +178,31 @@ class AtomicWriting:
             # here, with no race between ranks (abandon() removes it only then)
             self._made_dir = not is_url(self.path) and not os.path.isdir(self.path)
             self.fs.mkdir(self.path)
-        if self.fs.exists(self._get_metadata_path()) and not self.qdcp_overwrite:
-            raise QdcpError(
-                f"a checkpoint already exists at {os.fspath(self.path)!r}; pass overwrite=True to "
-                f"replace it (the old one stays loadable until the new one is complete), or save "
-                f"to a new path")
         with _in_flight_lock:
-            if self._key() in _in_flight:
-                raise QdcpError(
-                    f"another save to {os.fspath(self.path)!r} is in progress in this process; wait "
-                    f"for it (call .result() on its future) before saving there again")
+            self._refuse_taken()
             _in_flight.add(self._key())
             self._holds_path = True
         return plan
 
-    def check_path(self) -> None:
-        """Raise now what planning this save would raise for its path, taking and writing nothing
-        (``qdcp.async_save`` calls it before staging): a checkpoint there (no ``overwrite``), a save
-        of this process to it in progress, a claim on it held by a save that may still run."""
+    def _refuse_taken(self) -> None:
+        """Raise if a checkpoint is at the path (without ``overwrite``) or a save of this process
+        is writing it (``_in_flight_lock`` held by the caller)."""
         if not self.qdcp_overwrite and self.fs.exists(self._get_metadata_path()):
             raise QdcpError(
                 f"a checkpoint already exists at {os.fspath(self.path)!r}; pass overwrite=True to "
                 f"replace it (the old one stays loadable until the new one is complete), or save "
                 f"to a new path")
+        if self._key() in _in_flight:
+            raise QdcpError(
+                f"another save to {os.fspath(self.path)!r} is in progress in this process; wait "
+                f"for it (call .result() on its future) before saving there again")
+
+    def check_path(self) -> None:
+        """Raise now what planning this save would raise for its path, taking and writing nothing
+        (``qdcp.async_save`` calls it before staging): a checkpoint there (no ``overwrite``), a save
+        of this process to it in progress, a claim on it held by a save that may still run."""
         with _in_flight_lock:
-            if self._key() in _in_flight:
-                raise QdcpError(
-                    f"another save to {os.fspath(self.path)!r} is in progress in this process; wait "
-                    f"for it (call .result() on its future) before saving there again")
+            self._refuse_taken()
         if self.fs.exists(self.path):
             claims.refuse_if_held(self._claim_store())
 
