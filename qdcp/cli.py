@@ -33,7 +33,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from tqdm import tqdm
 
-from qdcp import checksums, runs
+from qdcp import checksums, outputs, runs
 from qdcp.checkpoint import save
 from qdcp.errors import QdcpError
 from qdcp.hf.convert import UnwritableDtype, to_safetensors
@@ -48,7 +48,6 @@ from qdcp.reading import (
     describe,
 )
 from qdcp.reading.consolidate import nest
-from qdcp.storage import outputs
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -191,7 +190,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _to_torch(args: argparse.Namespace) -> int:
     """``--to torch``: the whole checkpoint in one ``torch.save`` file (:func:`qdcp.dcp_to_torch_save`),
-    written under a fresh scratch name (:mod:`qdcp.storage.scratch`) and renamed into place; never
+    written under a fresh scratch name (:mod:`qdcp.outputs`) and renamed into place; never
     over an existing file."""
     if args.dtype or args.overwrite:
         why = "(it writes each entry in its own dtype)" if args.dtype else \

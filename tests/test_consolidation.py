@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import format_utils, state_dict_loader
 from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
 import qdcp
-from qdcp.storage.outputs import OutputError
+from qdcp.outputs import OutputError
 from quantized_cases import bits
 
 COMPONENTS = ("qdata", "scale", "zero_point")  # an Int8Tensor's inner buffers, as qdcp stores them

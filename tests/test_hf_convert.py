@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 import qdcp
 from qdcp.hf.convert import SafetensorsResult, TensorRow, UnwritableDtype, to_safetensors
-from qdcp.storage.outputs import OutputError
+from qdcp.outputs import OutputError
 from quantized_cases import CASE_BY_NAME, bits, qdcp_save
 
 CASES = {"w_int8": "int8_group32", "w_nf4": "nf4", "w_nvfp4": "nvfp4_per_tensor"}

@@ -91,12 +91,12 @@ def _others(parent: Path, out: Path) -> dict[str, bytes]:
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                            text=True, check=True)
     dead = Owner.current().tag().split(".")[0] + f".{int(ended.stdout)}.0"
-    from qdcp.storage import scratch
+    from qdcp import outputs
 
     names = {"notes.txt": b"mine", f".qdcp-convert-00000000-{dead}-abcdef.safetensors.tmp": b"another output's"}
     for name, data in names.items():
         (parent / name).write_bytes(data)
-    live = Path(scratch.new_file("convert", out, ".safetensors.tmp"))
+    live = Path(outputs.new_file("convert", out, ".safetensors.tmp"))
     live.write_bytes(b"a run still going")
     return {n: (parent / n).read_bytes() for n in [*names, live.name]}
 

@@ -25,13 +25,13 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
+from qdcp import outputs
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 from qdcp.hf.safetensors_files import SAFETENSORS_DTYPES, ShardWriter, TensorOut
 from qdcp.reading.entries import CheckpointEntries
-from qdcp.storage import outputs, scratch
 
-_SCRATCH = "convert"  #: the scratch file's kind (:mod:`qdcp.storage.scratch`)
+_SCRATCH = "convert"  #: the scratch file's kind (:mod:`qdcp.outputs`)
 
 
 class TensorRow(NamedTuple):
@@ -93,14 +93,14 @@ def to_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *, deq
     """Write the checkpoint at ``checkpoint`` as the safetensors file ``out`` (see the module's doc).
 
     ``out`` may not be, hold or lie inside the checkpoint; an existing ``out`` is replaced only with
-    ``overwrite`` and only if qdcp wrote it (:class:`qdcp.storage.outputs.OutputError` otherwise,
+    ``overwrite`` and only if qdcp wrote it (:class:`qdcp.outputs.OutputError` otherwise,
     before anything is read). The scratch a killed conversion to ``out`` left is removed first. A
     dtype safetensors has no name for raises :class:`UnwritableDtype` before anything is written.
     ``progress``: a bar on stderr (None: on a terminal only).
     """
     checkpoint, out = os.fspath(checkpoint), os.fspath(out)
     outputs.check_separate([checkpoint], out)
-    scratch.clean(out, _SCRATCH)  # what a killed conversion to ``out`` left
+    outputs.clean(out, _SCRATCH)  # what a killed conversion to ``out`` left
     outputs.check_replaceable(out, overwrite, directory=False, ours=written_by_qdcp,
                               what="a safetensors file qdcp wrote")
     entries = CheckpointEntries(checkpoint)
@@ -177,9 +177,9 @@ def _values(entries: CheckpointEntries, key: str, rows: Sequence[TensorRow]) -> 
 
 @contextlib.contextmanager
 def _replacing_file(out: str) -> Iterator[str]:
-    """A fresh scratch file beside ``out`` (:mod:`qdcp.storage.scratch`: never a name the user may
+    """A fresh scratch file beside ``out`` (:mod:`qdcp.outputs`: never a name the user may
     hold) to write; renamed to ``out`` when the block succeeds, removed when it fails."""
-    tmp = scratch.new_file(_SCRATCH, out, ".safetensors.tmp")
+    tmp = outputs.new_file(_SCRATCH, out, ".safetensors.tmp")
     try:
         yield tmp
         os.replace(tmp, out)

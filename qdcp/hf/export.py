@@ -7,7 +7,7 @@ represent stops the export before anything is written. Then entries stream one a
 are written into a scratch directory beside ``out_dir`` and renamed into place at the end, so
 ``out_dir`` is never left half written; what a killed export left there is removed (and an old
 export it was replacing put back) by the next export to the same ``out_dir``
-(:mod:`qdcp.storage.scratch`).
+(:mod:`qdcp.outputs`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
+from qdcp import outputs
 from qdcp import spec as qspec
 from qdcp.errors import QdcpError
 from qdcp.hf import safetensors_files as stf
 from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Source, UnsupportedEntry, layout_named
 from qdcp.reading.entries import CheckpointEntries
-from qdcp.storage import outputs, scratch
 
 
 class ExportError(QdcpError):
@@ -85,7 +85,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
         config_json.pop("quantization_config", None)
     shards = stf.plan_shards([p.nbytes for p in plans], stf.parse_size(max_shard_size))
     files = stf.shard_file_names(len(shards))
-    tmp = scratch.new_dir(_SCRATCH, out_dir)
+    tmp = outputs.new_dir(_SCRATCH, out_dir)
     try:
         weight_map = _write_files(layout, [[plans[i] for i in s] for s in shards], files,
                                   _Reading(entries, sources, names), tmp, progress)
@@ -102,7 +102,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
                         tuple(p.key for p in plans if p.dequantized), tuple(skipped), tuple(left_out))
 
 
-_SCRATCH = "export"  #: the scratch directory's kind (:mod:`qdcp.storage.scratch`)
+_SCRATCH = "export"  #: the scratch directory's kind (:mod:`qdcp.outputs`)
 
 #: what export writes in its directory (all that ``overwrite`` may replace)
 _OURS = outputs.name_matcher(re.escape(stf.SINGLE_FILE), r"model-\d{5,}-of-\d{5,}\.safetensors",
@@ -115,8 +115,8 @@ def _check_output(checkpoint: str, out_dir: str, overwrite: bool) -> None:
     export to ``out_dir`` left is removed first, and an export it had moved aside put back."""
     try:
         outputs.check_separate([checkpoint], out_dir)
-        scratch.recover(out_dir)
-        scratch.clean(out_dir, _SCRATCH)
+        outputs.recover(out_dir)
+        outputs.clean(out_dir, _SCRATCH)
         outputs.check_replaceable(out_dir, overwrite, directory=True, ours=_OURS,
                                   what="an export (model*.safetensors, its index, config.json)")
     except outputs.OutputError as e:
@@ -124,7 +124,7 @@ def _check_output(checkpoint: str, out_dir: str, overwrite: bool) -> None:
 
 
 class _OutputRefused(ExportError, outputs.OutputError):
-    """``out_dir`` cannot be written (an :class:`ExportError` and a :class:`qdcp.storage.outputs.OutputError`)."""
+    """``out_dir`` cannot be written (an :class:`ExportError` and a :class:`qdcp.outputs.OutputError`)."""
 
 
 def _sources(entries: CheckpointEntries) -> tuple[dict[str, Source], list[str]]:
@@ -269,7 +269,7 @@ def _replace_dir(tmp: str, out_dir: str) -> None:
     second rename) and removed only after."""
     old = None
     if os.path.exists(out_dir):
-        old = scratch.new_dir(scratch.REPLACED, out_dir)
+        old = outputs.new_dir(outputs.REPLACED, out_dir)
         os.rename(out_dir, os.path.join(old, "dir"))
     os.rename(tmp, out_dir)
     if old is not None:

@@ -21,12 +21,12 @@ import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from qdcp import outputs
 from qdcp import spec as qspec
 from qdcp.checkpoint import load
 from qdcp.errors import CheckpointFormatError
 from qdcp.planning.load import QuantizedLoadPlanner
 from qdcp.reading.entries import CheckpointEntries, read_metadata
-from qdcp.storage import outputs, scratch
 
 __all__ = ["consolidate", "dcp_to_torch_save", "ConsolidatingLoadPlanner"]
 
@@ -63,17 +63,17 @@ def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike, torch_save_path: st
     inside the checkpoint is refused, and so is an existing path unless ``overwrite=True`` (a
     torch.save file does not say who wrote it); the file is written under a scratch name beside
     it and renamed into place, so a failed run leaves what was there. Errors:
-    :class:`~qdcp.storage.outputs.OutputError` (a ``ValueError``), before anything is read.
+    :class:`~qdcp.outputs.OutputError` (a ``ValueError``), before anything is read.
     """
     outputs.check_separate([dcp_checkpoint_dir], torch_save_path)
-    scratch.clean(torch_save_path, "torch")  # what a killed conversion to the same file left
+    outputs.clean(torch_save_path, "torch")  # what a killed conversion to the same file left
     out = os.fspath(torch_save_path)
     if os.path.lexists(out) and not (overwrite and os.path.isfile(out) and not os.path.islink(out)):
         why = "is not a file" if os.path.isdir(out) or os.path.islink(out) else \
             "exists; it is replaced only with overwrite=True (a torch.save file does not say who wrote it)"
         raise outputs.OutputError(f"{out!r} {why}. Move it away or choose another path")
     state = consolidate(dcp_checkpoint_dir, dequantize=dequantize)
-    tmp = scratch.new_file("torch", out, ".pt.tmp")
+    tmp = outputs.new_file("torch", out, ".pt.tmp")
     try:
         torch.save(state, tmp)
         os.replace(tmp, out)

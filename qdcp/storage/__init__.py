@@ -16,8 +16,6 @@ per module:
 - :mod:`~qdcp.storage.commit`: a save's file names (its token), publishing ``.metadata``, what is
   removed after.
 - :mod:`~qdcp.storage.causes`: write errors raised with their root OS error.
-- :mod:`~qdcp.storage.scratch`: scratch beside the outputs of ``qdcp convert`` / ``export``, and
-  what killed runs left of it.
 - :mod:`~qdcp.storage.writer`: :class:`CheckpointWriter` refuses to write over an existing
   checkpoint unless ``overwrite=True``; with it, new data files get fresh names and the new
   ``.metadata`` atomically replaces the old one (``rename``), so a save killed at any point leaves

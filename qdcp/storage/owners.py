@@ -1,7 +1,7 @@
 """Which process owns something on disk, and whether that process still runs.
 
 A claim on a checkpoint path (:mod:`qdcp.storage.claims`) and the scratch files of ``qdcp convert``
-/ ``qdcp export`` (:mod:`qdcp.storage.scratch`) record their :class:`Owner`: the host, its boot,
+/ ``qdcp export`` (:mod:`qdcp.outputs`) record their :class:`Owner`: the host, its boot,
 the PID namespace, the PID and the process's start time. On the machine that wrote it (same host
 name, boot id and PID namespace), :meth:`Owner.alive` answers for certain: the PID runs and is
 the same process (its start time matches; a reused PID does not), and a zombie counts as dead.
