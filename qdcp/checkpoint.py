@@ -27,10 +27,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from qdcp import errors
-from qdcp.errors import CheckpointFormatError, CheckpointNotFoundError, QdcpError
+from qdcp.errors import CheckpointNotFoundError, QdcpError
 from qdcp.planning.load import QuantizedLoadPlanner
 from qdcp.planning.save import DequantizeChoice, QuantizedSavePlanner
 from qdcp.storage import storage_reader, storage_writer
+from qdcp.storage.reader import NoMetadataError
 
 __all__ = ["save", "async_save", "load", "checkpoint_group"]
 
@@ -158,7 +159,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = 
     except FileNotFoundError as e:
         raise CheckpointNotFoundError(_not_found(path, "no such directory")) from e
     planner = QuantizedLoadPlanner(atomic=atomic, allow_partial_load=allow_partial_load, weights_only=weights_only)
-    with _metadata_found(reader, path), _own_error(), _no_missing_metadata_tracebacks():
+    with _metadata_found(path), _own_error(), _no_missing_metadata_tracebacks():
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
                  **_alone(no_dist))
     if planner.unread_keys and not allow_partial_load:
@@ -171,22 +172,14 @@ def _not_found(path: str | os.PathLike, why: str) -> str:
 
 
 @contextlib.contextmanager
-def _metadata_found(reader: Any, path: str | os.PathLike) -> Iterator[None]:
-    """A load of a directory without ``.metadata`` raises :class:`CheckpointNotFoundError`, not
-    DCP's ``AssertionError: metadata is None`` (the reader's own error, kept on it, is its cause);
-    another unreadable ``.metadata`` raises the reader's :class:`CheckpointFormatError`."""
+def _metadata_found(path: str | os.PathLike) -> Iterator[None]:
+    """A load of a directory without ``.metadata`` raises :class:`CheckpointNotFoundError` (the
+    reader's :class:`~qdcp.storage.reader.NoMetadataError` its cause)."""
     try:
         yield
-    except (AssertionError, CheckpointFormatError) as e:
-        first = getattr(reader, "_qdcp_metadata_error", None) if isinstance(e, AssertionError) else e
-        if not isinstance(first, CheckpointFormatError):
-            raise
-        if "has no .metadata" in str(first):
-            raise CheckpointNotFoundError(_not_found(path, "a directory without .metadata; a save stopped "
-                                                           "before its commit leaves none")) from first
-        if first is e:
-            raise
-        raise first from e
+    except NoMetadataError as e:
+        raise CheckpointNotFoundError(_not_found(path, "a directory without .metadata; a save stopped "
+                                                       "before its commit leaves none")) from e
 
 
 class _MissingMetadataNoise(logging.Filter):
@@ -195,7 +188,7 @@ class _MissingMetadataNoise(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         err = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(err, CheckpointFormatError) and "has no .metadata" in str(err))
+        return not isinstance(err, NoMetadataError)
 
 
 @contextlib.contextmanager

@@ -32,7 +32,8 @@ from qdcp.spec import describe_item
 from qdcp.storage.local_files import file_problem, open_inside, refusal
 from qdcp.storage.metadata import QdcpStorageMeta, check_chunk_geometry, check_stored_sizes, safe_load_metadata
 
-__all__ = ["SafeReading", "CheckpointReader", "metadata_error_told", "ReportingLoadPlanner", "AdoptingLoadPlanner"]
+__all__ = ["SafeReading", "CheckpointReader", "metadata_error_told", "ReportingLoadPlanner", "AdoptingLoadPlanner",
+           "NoMetadataError"]
 
 # a whole stored chunk bound for a CUDA buffer, up to this size divided by the number of reading
 # threads, is read into one of its thread's two reused pinned buffers and copied without blocking:
@@ -140,6 +141,11 @@ class _Lane:
             pending()
 
 
+class NoMetadataError(CheckpointFormatError):
+    """The checkpoint directory holds no ``.metadata`` (not a checkpoint, or a save that did not
+    finish): ``qdcp.load`` raises :class:`qdcp.CheckpointNotFoundError` for it."""
+
+
 class _MetadataUnreadable(BaseException):
     """Carries qdcp's ``.metadata`` error (its ``__cause__``) past ``dcp.load``'s ``except Exception``
     around ``read_metadata``, which would turn it into ``AssertionError("metadata is None; ...")``
@@ -184,7 +190,7 @@ class SafeReading:
     def _read_metadata(self, rank: int | None) -> Metadata:
         path = self._get_metadata_path(rank)
         if not self.fs.exists(path):
-            raise CheckpointFormatError(
+            raise NoMetadataError(
                 f"{os.fspath(self.path)!r} has no .metadata: it is not a DCP checkpoint, or its save "
                 f"did not finish (a partial checkpoint)")
         try:
