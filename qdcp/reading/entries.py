@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from qdcp import spec as qspec
 from qdcp.adapters.base import StoredEntry, adapter_for_type
 from qdcp.dcp_copies import read_items
-from qdcp.errors import CheckpointFormatError, UnsupportedTensorError
+from qdcp.errors import CheckpointFormatError, QdcpError, UnsupportedTensorError
 from qdcp.layouts import ceil_div, narrow
 from qdcp.storage import storage_reader
 from qdcp.storage.metadata import load_object
@@ -138,6 +138,13 @@ class CheckpointEntries:
                 if f"key {key!r}" in str(e):
                     raise
                 raise UnsupportedTensorError(f"key {key!r}: {e}") from e
+            except QdcpError:
+                raise
+            except Exception as e:  # the library's own error on attributes it does not take
+                raise CheckpointFormatError(
+                    f"key {key!r}: the stored entry cannot be rebuilt as a {entry.type} ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:300]}); its spec's attributes are damaged, or ones this "
+                    f"qdcp and the library do not agree on") from e
         item = self.metadata.state_dict_metadata.get(key)
         if item is None:
             raise KeyError(f"key {key!r} is not in the checkpoint at {os.fspath(self.path)!r}")
