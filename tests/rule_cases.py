@@ -1,7 +1,8 @@
 """Generated checkpoint cases checked against the load rule of docs/api.md (tests/rule_oracle.py).
 
 A case: a type and config (torchao's affine types per row, group and tensor, symmetric and
-asymmetric, float8 e4m3 and e5m2; MX fp8 / fp4 and NVFP4 with and without a per-tensor scale (its
+asymmetric, float8 e4m3 and e5m2, Intx per row with a float32 scale through torchao's
+``IntxWeightOnlyConfig(scale_dtype=...)``; MX fp8 / fp4 and NVFP4 with and without a per-tensor scale (its
 quantization from the whole tensor's amax), scales swizzled or not (in torchao's layout, padding
 zero, after a load); NF4, the ``torchao.optim`` 8-bit, 4-bit and FP8 states, torchao.float8's
 training weight; TransformerEngine's Float8 and MXFP8 tensors, tests/rule_te.py, where TE is
@@ -62,8 +63,11 @@ from torchao.quantization import (  # noqa: E402
     Float8Tensor,
     Int8Tensor,
     IntxUnpackedToInt8Tensor,
+    IntxWeightOnlyConfig,
+    PerAxis,
     PerGroup,
     PerTensor,
+    quantize_,
     to_nf4,
 )
 from torchao.quantization.quant_primitives import MappingType  # noqa: E402
@@ -84,9 +88,10 @@ warnings.filterwarnings("ignore")
 
 # family -> (can torchao slice its columns, another config of it or another family)
 FAMILIES = {
-    "int8_row": (True, "int8_group32"),
+    "int8_row": (True, "intx_int8_row_fp32"),
     "int8_group32": (True, "intx_int8_group32"),  # another affine type of one element kind and block
     "intx_int8_group32": (True, "int8_group32"),
+    "intx_int8_row_fp32": (True, "float8_tensor_e5m2"),  # IntxWeightOnlyConfig(scale_dtype=torch.float32)
     "int8_tensor": (True, "int8_row"),
     "int8_asym_row": (True, "int8_row"),
     "float8_row": (True, "float8_group64"),
@@ -112,7 +117,9 @@ FAMILIES = {
 }
 # NF4 with blocks small enough for the generator's shapes (torchao's default needs 16,384 elements)
 CASE_BY_NAME = {**CASE_BY_NAME, "intx_int8_group32": Case(
-    "intx_int8_group32", lambda hp: IntxUnpackedToInt8Tensor.from_hp(hp, (1, 32), torch.int8)), **{
+    "intx_int8_group32", lambda hp: IntxUnpackedToInt8Tensor.from_hp(hp, (1, 32), torch.int8)),
+    "intx_int8_row_fp32": Case("intx_int8_row_fp32", lambda hp: intx_config_quantized(
+        hp, (1, hp.shape[1]), torch.int8, MappingType.SYMMETRIC, torch.float32)), **{
     name: Case(name, lambda hp, b=b, s=s: to_nf4(hp.contiguous(), b, s), dequantize=lambda t: t.get_original_weight())
     for name, b, s in (("nf4_b16", 16, 16), ("nf4_b32", 32, 8))},
     "float8_training": Case("float8_training", lambda hp: WeightWithDynamicFloat8CastTensor(
@@ -246,7 +253,10 @@ def make_local(name: str, seed: int, shape, sliced: bool):
         return make
     case = CASE_BY_NAME[name]
     hp = case.hp(seed, shape)
-    whole = case.from_hp(hp) if sliced else None
+    try:
+        whole = case.from_hp(hp) if sliced else None
+    except AssertionError:  # torchao makes no whole tensor of this shape (NF4 of 72 scalers): no slice of one
+        return lambda chunk, rank: None
     return lambda chunk, rank: build_local(name, hp, whole, chunk)
 
 
@@ -347,7 +357,10 @@ def save_refused_by_rule(source: Source) -> bool:
         return False
     if rule_te.is_te(source.locals[0][1]):  # whole blocks (the cut makes no other); one per-tensor scale
         return len({maps_of(t).get("per_tensor_scale", torch.zeros(1, 1))[0, 0].item() for _, t in source.locals}) > 1
-    configs = {(rule.config(t), repr(getattr(t, "block_size", None))) for _, t in source.locals}
+    blocks = stored_blocks(source)
+    if blocks is None:  # one value for the whole tensor that the shards do not share
+        return True
+    configs = {(rule.config(t), repr(b)) for (_, t), b in zip(source.locals, blocks)}
     if whole_rows(source):  # a per-row weight cut by columns (its shards' blocks span their columns)
         return False
     if len(configs) > 1:
@@ -370,9 +383,37 @@ def save_refused_by_rule(source: Source) -> bool:
             grids.add(grid)
             continue
         block = t.block_size if isinstance(t.block_size, (list, tuple)) else (1, t.block_size)
-        if any(o % b for o, b in zip(offsets, block)):
+        if any(o % b for o, b in zip(offsets, block)) and not rule.one_block_of_its_shape(block, sizes):
             return True
     return len(grids) > 1  # the shards' blocks form one grid
+
+
+def stored_block_sizes(source: Source) -> list:
+    """The blocks a saved entry stores each shard with: a per-row weight cut by columns in whole rows
+    (:func:`whole_rows`), a per-tensor one's shards in the whole tensor's block (:func:`stored_blocks`)."""
+    if whole_rows(source):
+        return [[t.block_size[0], source.shape[1]] for _, t in source.locals]
+    return stored_blocks(source) or [t.block_size for _, t in source.locals]
+
+
+def stored_blocks(source: Source) -> list | None:
+    """Each shard's blocks as the docs' save rule reads them: a shard whose one block is its own shape
+    (torchao's slicing of a per-tensor tensor) has the whole tensor's block, one value for it, where
+    every shard is such a shard and they share the value; otherwise such shards of one row keep
+    their own row blocks, and such shards of more rows are refused (None). Others: their own."""
+    shape = list(source.shape)
+    own = [getattr(t, "block_size", None) for _, t in source.locals]
+    spanning = [isinstance(b, (list, tuple)) and rule.one_block_of_its_shape(b, sizes) and list(sizes) != shape
+                for ((_, sizes), _), b in zip(source.locals, own)]
+    if not any(spanning):
+        return own
+    values = {tuple(m[0, 0].item() for k, m in sorted(maps_of(t).items()) if k != "code")
+              for ((_, t), span) in zip(source.locals, spanning) if span}
+    if all(spanning) and len(values) == 1:
+        return [shape] * len(own)
+    if any(span and sizes[0] > 1 for ((_, sizes), _), span in zip(source.locals, spanning)):
+        return None
+    return own
 
 
 def save_source(source: Source, layout: Layout, path: str | None = None):
@@ -476,7 +517,7 @@ def expected(source: Source, chunk, target: torch.Tensor, case) -> tuple:
             expect, outcome = maps_of(target), "refused at load"
         else:
             expect, outcome = quantize_like(target, case, values.to(target.device, case.dtype).contiguous(),
-                                            source.values), "quantized"
+                                            source.values, chunk), "quantized"
     else:
         maps = {k: v[region] for k, v in source.maps.items()}
         groups = (source.groups[0][region], source.groups[1]) if source.groups is not None else None
@@ -491,7 +532,7 @@ def expected(source: Source, chunk, target: torch.Tensor, case) -> tuple:
             expect, outcome = maps_of(target), "refused at load"
         else:  # the library's quantization, with the target's config, on the target's device
             expect, outcome = quantize_like(target, case, values.to(target.device, case.dtype).contiguous(),
-                                            source.values), "quantized"
+                                            source.values, chunk), "quantized"
     return expect, outcome
 
 
@@ -508,6 +549,8 @@ def check_loaded(target: torch.Tensor, expect, outcome: str, rank: int) -> None:
         assert rule.swizzled_as_torchao_lays_out(target), f"rank {rank}: swizzled scales not in torchao's layout"
     elif outcome in ("plain", "wide"):
         assert bits_diff(target, expect) is None, f"rank {rank}: {outcome}: {bits_diff(target, expect)}"
+    elif isinstance(expect, dict):  # the element maps of the whole tensor quantized, over the target's part
+        assert rule.maps_equal(maps_of(target), expect), f"rank {rank}: not the whole tensor's quantization"
     else:
         diff = components_diff(target, expect)
         assert diff is None, f"rank {rank}: not torchao's quantization of the values: {diff}"
@@ -545,9 +588,8 @@ def raw_conversion(source: Source, maps: dict, target: torch.Tensor, chunk) -> d
     if any(getattr(t, "target_dtype", torch.int8) != torch.int8 for t in (src, target)):
         return None  # another element kind
     block = tuple(target.block_size)
-    if any(tuple(t.block_size) != block for _, t in source.locals) or \
-            any(o % b for o, b in zip(chunk[0], block)):
-        return None  # not the source's blocks
+    if any(tuple(b) != block for b in stored_block_sizes(source)) or any(o % b for o, b in zip(chunk[0], block)):
+        return None  # not the source's blocks (as the entry stores them)
     src_dtypes = dict(source.config[2])
     out = {"code": maps["code"]}
     for name in ("scale", "zero_point"):
@@ -584,29 +626,70 @@ def _dequantized_by_rows(seed: int):
         row_blocks.DEQUANTIZE_ELEMENTS = before
 
 
-def quantize_like(target: torch.Tensor, case: Case, values: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+def quantize_like(target: torch.Tensor, case: Case, values: torch.Tensor, whole: torch.Tensor,
+                  chunk=None) -> torch.Tensor:
     """torchao's own quantization of ``values`` with ``target``'s config. The case's config,
     except for torchao's affine types, whose blocks are the target's own: a column cut of a
     per-group tensor that ends inside a group has blocks of its own columns (torchao's slicing sets
-    ``block_size`` to them, e.g. 22 columns of a group-32 tensor: ``[1, 22]``); and for NVFP4 with
-    a per-tensor scale, whose scale is that of ``whole``'s (the whole tensor's values) amax."""
-    block = getattr(target, "block_size", None)
+    ``block_size`` to them, e.g. 22 columns of a group-32 tensor: ``[1, 22]``); and a target that
+    holds a value once for the whole tensor (rule_oracle.per_tensor: a per-tensor scale, NF4's
+    scaler mean) at ``chunk`` of it: ``whole`` (the whole tensor's values) quantized like it, cut to
+    ``chunk`` as torchao's slicing (NF4: FSDP2's chunks) cuts it."""
     kind = type(target).__name__
-    if kind == "NVFP4Tensor" and target.per_tensor_scale is not None:
+    if kind == "NVFP4Tensor" and target.per_tensor_scale is not None:  # (torchao cuts no swizzled scales)
         scale = per_tensor_amax_to_scale(whole.abs().amax()).to(values.device)
         return NVFP4Tensor.to_nvfp4(values, per_tensor_scale=scale, is_swizzled_scales=target.is_swizzled_scales)
+    if rule.per_tensor(target) and chunk is not None and tuple(chunk[1]) != tuple(whole.shape):
+        try:
+            like = _like(target, case, whole.to(values.device, values.dtype).contiguous())
+        except AssertionError:  # torchao makes no whole NF4 tensor of this shape (nor shards of one)
+            like = None
+        if like is not None and kind != "NF4Tensor":
+            return cut(like, chunk)
+        if like is not None and nf4_run_of_whole_blocks(target, chunk, whole.shape):  # the whole one's maps there
+            (r, c), (nr, nc) = chunk
+            return {k: v[r:r + nr, c:c + nc] for k, v in rule.element_maps(like).items()}
+    return _like(target, case, values)  # (NF4 cut by columns, no part of a whole NF4 tensor: on its own)
+
+
+def nf4_run_of_whole_blocks(t: torch.Tensor, chunk, shape) -> bool:
+    """Whether an NF4 shard at ``chunk`` is a run of the whole tensor's flattened elements that starts
+    and ends on its groups of double-quantized scalers (as torchao's FSDP2 chunks are)."""
+    (r, c), (nr, nc) = chunk
+    group, numel = t.block_size * t.scaler_block_size, shape[0] * shape[1]
+    start, end = r * shape[1], (r + nr) * shape[1]
+    return (c, nc) == (0, shape[1]) and start % group == 0 and (end % group == 0 or end == numel)
+
+
+def _like(target: torch.Tensor, case: Case, values: torch.Tensor) -> torch.Tensor:
+    block = getattr(target, "block_size", None)
+    kind = type(target).__name__
     # torchao's int tensors do not record their mapping: all-zero zero points are symmetric (docs/adapters.md)
     zero = getattr(target, "zero_point", None)
     mapping = MappingType.SYMMETRIC if zero is None or not zero.any() else MappingType.ASYMMETRIC
-    if kind == "Int8Tensor" and tuple(block) == tuple(target.shape):
-        return Int8Tensor.from_hp(values, PerTensor(), mapping_type=mapping)
+    if kind in ("Int8Tensor", "Float8Tensor") and rule.one_block_of_its_shape(block, target.shape):
+        return Int8Tensor.from_hp(values, PerTensor(), mapping_type=mapping) if kind == "Int8Tensor" else \
+            Float8Tensor.from_hp(values, granularity=PerTensor(), float8_dtype=target.qdata.dtype)
     if kind in ("Int8Tensor", "Float8Tensor") and block is not None and block[0] == 1:
         granularity = PerGroup(block[-1])
         return Int8Tensor.from_hp(values, granularity, mapping_type=mapping) if kind == "Int8Tensor" else \
             Float8Tensor.from_hp(values, granularity=granularity, float8_dtype=target.qdata.dtype)
-    if kind == "IntxUnpackedToInt8Tensor":
-        return IntxUnpackedToInt8Tensor.from_hp(values, tuple(block), target.target_dtype, mapping_type=mapping)
+    if kind == "IntxUnpackedToInt8Tensor":  # torchao's own config path (its scale dtype too)
+        return intx_config_quantized(values, tuple(block), target.target_dtype, mapping, target.scale.dtype)
     return case.from_hp(values)
+
+
+def intx_config_quantized(values: torch.Tensor, block, weight_dtype, mapping, scale_dtype) -> torch.Tensor:
+    """``values`` quantized by torchao's ``quantize_`` with ``IntxWeightOnlyConfig`` (its own config
+    path: a scale dtype other than the values' recomputes the codes with the cast scale)."""
+    rows, cols = values.shape
+    linear = torch.nn.Linear(cols, rows, bias=False, dtype=values.dtype, device=values.device)
+    with torch.no_grad():
+        linear.weight.copy_(values)
+    granularity = PerAxis(0) if block[-1] == cols else PerGroup(block[-1])
+    quantize_(linear, IntxWeightOnlyConfig(weight_dtype=weight_dtype, granularity=granularity, mapping_type=mapping,
+                                           scale_dtype=scale_dtype))
+    return linear.weight
 
 
 def _devices(t: torch.Tensor) -> set[str]:
@@ -712,7 +795,7 @@ def check_corrupt_byte(source: Source, saved, target: tuple, seed: int) -> str:
 def case_strategy(families: st.SearchStrategy[str] = st.sampled_from(sorted(FAMILIES))) -> st.SearchStrategy:
     """A case: family, rows, columns, seed, source layout, sliced?, targets (layout, kind, device)."""
     return st.tuples(
-        families, st.sampled_from([8, 16, 24, 32]), st.sampled_from([64, 96, 128, 256]),
+        families, st.sampled_from([8, 10, 12, 16, 24, 32]), st.sampled_from([64, 96, 128, 256]),
         st.integers(0, 2**16), layouts(), st.booleans(),
         st.lists(st.tuples(layouts(), st.sampled_from(KINDS), st.sampled_from(DEVICES)), min_size=1, max_size=3))
 

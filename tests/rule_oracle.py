@@ -14,7 +14,9 @@ component that applies to it (scale, zero point, per-tensor scale). The rule the
 - a value the target holds once for the whole tensor (a per-tensor scale, NF4's scaler mean) must be
   one value over the elements it covers;
 - otherwise a quantized target holds torchao's own quantization of the source's values (the
-  source's ``dequantize()``), quantized like the target;
+  source's ``dequantize()``), quantized like the target: a target that holds a value once for the
+  whole tensor holds the whole tensor's values quantized like it, cut to its shard as torchao's
+  slicing (or FSDP2's chunks, for NF4) cuts it;
 - a plain target holds the source's values, bitwise.
 """
 
@@ -94,12 +96,24 @@ def _codes(codes: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 def per_tensor(t: torch.Tensor) -> tuple[str, ...]:
     """The element maps of ``t`` that its library holds once for the whole tensor (NVFP4's
-    ``per_tensor_scale``, NF4's scaler mean): a target holds one such value, so the elements it
-    covers must share it, and the shards of a save must agree on it. (A block scale of a shard
-    that happens to hold one block is not one: blocks are the configuration's.)"""
+    ``per_tensor_scale``, NF4's scaler mean, the scale and zero point of a torchao affine tensor
+    whose one block is its own shape, of more than one row: per tensor, or a shard of such a
+    tensor as torchao's slicing cuts it): a target holds one such value, so the elements it
+    covers must share it, and the shards of a save must agree on it. (A shard of one row whose
+    block is its shape is read as that row's block; other blocks are the configuration's.)"""
     if type(t).__name__ == "NF4Tensor":
         return ("scaler_mean",)
-    return ("per_tensor_scale",) if getattr(t, "per_tensor_scale", None) is not None else ()
+    if getattr(t, "per_tensor_scale", None) is not None:
+        return ("per_tensor_scale",)
+    block = getattr(t, "block_size", None)
+    if isinstance(block, (list, tuple)) and one_block_of_its_shape(block, t.shape) and t.shape[0] > 1:
+        return tuple(c for c in ("scale", "zero_point") if getattr(t, c, None) is not None)
+    return ()
+
+
+def one_block_of_its_shape(block, shape) -> bool:
+    """torchao's slicing cuts ``block_size`` to a shard's shape: a per-tensor tensor's shard has one block."""
+    return [int(b) for b in block] == [int(s) for s in shape]
 
 
 def config(t: torch.Tensor) -> tuple:

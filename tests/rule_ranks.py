@@ -63,7 +63,7 @@ def draw(rng: random.Random, world: int, devices: tuple[str, ...] = ("cpu",)) ->
     ways = layouts_of(world)
     targets = [(rng.choice(ways), rng.choice(rc.KINDS), rng.choice(devices) if len(devices) > 1 else "cpu")
                for _ in range(rng.randint(1, 2))]
-    return (rng.choice(sorted(rc.FAMILIES)), rng.choice([8, 16, 24, 32]), rng.choice([64, 96, 128, 256]),
+    return (rng.choice(sorted(rc.FAMILIES)), rng.choice([8, 10, 12, 16, 24, 32]), rng.choice([64, 96, 128, 256]),
             rng.randrange(2**16), rng.choice(ways), rng.random() < 0.5, targets)
 
 

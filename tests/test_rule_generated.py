@@ -29,7 +29,7 @@ import rule_cases
 # (torchao's to_nf4 on CPU), so its part is smaller. TE's families run where TE is installed.
 PARTS = {
     "affine": (["float8_row", "float8_tensor_e5m2", "int8_asym_row", "int8_group32", "int8_row", "int8_tensor",
-                "intx_int4_group32", "intx_int4_group32_asym", "intx_int8_group32"], 950),
+                "intx_int4_group32", "intx_int4_group32_asym", "intx_int8_group32", "intx_int8_row_fp32"], 950),
     "block_scaled_and_optimizer": (["mx_fp4", "mx_fp4_swizzled", "mx_fp8", "mx_fp8_e5m2_swizzled", "nvfp4",
                                     "nvfp4_per_tensor", "nvfp4_per_tensor_swizzled", "nvfp4_swizzled", "optim4bit",
                                     "optim8bit_signed", "optimfp8"], 950),

@@ -174,8 +174,10 @@ class Adapter(abc.ABC):
                       global_amax: torch.Tensor | None = None) -> torch.Tensor:
         """Quantize ``hp`` the way ``target`` is configured; returns a new instance.
 
-        ``global_amax``, where given, is the abs-max of the whole logical tensor of which ``hp`` is a
-        shard: formats with a per-tensor scale must use it so every shard shares one scale.
+        For a target that :meth:`needs_global_amax`, ``hp`` is the whole logical tensor (the load
+        then takes the target shard's part of the result, by :meth:`layouts`) and ``global_amax``
+        its abs-max; for a shard of one member of a group, ``hp`` is the shard and ``global_amax``
+        the whole member's abs-max, which a per-tensor scale must use.
         """
         raise NotImplementedError
 
@@ -185,7 +187,9 @@ class Adapter(abc.ABC):
         return None
 
     def needs_global_amax(self, target: torch.Tensor) -> bool:
-        """Whether :meth:`quantize_like` into ``target`` depends on the whole tensor's abs-max."""
+        """Whether ``target`` holds values once for the whole tensor (a per-tensor scale, NF4's
+        scaler mean): a shard of it quantized like itself is then the whole tensor's values
+        quantized like it and cut to the shard, as torchao's slicing would cut it."""
         return False
 
     def copy_into(self, target: torch.Tensor, components: Mapping[str, torch.Tensor]) -> None:

@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from qdcp.adapters import rows
 from qdcp.adapters.base import Adapter, RawConversion, StoredEntry, adapter_for_type, find_adapter
-from qdcp.layouts import Chunk, Layout, held_exactly, narrow
+from qdcp.errors import AlignmentError, QdcpError
+from qdcp.layouts import Chunk, Layout, full_chunk, held_exactly, narrow
 from qdcp.planning.placement import Placed, relative
 
 __all__ = ["Temporaries", "Destination", "ItemRead", "StoredSource", "LoadAction", "InPlace", "RawCopy",
@@ -272,12 +273,46 @@ def _fill(adapter: Adapter | None, placed: Placed, values: torch.Tensor, read_ch
         with torch.no_grad():
             target.copy_(_target_part(placed, values, read_chunk))
         return
-    global_amax = None
-    if adapter.needs_global_amax(target):  # read_chunk is then the whole tensor
+    part, global_amax = None, None
+    if adapter.needs_global_amax(target):  # read_chunk is then the whole tensor (of a group's member: its own)
         global_amax = values.abs().amax()
-    part = _target_part(placed, values, read_chunk)
-    new = adapter.quantize_like(target, part.to(target.device), global_amax=global_amax)
-    adapter.copy_into(target, adapter.components(new))
+        if placed.whole is None and read_chunk != placed.chunk:  # the whole quantized, the shard's part
+            part = _shard_part(adapter, _whole_like(adapter, target, values.to(target.device), global_amax), placed)
+    if part is None:  # (or a shard that is no part of a whole one: NF4 cut by columns, or of 40 scalers)
+        hp = _target_part(placed, values, read_chunk).to(target.device)
+        part = adapter.components(adapter.quantize_like(target, hp, global_amax=global_amax))
+    adapter.copy_into(target, part)
+
+
+def _whole_like(adapter: Adapter, target: torch.Tensor, values: torch.Tensor,
+                global_amax: torch.Tensor) -> torch.Tensor | None:
+    """The whole tensor's ``values`` quantized like ``target``; None where its library makes no such
+    whole tensor (NF4 of a scaler count its scaler blocks do not divide): no shard of one either."""
+    try:
+        return adapter.quantize_like(target, values, global_amax=global_amax.to(values.device))
+    except (AssertionError, ValueError) as e:
+        if isinstance(e, QdcpError):
+            raise
+        return None
+
+
+def _shard_part(adapter: Adapter, whole: torch.Tensor | None, placed: Placed) -> dict[str, torch.Tensor] | None:
+    """The components of ``placed``'s shard of a ``whole`` tensor of its type, as torchao's slicing
+    cuts them: element data and blocks narrowed, a value held once for the whole tensor repeated
+    (:func:`qdcp.layouts.held_exactly`, the shard's own blocks counted from its first element);
+    None where the shard's blocks are no part of the whole's (NF4 cut by columns)."""
+    if whole is None:
+        return None
+    shape, full = placed.global_shape, full_chunk(placed.global_shape)
+    own, layouts = adapter.layouts(placed.local), adapter.layouts(whole)
+    out = {}
+    for name, value in adapter.components(whole).items():
+        held = held_exactly(value, layouts[name], shape, full, own[name], placed.chunk)
+        try:
+            out[name] = held if held is not None else narrow(value, layouts[name].map_chunk(shape, placed.chunk))
+        except AlignmentError:
+            return None
+    return out
 
 
 def _wider(target: torch.Tensor, logical: torch.dtype) -> torch.dtype | None:

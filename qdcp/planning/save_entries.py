@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import threading
 from typing import Any, Callable, Union
 
@@ -56,7 +57,7 @@ class SaveEntry:
     shared: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (component, chunk offsets) other shards also hold
     values: Any = None  # its components (raw) or dequantized values, kept while items still need them
     left: int = 0  # items that still need them
-    # a column cut stored as whole rows (:func:`_whole_rows`): how it is stored per shard instead,
+    # a shard stored whole (:func:`_stored_whole`): how it is stored per shard instead,
     # (spec, {item key: item}) for the coordinator to fall back to (:func:`fall_back`), or why it cannot be
     per_shard: tuple[qspec.EntrySpec, dict] | str | None = None
 
@@ -71,7 +72,7 @@ class RawTemplate:
     specs: tuple[qspec.ComponentSpec, ...]
     writes: tuple[tuple[str, WriteItemType, TensorWriteData], ...]  # (component, item type, data) per item
     shared: tuple[tuple[str, tuple[int, ...]], ...]  # (component, chunk offsets) other shards also hold
-    per_shard: RawTemplate | str | None = None  # whole rows' fallback (see SaveEntry.per_shard)
+    per_shard: RawTemplate | str | None = None  # a whole shard's fallback (see SaveEntry.per_shard)
 
 
 class EntryPlanner:
@@ -126,8 +127,8 @@ class EntryPlanner:
                 for e in self.entries.values() for name, offsets in e.shared]
 
     def per_shard(self) -> dict[str, tuple[qspec.EntrySpec, dict] | str]:
-        """The entries stored as whole rows, each with how it is stored per shard instead (for
-        :func:`fall_back`, on the coordinator)."""
+        """The entries stored whole (per tensor, or whole rows), each with how it is stored per shard
+        instead (for :func:`fall_back`, on the coordinator)."""
         return {fqn: e.per_shard for fqn, e in self.entries.items() if e.per_shard is not None}
 
     def spec_text(self) -> str:
@@ -215,14 +216,16 @@ class EntryPlanner:
             raise UnsupportedTensorError(f"key {fqn!r}: adapter gave components {sorted(comps)} "
                                          f"but layouts for {sorted(layouts)}")
         declared, layouts = layouts, shard_layouts(adapter, placed, layouts)
-        rows = _whole_rows(adapter, placed, attrs, layouts)
-        if rows is None:
+        whole = _stored_whole(adapter, placed, attrs, layouts)
+        if whole is None:
             return _template_of(fqn, placed, adapter, comps, attrs, declared, layouts, layouts)
-        try:
-            per_shard = _template_of(fqn, placed, adapter, comps, attrs, declared, layouts, layouts)
-        except AlignmentError as e:
-            per_shard = str(e)
-        wide_attrs, spec_layouts, item_layouts = rows
+        wide_attrs, spec_layouts, item_layouts, own_blocks = whole
+        per_shard: RawTemplate | str = ONE_VALUE
+        if own_blocks:
+            try:
+                per_shard = _template_of(fqn, placed, adapter, comps, attrs, declared, layouts, layouts)
+            except AlignmentError as e:
+                per_shard = str(e)
         template = _template_of(fqn, placed, adapter, comps, wide_attrs, declared, spec_layouts, item_layouts)
         return dataclasses.replace(template, per_shard=per_shard)
 
@@ -325,69 +328,103 @@ def _entry_of(fqn: str, placed: Placed, template: RawTemplate) -> tuple[list[Wri
     return items, entry_spec
 
 
-def _whole_rows(adapter: Adapter, placed: Placed, attrs: dict, layouts: dict[str, Layout]):
-    """A shard cut by columns whose blocks span its columns -- a per-row weight as torchao's
-    tensor-parallel slicing cuts it: each shard keeps its rows' scales and reports
-    ``block_size [1, shard columns]`` -- described as the whole tensor's: blocks of whole rows,
-    each row's scale shared by the shards that cut it (written once; every rank's copy compared
-    before anything is written). ``(attrs, spec layouts, item layouts)``, or None where the shard
-    is no such cut. Where the shards' scales of a row differ (each shard quantized on its own),
-    the coordinator falls back to blocks of the shards' own columns (:func:`fall_back`)."""
+#: a shard stored whole as one value for the whole tensor has no other form (:func:`_stored_whole`)
+ONE_VALUE = "one value for the whole tensor"
+
+
+def _stored_whole(adapter: Adapter, placed: Placed, attrs: dict, layouts: dict[str, Layout]):
+    """A shard whose one block value spans it where torchao's slicing cut ``block_size`` to the
+    shard, described as the whole tensor's (each value written once, every rank's copy compared
+    before anything is written, :func:`qdcp.checksums.diverged`), uneven cuts included:
+
+    - one block the shard's shape (a per-tensor tensor cut by rows or columns, e.g. ``[4, 16]``
+      of a 10x16 tensor): one value for the whole tensor (``block_size`` the tensor's shape);
+    - blocks spanning its columns, ``[1, shard columns]`` (a per-row weight cut by columns): blocks
+      of whole rows, each row's value shared by the shards that cut it.
+
+    ``(attrs, spec layouts, item layouts, own_blocks)``, or None where the shard is neither.
+    Where the shards' values differ (each quantized on its own), the coordinator stores each
+    shard with its own blocks instead (:func:`fall_back`) if ``own_blocks``: blocks of single
+    rows (a per-row shard of one row holds one value too); else the save is refused naming
+    the key."""
     names = [a for a in adapter.block_attributes if a in attrs]
     if not placed.is_dtensor or len(names) != 1 or is_empty(placed.chunk):
         return None
     encoded = attrs[names[0]]
     block = list(encoded["tuple"]) if isinstance(encoded, dict) and "tuple" in encoded else encoded
-    if not isinstance(block, list) or len(block) != len(placed.global_shape) or len(block) < 2:
+    shape, sizes = [int(n) for n in placed.global_shape], list(placed.chunk[1])
+    if not isinstance(block, list) or len(block) != len(shape) or len(block) < 2:
         return None
-    d = len(block) - 1
-    if not block[d] == placed.chunk[1][d] < placed.global_shape[d]:
+    if block == sizes and sizes != shape:  # one value for the whole tensor
+        wide, item, own_blocks = shape, [0] * len(block), math.prod(block[:-1]) == 1
+    elif block[-1] == sizes[-1] < shape[-1]:  # whole rows
+        wide, item, own_blocks = [*block[:-1], shape[-1]], [*block[:-1], 0], True
+    else:
         return None
-    wide = [*block[:d], int(placed.global_shape[d])]
     spec_layouts, item_layouts = {}, {}
     for name, layout in layouts.items():
         if isinstance(layout, Blocked) and list(layout.block) == block:
-            spec_layouts[name], item_layouts[name] = Blocked(tuple(wide)), Blocked((*block[:d], 0))
+            spec_layouts[name], item_layouts[name] = Blocked(tuple(wide)), Blocked(tuple(item))
         else:
             spec_layouts[name] = item_layouts[name] = layout
     if spec_layouts == layouts:
         return None
     wide_attr = {"tuple": wide} if isinstance(encoded, dict) else wide
-    return {**attrs, names[0]: wide_attr}, spec_layouts, item_layouts
+    return {**attrs, names[0]: wide_attr}, spec_layouts, item_layouts, own_blocks
 
 
 def fall_back(plans: list[SavePlan], per_rank: list[dict | None]) -> list[SavePlan]:
-    """On the coordinator: column cuts stored as whole rows (:func:`_whole_rows`) whose shards hold
-    different scales for a row (each shard quantized on its own) are stored per shard instead:
-    each rank's items and spec of that entry replaced by the ones it sent for this case
-    (``per_rank[r]["per_shard"]``; its hashes and shared items follow). Where a rank's shard cannot
-    be stored per shard (uneven cuts: no one block fits every shard), the save is refused naming
-    the key. ``per_rank``: the ranks' riders (:meth:`~qdcp.checksums.SaveHashes.local` plus
-    ``per_shard``), updated in place."""
+    """On the coordinator: entries stored whole (:func:`_stored_whole`) whose shards hold different
+    values for what they store once (each shard quantized on its own), or whose ranks describe
+    them differently (a shard of one row stored whole beside shards of several), are stored per
+    shard instead: each rank's items and spec of that entry replaced by the ones it sent for this
+    case (``per_rank[r]["per_shard"]``; its hashes and shared items follow). A per-tensor value the
+    shards do not share is left to :class:`~qdcp.checksums.SaveHashes`' check, which refuses it
+    naming the key; where a rank's shard cannot be stored per shard (uneven cuts: no one block
+    fits every shard), the save is refused naming the key. ``per_rank``: the ranks' riders
+    (:meth:`~qdcp.checksums.SaveHashes.local` plus ``per_shard``), updated in place."""
     alts = [(part or {}).get("per_shard", {}) for part in per_rank]
     whole = {fqn for alt in alts for fqn in alt}
-    diverged = {}
+    if not whole:
+        return plans
+    swap: dict[str, list[int] | None] = {}
     for key, ranks in sums.diverged([part or {"hashes": {}, "shared": []} for part in per_rank], True).items():
         fqn = key[0].rsplit(qspec.COMPONENT_SEPARATOR, 1)[0]
         if fqn in whole:
-            diverged.setdefault(fqn, ranks)
-    if not diverged:
-        return plans
+            swap.setdefault(fqn, ranks)
+    for fqn in _described_differently(plans, whole):
+        swap.setdefault(fqn, None)
     plans = list(plans)
-    for fqn, ranks in sorted(diverged.items()):
+    for fqn, ranks in sorted(swap.items()):
         mine = {rank: alt[fqn] for rank, alt in enumerate(alts) if fqn in alt}
+        if ONE_VALUE in mine.values():
+            continue  # refused by the check of shared values (or of the specs), naming the key
         specs = [alt[0] for alt in mine.values() if not isinstance(alt, str)]
         if len(specs) < len(mine) or any(spec != specs[0] for spec in specs):
+            between = f" (ranks {ranks[0]} and {ranks[1]}: each shard was quantized on its own)" if ranks else ""
             raise AlignmentError(
                 f"key {fqn!r}: its shards are cut by columns, each with its own scales for its rows, and "
-                f"they differ between the shards of a row (ranks {ranks[0]} and {ranks[1]}: each shard was "
-                f"quantized on its own), so its rows cannot be stored whole; nor can its shards be stored "
-                f"each with blocks of its own columns, which are not one size (uneven cuts). Cut the columns "
-                f"evenly, quantize the whole weight before cutting it (torchao's slicing keeps the rows' "
-                f"scales), or {_DEQUANTIZED}.")
+                f"they differ between the shards of a row{between}, so its rows cannot be stored whole; nor "
+                f"can its shards be stored each with blocks of its own columns, which are not one size "
+                f"(uneven cuts). Cut the columns evenly, quantize the whole weight before cutting it "
+                f"(torchao's slicing keeps the rows' scales), or {_DEQUANTIZED}.")
         for rank, (spec, replaced) in mine.items():
             plans[rank] = _swapped(plans[rank], per_rank[rank], fqn, spec, replaced)
     return plans
+
+
+def _described_differently(plans: list[SavePlan], fqns: set[str]) -> list[str]:
+    """The entries of ``fqns`` whose spec differs between the ranks that hold them."""
+    texts = [(plan.planner_data or {}).get(qspec.PLANNER_DATA_KEY) for plan in plans]
+    if all(text == texts[0] for text in texts):  # (the ranks' documents alike: nothing to parse)
+        return []
+    seen: dict[str, qspec.EntrySpec] = {}
+    out = []
+    for text in texts:
+        for fqn, spec in (qspec.loads(text).items() if text else ()):
+            if fqn in fqns and seen.setdefault(fqn, spec) != spec and fqn not in out:
+                out.append(fqn)
+    return out
 
 
 def _swapped(plan: SavePlan, part: dict, fqn: str, spec: qspec.EntrySpec, replaced: dict) -> SavePlan:

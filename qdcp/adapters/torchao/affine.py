@@ -4,6 +4,7 @@ data, one scale (and zero point) per ``block_size`` block."""
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any, Mapping
 
 import torch
@@ -31,6 +32,15 @@ def granularity_from_block(block_size, shape):
     if all(b == 1 for b in block[:-1]):
         return g.PerRow() if block[-1] == shape[-1] else g.PerGroup(block[-1])
     raise UnsupportedTensorError(f"cannot express block_size {block} as a torchao granularity")
+
+
+def one_value_per_tensor(block_size, shape, scale: torch.Tensor) -> bool:
+    """Whether a torchao affine tensor (or a shard of one, as torchao's slicing cuts it: ``block_size``
+    cut to the shard's shape) holds one scale for the whole tensor: one block the shard's shape,
+    of more than one row. A shard of one row is read as that row's block (torchao's slicing makes
+    a per-row shard of one row and a per-tensor one alike)."""
+    block = [int(b) for b in block_size]
+    return scale.numel() == 1 and block == [int(s) for s in shape] and math.prod(block[:-1]) > 1
 
 
 def _symmetric(zero_point: torch.Tensor | None) -> bool:
@@ -98,6 +108,10 @@ class _AffineAdapter(TorchAOAdapter, RawInterchangeAdapter):
         values = values * repeat_blocks(scale.float(), *block, data.shape)
         self.copy_into(target, self.components(self.quantize_like(target, values.to(target.dtype))))
 
+    def needs_global_amax(self, target):
+        """A per-tensor scale (:func:`one_value_per_tensor`) is the whole tensor's."""
+        return one_value_per_tensor(target.block_size, target.shape, target.scale)
+
     def layouts(self, t):
         scale_layout = _block_layout(t.block_size, t.shape)
         out: dict[str, Layout] = {}
@@ -157,8 +171,16 @@ class IntxUnpackedToInt8TensorAdapter(_AffineAdapter):
         return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
 
     def quantize_like(self, target, hp, global_amax=None):
+        """As torchao's ``IntxWeightOnlyConfig`` quantizes: ``from_hp``, then, for a scale dtype other
+        than the values' (``scale_dtype``), the codes quantized again with the scale in that dtype."""
         mt = importlib.import_module("torchao.quantization.quant_primitives").MappingType
         mapping = mt.SYMMETRIC if _symmetric(target.zero_point) else mt.ASYMMETRIC
-        return type(target).from_hp(
-            hp.to(target.dtype), tuple(target.block_size), target.target_dtype, mapping_type=mapping,
-            activation_quantization=target.activation_quantization)
+        hp, block = hp.to(target.dtype), tuple(target.block_size)
+        new = type(target).from_hp(hp, block, target.target_dtype, mapping_type=mapping,
+                                   activation_quantization=target.activation_quantization)
+        if new.scale.dtype == target.scale.dtype:
+            return new
+        return type(target).from_hp(hp, block, target.target_dtype, mapping_type=mapping,
+                                    activation_quantization=target.activation_quantization,
+                                    intx_choose_qparams_algorithm=None, custom_scale=new.scale.to(target.scale.dtype),
+                                    custom_zero_point=new.zero_point)

@@ -64,6 +64,10 @@ class NF4TensorAdapter(TorchAOAdapter):
                 del table[op]
         return remove
 
+    def needs_global_amax(self, target):
+        """NF4's scaler mean (and so every scaler's code) is the whole tensor's."""
+        return True
+
     def quantize_like(self, target, hp, global_amax=None):
         to_nf4 = import_class("torchao.quantization", "to_nf4")
         return to_nf4(hp.to(target.dtype).contiguous(), target.block_size, target.scaler_block_size)
