@@ -60,8 +60,9 @@ class QuantizedSavePlanner(DefaultSavePlanner):
     DCP calls, in order: ``set_up_planner`` on every rank (the quantized entries planned and taken
     out of ``state_dict``); ``create_local_plan`` (DCP's items plus the entries', the rank's spec
     document in ``planner_data``, and this save's item hashes riding beside it); on the coordinator
-    ``create_global_plan`` (column cuts stored as whole rows whose rows' scales differ between
-    shards put back per shard, :func:`~qdcp.planning.save_entries.fall_back`; the ranks' hashes
+    ``create_global_plan`` (entries stored whole -- per tensor, or whole rows of a column cut --
+    whose shared values differ between shards put back per shard where a per-shard form exists,
+    :func:`~qdcp.planning.save_entries.fall_back`; the ranks' hashes
     compared, DCP's global plan with the specs merged by
     :func:`~qdcp.planning.save_entries.merge_specs`, the checksum record made); ``finish_plan`` (the
     record joins the metadata; the data kept for hashing is narrowed to the final plan's items);
