@@ -151,10 +151,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             problems.append(f"{key}: {_root_cause(e)}")
     for p in problems:
         print(f"FAIL {p}")
-    print("checksums: every item checked against its recorded checksum" if checksums.record(md) is not None
-          else "checksums: none recorded (items checked only for their structure)")
+    checked = "every item checked against its recorded checksum" if checksums.record(md) is not None \
+        else "no checksums recorded (items checked only for their structure)"
     print(f"{'OK' if not problems else 'FAILED'}: {_count(len(entries.keys), 'entry', 'entries')}, "
-          f"{_count(len(problems), 'problem', 'problems')}")
+          f"{_count(len(problems), 'problem', 'problems')}; {checked}")
     return EXIT_OK if not problems else EXIT_FAILED
 
 

@@ -165,7 +165,7 @@ def test_global_plan_caching_caches_what_dcp_caches():
     assert SavePlanner._cached_all_plans[key] == all_plans
     planner.finish_plan(first_plans[0])
     first_sums = dict(first_md.planner_data[checksums.PLANNER_DATA_KEY]["items"])
-    del first_md.planner_data[checksums.PLANNER_DATA_KEY]
+    del first_md.planner_data[checksums.PLANNER_DATA_KEY], first_md.planner_data[checksums.SEALED_KEY]
     all_plans = [_local_plan(r, 1) for r in range(2)]
     second_plans, second_md = planner.create_global_plan(all_plans)
     assert all(not p.usable and not p.items and p.planner_data is None for p in second_plans)
