@@ -32,7 +32,7 @@ def _ran_to_the_end(rc: int, out: str, root: Path, n: int) -> bool:
     return rc == 0 or "terminate called without an active exception" in out
 
 
-@pytest.mark.parametrize("nproc", [2, 1])
+@pytest.mark.parametrize("nproc", [2])  # (one process has no collectives to meet: test_docs runs the pages alone)
 @pytest.mark.parametrize("page", list(PAGES), ids=lambda p: Path(p).name)
 def test_async_loop_runs_as_written_beside_training_collectives(tmp_path, page, nproc):
     import qdcp

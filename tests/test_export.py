@@ -55,6 +55,17 @@ def _assert_same_torchao(got, want, key):
     assert bits_diff(got.dequantize(), want.dequantize()) is None, key
 
 
+def _assert_loaded_as(got: dict, state: dict) -> None:
+    """What transformers loaded is ``state``: the same keys, plain tensors bitwise, torchao tensors
+    bit-exact in every buffer."""
+    assert set(got) == set(state)
+    for key, want in state.items():
+        if type(want) is torch.Tensor:
+            assert bits_diff(got[key], want) is None, key
+        else:
+            _assert_same_torchao(got[key], want, key)
+
+
 @pytest.fixture
 def torchao_state():
     state = {f"layers.{i}.{c.name}.weight": c.make(i) for i, c in enumerate(TORCHAO_CASES)}
@@ -481,13 +492,7 @@ def test_torchao_export_in_shards_loads_in_transformers(tmp_path):
                          max_shard_size="60KB")
     assert len(result.files) > 3
     model = _transformers_load(tmp_path / "out", run=False)  # (torchao's MX / NVFP4 matmuls need a GPU)
-    got = model.state_dict()
-    assert set(got) == set(state)
-    for key, want in state.items():
-        if type(want) is torch.Tensor:
-            assert bits_diff(got[key], want) is None, key
-        else:
-            _assert_same_torchao(got[key], want, key)
+    _assert_loaded_as(model.state_dict(), state)
     # and what transformers saves of it, in shards (every file holding the whole metadata), imports back
     model.save_pretrained(tmp_path / "resaved", max_shard_size="60KB", save_original_format=False)
     _, resaved = read_dir(tmp_path / "resaved")
@@ -712,13 +717,7 @@ def test_a_training_checkpoints_model_exports_under_its_own_names_and_loads_in_t
     assert sorted(result.left_out) == sorted(k for k in qdcp.describe(tmp_path / "ckpt")
                                              if k.startswith("optim.") and "exp_avg" in k or k.endswith(".step"))
     model = _transformers_load(tmp_path / "out", run=False)
-    got = model.state_dict()
-    assert set(got) == set(state)
-    for key, want in state.items():
-        if type(want) is torch.Tensor:
-            assert bits_diff(got[key], want) is None, key
-        else:
-            _assert_same_torchao(got[key], want, key)
+    _assert_loaded_as(model.state_dict(), state)
 
 
 def test_an_export_leaves_optimizer_states_out_unless_asked(tmp_path):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import qdcp
+from cli_in_process import qdcp_cli
 from qdcp.storage import claims
 from quantized_cases import CASE_BY_NAME
 
@@ -129,8 +130,7 @@ def test_prune_never_removes_the_newest_written_nor_what_qdcp_did_not_write(tmp_
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qdcp", *args], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    return qdcp_cli(*args)  # the CLI's main in this process (tests/cli_in_process.py)
 
 
 def test_cli_list_and_prune(run):
