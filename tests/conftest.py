@@ -111,6 +111,7 @@ _EXPENSIVE_FIRST = (
     "test_examples.py",              # 508 s before the demo ran once
     "test_te_distributed.py",        # 218 s
     "test_distributed.py",           # 210 s
+    "test_full_disk.py",             # 85 s (a quiet machine)
     "test_te_grouped_distributed.py",  # 154 s
     "test_framework_lightning.py",   # 141 s
     "test_framework_torchtitan.py",  # 127 s
@@ -118,6 +119,8 @@ _EXPENSIVE_FIRST = (
     "test_save_claims.py",           # 120 s
     "test_framework_accelerate.py",  # 120 s
     "test_te_columns.py",            # 106 s
+    "test_fsdp2_rule.py",            # 31 s
+    "test_docs_async_loop.py",       # 27 s
 )
 
 
