@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import time
 import uuid
 
 import fsspec
@@ -139,6 +140,18 @@ def _names(url: str) -> dict[str, bytes]:
     return {p.rsplit("/", 1)[-1]: fs.cat_file(p) for p in sorted(fs.ls(path, detail=False)) if fs.isfile(p)}
 
 
+def _claim_gone(url: str, within_s: float = 2.0) -> bool:
+    """Whether no claim is left at ``url``, waiting ``within_s`` for a failed async save's clean-up
+    (run by its future's callbacks in DCP's thread, which may end just after the caller saw the error;
+    a retry at once is not refused either way: this process's ended claim is cleared as stale)."""
+    deadline = time.monotonic() + within_s
+    while any(n.startswith(".qdcp-save.") for n in _names(url)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _case(a: str, target: str, door: str, error, left: int) -> tuple[bool, list[str]]:
     b = a if target == "overwrite" else a.rsplit("/", 1)[0] + f"/B{uuid.uuid4().hex[:6]}"
     before, problems = _names(a), []
@@ -151,13 +164,14 @@ def _case(a: str, target: str, door: str, error, left: int) -> tuple[bool, list[
     finally:
         Faults.left = None
     if failed is not None:
+        _claim_gone(b)  # (the failed save's clean-up may end just after its error reached the caller)
         if "injected" not in str(failed) and "injected" not in repr(failed.__cause__):
             problems.append(f"the error does not name the storage's: {type(failed).__name__}: {str(failed)[:300]}")
         if _names(a) != before:
             problems.append(f"A's files changed: {sorted(before)} -> {sorted(_names(a))}")
         if target == "new" and _names(b):
             problems.append(f"the failed new path holds {sorted(_names(b))}")
-    problems += [f"a claim was left in {u}" for u in (a, b) if any(n.startswith(".qdcp-save.") for n in _names(u))]
+    problems += [f"a claim was left in {u}" for u in (a, b) if not _claim_gone(u)]
     problems += [p for p in [fd.loads_as(a, 2 if failed is None and target == "overwrite" else 1, 0, 1)] if p]
     if failed is not None:
         try:
