@@ -21,7 +21,7 @@ from qdcp.dcp_copies import read_items
 from qdcp.errors import CheckpointFormatError, QdcpError, UnsupportedTensorError
 from qdcp.layouts import ceil_div, narrow
 from qdcp.storage import storage_reader
-from qdcp.storage.metadata import load_object
+from qdcp.storage.metadata import check_stored_sizes, load_object
 
 
 def read_metadata(path: str | os.PathLike, **storage_options: Any) -> Metadata:
@@ -48,11 +48,12 @@ class CheckpointEntries:
         self._memory = _Arena() if reuse_memory else None
         self._storage = storage_reader(path)
         self.metadata = metadata if metadata is not None else self._storage.read_metadata()
+        if metadata is not None:  # the caller's (the reader checks what it reads: no allocation beyond the store)
+            check_stored_sizes(metadata)
         self._storage.check_files(self.metadata)  # symlinks out of it, FIFOs: the whole checkpoint refused
         self._set_up = False  # the storage reader (which checks the chunk geometry) at the first read
         self.specs = qspec.read_specs(self.metadata)
         self._stored = qspec.stored_components(self.metadata.state_dict_metadata)
-        self._stored_bytes = _stored_bytes(self.metadata)
         self._keys: list[str] | None = None
 
     def keys(self) -> list[str]:
@@ -100,7 +101,8 @@ class CheckpointEntries:
         reads = []
         for fqn in fqns:
             item = sd_md.get(fqn)
-            _check_claimed_bytes(item, fqn, self._stored_bytes.get(fqn, 0))
+            if not isinstance(item, TensorStorageMetadata):
+                raise CheckpointFormatError(f"{fqn!r} is not a tensor item of the checkpoint")
             reads += read_items(fqn, item, ((0,) * len(item.size), tuple(item.size)))
         arena = None
         if self._memory is not None:  # room for every stored chunk that is a whole item
@@ -269,31 +271,3 @@ def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = No
     (Reading many entries: :class:`CheckpointEntries`.)
     """
     return CheckpointEntries(path, metadata).entry(key, dequantize=dequantize, dtype=dtype)
-
-
-def _stored_bytes(md: Metadata) -> dict[str, int]:
-    """Bytes stored per item fqn (framing included)."""
-    totals: dict[str, int] = {}
-    for idx, info in (md.storage_data or {}).items():
-        fqn = getattr(idx, "fqn", None)
-        totals[fqn] = totals.get(fqn, 0) + int(getattr(info, "length", 0) or 0)
-    return totals
-
-
-# Stock DCP pickles a quantized tensor whole: its stored bytes can be as few as its codes, 1/32 of
-# its logical bytes (1-bit codes of float32 values). Beyond that, a claim is refused unread.
-_MAX_PACKING = 32
-
-
-def _check_claimed_bytes(item: Any, fqn: str, stored: int) -> None:
-    """A tensor item cannot hold more elements than its ``stored`` bytes can code: refuse before allocating."""
-    if not isinstance(item, TensorStorageMetadata):
-        raise CheckpointFormatError(f"{fqn!r} is not a tensor item of the checkpoint")
-    claimed = 1
-    for s in item.size:
-        claimed *= int(s)
-    claimed *= item.properties.dtype.itemsize
-    if claimed > _MAX_PACKING * stored:
-        raise CheckpointFormatError(
-            f"{fqn!r} claims {claimed} bytes but its stored items hold {stored}; the checkpoint's "
-            f"metadata is corrupt or hostile")

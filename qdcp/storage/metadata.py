@@ -242,33 +242,33 @@ def check_chunk_geometry(md: Metadata) -> None:
         raise CheckpointFormatError(f"{describe_item(fqn)}: {problem}; the checkpoint's metadata is corrupt")
 
 
-#: a stored chunk may hold fewer bytes than its elements take in the dtype the metadata records (a
-#: tensor subclass DCP pickled whole: 4-bit codes of fp32 values are 1/8), never fewer than this share
-STORED_SHARE = 16
+#: a stored item may hold as few as this share of the bytes its elements take in the dtype the
+#: metadata records (stock DCP pickles a quantized tensor whole: 1-bit codes of float32 values are
+#: 1/32 of them); an item claiming more is refused unread
+MAX_PACKING = 32
 
 
 def check_stored_sizes(md: Metadata) -> None:
     """Refuse metadata that would have a reader allocate far more than the checkpoint stores: a
-    tensor chunk whose elements take more than :data:`STORED_SHARE` times the bytes its storage
-    record holds (plus 1 MiB), or two storage records of one file whose byte ranges overlap (one
-    stored range read again under other keys). Linear in the records (a sort per file); records of
-    the wrong types are left to the checks made as each item is read."""
-    claimed = {}
-    for fqn, item in (md.state_dict_metadata or {}).items():
-        if isinstance(item, TensorStorageMetadata) and isinstance(item.properties.dtype, torch.dtype):
-            size = item.properties.dtype.itemsize
-            claimed.update({(fqn, tuple(c.offsets)): math.prod(c.sizes) * size for c in item.chunks})
+    tensor item whose elements take more than :data:`MAX_PACKING` times the bytes its storage
+    records hold, or two storage records of one file whose byte ranges overlap (one stored range
+    read again under other keys). Linear in the records (a sort per file); records of the wrong
+    types are left to the checks made as each item is read."""
+    stored: dict[str, int] = {}
     spans: dict[Any, list[tuple[int, int, str]]] = {}
     for index, info in (md.storage_data if isinstance(md.storage_data, dict) else {}).items():
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if type(offset) is not int or type(length) is not int or not isinstance(index, MetadataIndex):
             continue
-        want = claimed.get((index.fqn, tuple(index.offset or ())), 0)
-        if want > STORED_SHARE * length + (1 << 20):
-            raise CheckpointFormatError(
-                f"{describe_item(index.fqn)}: its chunk at {tuple(index.offset or ())} claims {want} bytes of "
-                f"values but stores {length}; the checkpoint's metadata is corrupt")
+        stored[index.fqn] = stored.get(index.fqn, 0) + length
         spans.setdefault(getattr(info, "relative_path", None), []).append((offset, length, index.fqn))
+    for fqn, item in (md.state_dict_metadata or {}).items():
+        if isinstance(item, TensorStorageMetadata) and isinstance(item.properties.dtype, torch.dtype):
+            claimed = math.prod(item.size) * item.properties.dtype.itemsize
+            if claimed > MAX_PACKING * stored.get(fqn, 0):
+                held = f"its stored items hold {stored[fqn]}" if fqn in stored else "it has no storage record"
+                raise CheckpointFormatError(f"{describe_item(fqn)}: it claims {claimed} bytes of values but {held}; "
+                                            f"the checkpoint's metadata is corrupt")
     for rel, found in spans.items():
         found.sort()
         for (a, la, fa), (b, _, fb) in zip(found, found[1:]):
