@@ -36,6 +36,7 @@ import time
 from qdcp import checksums, spec
 from qdcp.errors import CheckpointFormatError, ConcurrentSaveError
 from qdcp.storage import claims, commit
+from qdcp.storage.local_files import open_inside
 from qdcp.storage.metadata import METADATA_FILE, check_chunk_geometry, safe_load_metadata
 
 __all__ = ["CheckpointInfo", "STATES", "ACTIVE_GRACE_S", "checkpoints", "latest", "prune", "left_behind",
@@ -170,7 +171,7 @@ def _held(path: str) -> str | None:
 def _problem(path: str, sizes: dict[str, int]) -> tuple[str | None, bool]:
     """``(why the checkpoint is not complete or None, whether qdcp wrote its .metadata)``."""
     try:
-        with open(os.path.join(path, METADATA_FILE), "rb") as f:
+        with open_inside(path, METADATA_FILE, "the checkpoint's .metadata") as f:  # never a file outside it
             md = safe_load_metadata(f)
         check_chunk_geometry(md)
     except (CheckpointFormatError, OSError) as e:

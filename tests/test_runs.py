@@ -159,3 +159,15 @@ def test_cli_list_and_prune(run):
     assert not (root / "step_1").exists() and (root / "step_4").is_dir()
     proc = _cli("prune", str(root / "nope"), "--keep", "2")
     assert proc.returncode == 2 and "no directory at" in proc.stderr, proc.stderr
+
+
+def test_a_metadata_symlinked_out_of_its_checkpoint_is_never_read(tmp_path):
+    """A checkpoint whose ``.metadata`` is a symlink to a complete checkpoint's elsewhere is listed as
+    damaged, saying so, not read (qdcp's rule for every file it opens: regular files inside)."""
+    qdcp.save(_state(1), tmp_path / "run" / "step_1")
+    qdcp.save(_state(1), tmp_path / "elsewhere")
+    (tmp_path / "run" / "step_1" / ".metadata").unlink()
+    (tmp_path / "run" / "step_1" / ".metadata").symlink_to(tmp_path / "elsewhere" / ".metadata")
+    (found,) = qdcp.checkpoints(tmp_path / "run")
+    assert found.state == "damaged" and "outside the checkpoint directory" in found.why, found
+    assert qdcp.latest(tmp_path / "run") is None
