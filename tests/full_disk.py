@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -77,19 +78,34 @@ def free_bytes(root: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def fill(root: Path, free: int) -> None:
-    """Leave about ``free`` bytes free on ``root``'s file system (a file of allocated blocks)."""
+def fill(root: Path, free: int, block: int = 4096) -> None:
+    """Leave about ``free`` bytes free on ``root``'s file system (a file of allocated blocks). The
+    filler grows until the free count, read after a sync, is at most ``free``: a request for all
+    that is free can fail for want of a block for the file's own extent tree (then it grows by
+    halves from what it holds: a failed request may keep part of what it allocated), and ext4
+    returns the blocks of files just removed at its journal's commit."""
     unfill(root)
-    size = free_bytes(root) - free
-    if size <= 0:
-        return
     with open(root / FILLER, "wb") as f:
-        try:
-            os.posix_fallocate(f.fileno(), 0, size)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                raise
-    os.sync()
+        for _ in range(200):
+            os.sync()
+            extra = free_bytes(root) - free
+            if extra <= 0:
+                time.sleep(0.02)  # once more after a pause: blocks freed late show up now
+                os.sync()
+                if free_bytes(root) <= free:
+                    return
+                continue
+            while True:
+                try:
+                    os.posix_fallocate(f.fileno(), os.fstat(f.fileno()).st_blocks * 512, extra)
+                    break
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    if extra <= block:
+                        return  # not one more block fits: as full as it gets
+                    extra = max(block, extra // 2 // block * block)
+    raise OSError(f"{root}: could not leave {free} bytes free (the free count keeps growing)")
 
 
 def unfill(root: Path) -> None:
