@@ -42,18 +42,22 @@ def short(e: BaseException, n: int = 600) -> str:
     return s if len(s) <= n else s[:n] + "..."
 
 
-def qdcp_error_in(e: BaseException) -> QdcpError | None:
+def qdcp_error_in(e: BaseException, _seen: set | None = None) -> QdcpError | None:
     """The QdcpError behind ``e`` (DCP wraps per-rank errors in CheckpointException)."""
+    seen = set() if _seen is None else _seen
+    if id(e) in seen:
+        return None
+    seen.add(id(e))
     if isinstance(e, QdcpError):
         return e
     if isinstance(e, CheckpointException):
         for err in e.failures.values():
             exc = err[0] if isinstance(err, tuple) else err
-            found = qdcp_error_in(exc) if isinstance(exc, BaseException) else None
+            found = qdcp_error_in(exc, seen) if isinstance(exc, BaseException) else None
             if found is not None:
                 return found
     cause = e.__cause__ or e.__context__
-    return qdcp_error_in(cause) if cause is not None else None
+    return qdcp_error_in(cause, seen) if cause is not None else None
 
 
 def try_load(state: dict, path: str) -> BaseException | None:
