@@ -1,23 +1,15 @@
 """The files of a checkpoint directory by name (:class:`LocalStore`, :class:`FsspecStore`: what the
 writer, its claim and its commit read, write and remove), and one save per path at a time across
-processes and hosts: a claim file.
+processes and hosts: a claim file (docs/api.md, *Saves from several processes*).
 
-A save's coordinator (rank 0) creates ``<path>/.qdcp-save.claim`` with an exclusive create (POSIX
-``O_EXCL``; fsspec's ``"xb"`` mode, S3's ``If-None-Match: *``) before any data is written, holding
-who took it (:class:`~qdcp.storage.owners.Owner`), when, and a token no other save shares. If the
-create fails midway (out of space, storage gone) the file is removed before the error goes on, so
-the same save retried goes through. A save that finds the file held fails with
-:class:`~qdcp.errors.ConcurrentSaveError` naming the holder. The holder checks, just before its
-commit, that the file still holds its token, and removes it when the save ends (success or failure).
-
-A claim whose save no longer runs is cleared by the next save where that can be known for certain:
-its process ran on this machine and has ended (or, in this process, its save has ended), or the
-file holds no readable claim and is older than :data:`UNREADABLE_GRACE_S`. A claim taken on
-another host is never judged: the error names the holder and says to delete the file if that
-save no longer runs. Locally a claim is cleared by renaming it aside, checking that what moved is
-the claim judged stale and putting it back otherwise, so two saves clearing one claim cannot both
-win; on object stores (no atomic rename) the clear is a read then a delete, and the check at
-commit keeps a second holder from committing.
+A save's coordinator creates ``<path>/.qdcp-save.claim`` by exclusive create (``O_EXCL``; fsspec's
+``"xb"``) before any data is written, naming its :class:`~qdcp.storage.owners.Owner` and a token; a
+create that fails midway removes the file (the retry goes through). A claim is cleared as stale only
+where that is certain: its process ran on this machine and has ended (or, in this process, its save
+has), or it is unreadable and older than :data:`UNREADABLE_GRACE_S`; one from another host never is.
+Locally the clear renames the claim aside and puts back one taken meanwhile, so two clearers cannot
+both win; on object stores it is a read then a delete, and the holder's check before its commit keeps
+a second holder from committing.
 """
 
 from __future__ import annotations
