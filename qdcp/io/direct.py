@@ -1,22 +1,15 @@
 """Writing a checkpoint file around the page cache: ``O_DIRECT`` writes straight from the tensors'
 memory (Linux; the write pipeline's files where they are fsync'd, :mod:`qdcp.io.pipeline`).
 
-A buffered write copies every byte into the page cache before the disk sees it; a checkpoint is
-written once and seldom read back by its writer, so that copy is one a save need not make (nor
-the page cache it fills). :class:`DirectFile` hands the disk a large write's own memory.
-``O_DIRECT`` asks that memory address, file offset and length be multiples of the device's block
-(:data:`BLOCK` covers every common one), and a tensor's bytes lie wherever its allocator put them,
-so each item may start up to ``BLOCK - 1`` bytes after the previous one ends (zeros between: DCP
-records each item's offset and length, and readers read only those), placed so that its large
-write lands at a file offset congruent to its address. That write's block-aligned middle goes
-from its memory to the disk; every other byte (the archive's small records, the middle's
-unaligned ends, the gaps) is written through a second, buffered descriptor of the same file, in
-runs of contiguous bytes (a small direct write would wait for the disk; a buffered one does not,
-and the fsync at the end writes it back with the rest).
-
-A file system that refuses ``O_DIRECT`` at open (tmpfs, some FUSE) gets a buffered file instead
-(:func:`open_direct` returns None); one that refuses a direct write later (``EINVAL``) has the
-rest of that file written buffered.
+A checkpoint is written once and seldom read back by its writer, so the page-cache copy of a
+buffered write is one a save need not make. ``O_DIRECT`` asks that memory address, file offset and
+length be multiples of the device's block (:data:`BLOCK` covers every common one), and a tensor's
+bytes lie wherever its allocator put them, so each item may start up to ``BLOCK - 1`` bytes after
+the previous one ends (zeros between: DCP records each item's offset and length, and readers read
+only those), placed so that its large write lands at a file offset congruent to its address. A file
+system that refuses ``O_DIRECT`` at open (tmpfs, some FUSE) gets a buffered file instead
+(:func:`open_direct` returns None); one that refuses a direct write later (``EINVAL``) has the rest
+of that file written buffered.
 """
 
 from __future__ import annotations
@@ -90,14 +83,13 @@ def _bytes_view(b) -> memoryview:
 
 
 class DirectFile:
-    """A file written with ``O_DIRECT`` where that pays: a write stream for the pipeline
-    (``write``, ``tell``, ``fileno``), plus :meth:`start_item` / :meth:`item_start` to place each
-    item and :meth:`finish` to write what is held. Each large write's block-aligned middle goes to
-    the disk from its own memory (one descriptor opened ``O_DIRECT``); every other byte (the
-    archive's records, the large writes' unaligned ends, the gaps) is collected into one run of
-    contiguous bytes and written through a second, buffered descriptor of the same file (a small
-    direct write waits for the disk; a buffered one does not, and the fsync at the end writes it).
-    ``flush`` writes nothing (DCP flushes the stream after every item)."""
+    """A write stream for the pipeline (``write``, ``tell``, ``fileno``), plus :meth:`start_item` /
+    :meth:`item_start` to place each item and :meth:`finish` to write what is held. Each large
+    write's block-aligned middle goes to the disk from its own memory (a descriptor opened
+    ``O_DIRECT``); every other byte (the archive's records, the unaligned ends, the gaps) is
+    collected into runs written through a second, buffered descriptor of the same file (a small
+    direct write would wait for the disk; the fsync at the end writes these back). ``flush`` writes
+    nothing (DCP flushes the stream after every item)."""
 
     def __init__(self, fd: int, fd_buffered: int) -> None:
         self._fd, self._fd_buffered = fd, fd_buffered

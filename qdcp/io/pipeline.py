@@ -1,34 +1,23 @@
-"""How qdcp's writers write one rank's items: the write pipeline behind :class:`qdcp.CheckpointWriter`.
+"""How qdcp's writers write one rank's items (the write pipeline behind :class:`qdcp.CheckpointWriter`):
 
-- Files and threads: the items are split by bytes into ``thread_count`` files (default
-  :func:`default_thread_count`, and no more files than :data:`MIN_FILE_BYTES` each fill), each
-  written and fsync'd by its own thread (the caller's among them): the storage sees parallel writes.
-- Serialization: each tensor item is a ``torch.save`` archive, as DCP writes it (stock DCP reads
-  the files), but without the archive's zip CRC-32s where every item is hashed as written (below):
-  one pass over the bytes fewer. ``torch.load`` never checks those CRCs; qdcp's reader checks them
-  only where nothing else checks an item.
-- No extra copies: a tensor is written from its own memory (a copy only where its storage is
-  larger than its bytes, as DCP does); objects are written from their buffer. In an async save
-  (or wherever the writer's ``direct_io`` asks), large items skip the page cache too
-  (``O_DIRECT``, :mod:`qdcp.io.direct`): the disk reads them from that memory.
-- Device-to-host copies and writes overlap: where an accelerator is present, the next items are
-  resolved and copied to the host by a helper thread while one is written (at least one item
-  ahead, at most ``per_thread_copy_ahead`` bytes beyond it).
-- Writeback started early: where files are fsync'd and written buffered, the bytes of each item written are handed to
-  the disk at once (``posix_fadvise(..., POSIX_FADV_DONTNEED)``: the kernel starts writing dirty
-  pages back without waiting, as PostgreSQL's ``pg_flush_data`` does), so the disk writes while
-  the next items are serialized and the fsync at the end waits for little; the written pages
-  leave the page cache once on disk (a checkpoint is seldom read back by the process writing it).
-- Checksums as written: with ``hash_items`` each item's host bytes are hashed (XXH3-64, on a
-  background thread) while they are written, and the hash rides in its result
-  (:class:`HashedStorageInfo`) to the coordinator, which makes the metadata's checksum record from
-  them: no pass over the data before writing, no device copy at planning.
+- the items split by bytes into ``thread_count`` files, each written and fsync'd by its own thread;
+- each tensor a ``torch.save`` archive as DCP writes it, without the zip CRC-32s where every item is
+  hashed as written (one pass over the bytes fewer; ``torch.load`` never checks them);
+- written from the tensor's own memory (a copy only where its storage is larger than its bytes, as
+  DCP does); with ``direct``, large items skip the page cache too (:mod:`qdcp.io.direct`);
+- with an accelerator, the next items copied to the host by a helper thread while one is written;
+- buffered writes handed to the disk every :data:`WRITEBACK_BYTES` (``POSIX_FADV_DONTNEED``, as
+  PostgreSQL's ``pg_flush_data``: writeback starts at once, the final fsync waits for little);
+- with ``hash_items``, each item's bytes hashed (XXH3-64) while written, the hash riding in its result
+  (:class:`HashedStorageInfo`) to the coordinator's checksum record: no pass before writing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
+import math
 import os
 import pickle
 import queue
@@ -72,7 +61,8 @@ def default_thread_count() -> int:
 
 # ----------------------------------------------------------------------------- serialization
 
-def _probe_no_crc() -> bool:
+@functools.cache
+def _no_crc_works() -> bool:
     """Whether torch's archive writer can be driven here without CRC-32s (its private
     ``PyTorchFileWriter`` / ``serialization._save``, see docs/versions.md); else ``torch.save``."""
     try:
@@ -99,20 +89,13 @@ def _save_no_crc(t: torch.Tensor, out: Any) -> None:
     archive.write_end_of_file()
 
 
-_NO_CRC: bool | None = None
-
-
 def serialize_tensor(t: torch.Tensor, out: Any, crc: bool = True) -> None:
     """Write ``t`` to the stream ``out`` as ``torch.save`` does; ``crc=False``: the archive's
     CRC-32 fields are 0 (not computed), everything else byte for byte the same."""
-    global _NO_CRC
-    if not crc:
-        if _NO_CRC is None:
-            _NO_CRC = _probe_no_crc()
-        if _NO_CRC:
-            _save_no_crc(t, out)
-            return
-    torch.save(t, out)
+    if not crc and _no_crc_works():
+        _save_no_crc(t, out)
+    else:
+        torch.save(t, out)
 
 
 # ----------------------------------------------------------------------------- files and threads
@@ -120,10 +103,7 @@ def serialize_tensor(t: torch.Tensor, out: Any, crc: bool = True) -> None:
 def _item_bytes(item: WriteItem) -> int:
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
         return 0
-    n = item.tensor_data.properties.dtype.itemsize
-    for s in item.tensor_data.size:
-        n *= s
-    return n
+    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
 
 
 def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:

@@ -1,25 +1,20 @@
-"""One save per checkpoint path at a time, across processes and hosts: a claim file.
+"""The files of a checkpoint directory by name (:class:`LocalStore`, :class:`FsspecStore`: what the
+writer, its claim and its commit read, write and remove), and one save per path at a time across
+processes and hosts: a claim file (docs/api.md, *Saves from several processes*).
 
-A save's coordinator (rank 0) creates ``<path>/.qdcp-save.claim`` with an exclusive create (POSIX
-``O_EXCL``; fsspec's ``"xb"`` mode, S3's ``If-None-Match: *``) before any data is written, holding
-who took it (:class:`~qdcp.storage.owners.Owner`), when, and a token no other save shares. If the
-create fails midway (out of space, storage gone) the file is removed before the error goes on, so
-the same save retried goes through. A save that finds the file held fails with
-:class:`~qdcp.errors.ConcurrentSaveError` naming the holder. The holder checks, just before its
-commit, that the file still holds its token, and removes it when the save ends (success or failure).
-
-A claim whose save no longer runs is cleared by the next save where that can be known for certain:
-its process ran on this machine and has ended (or, in this process, its save has ended), or the
-file holds no readable claim and is older than :data:`UNREADABLE_GRACE_S`. A claim taken on
-another host is never judged: the error names the holder and says to delete the file if that
-save no longer runs. Locally a claim is cleared by renaming it aside, checking that what moved is
-the claim judged stale and putting it back otherwise, so two saves clearing one claim cannot both
-win; on object stores (no atomic rename) the clear is a read then a delete, and the check at
-commit keeps a second holder from committing.
+A save's coordinator creates ``<path>/.qdcp-save.claim`` by exclusive create (``O_EXCL``; fsspec's
+``"xb"``) before any data is written, naming its :class:`~qdcp.storage.owners.Owner` and a token; a
+create that fails midway removes the file (the retry goes through). A claim is cleared as stale only
+where that is certain: its process ran on this machine and has ended (or, in this process, its save
+has), or it is unreadable and older than :data:`UNREADABLE_GRACE_S`; one from another host never is.
+Locally the clear renames the claim aside and puts back one taken meanwhile, so two clearers cannot
+both win; on object stores it is a read then a delete, and the holder's check before its commit keeps
+a second holder from committing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -56,13 +51,38 @@ def honours_exclusive(fs) -> bool:
 
 
 class LocalStore:
-    """Claims in a local directory."""
+    """A local checkpoint directory's files, by name."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = self.label = os.fspath(root)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, name)
+
+    def names(self) -> list[str]:
+        return os.listdir(self.root)
+
+    def exists(self, name: str) -> bool:
+        return os.path.exists(self._path(name))
+
+    def read(self, name: str) -> bytes | None:
+        """The bytes of ``name``, or None if it does not exist."""
+        try:
+            with open(self._path(name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._path(name))
+
+    def age(self, name: str) -> float | None:
+        """Seconds since ``name`` was last written (None: it does not exist)."""
+        try:
+            return time.time() - os.stat(self._path(name)).st_mtime
+        except FileNotFoundError:
+            return None
 
     def create(self, name: str, data: bytes) -> bool:
         """Create ``name`` holding ``data`` unless it exists (atomic); a failed write removes it."""
@@ -81,21 +101,6 @@ class LocalStore:
             raise
         return True
 
-    def read(self, name: str) -> bytes | None:
-        """The bytes of ``name``, or None if it does not exist."""
-        try:
-            with open(self._path(name), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-
-    def age(self, name: str) -> float | None:
-        """Seconds since ``name`` was last written (None: it does not exist)."""
-        try:
-            return time.time() - os.stat(self._path(name)).st_mtime
-        except FileNotFoundError:
-            return None
-
     def remove_if_same(self, name: str, data: bytes, aside: str) -> bool:
         """Remove ``name`` if it holds ``data``: rename it to ``aside`` (atomic: one of several
         removers gets it), compare, and link it back if it was another claim."""
@@ -105,29 +110,53 @@ class LocalStore:
             return False
         moved = self.read(aside)
         if moved != data:
-            try:
+            with contextlib.suppress(OSError):
                 os.link(self._path(aside), self._path(name))  # never replaces a claim taken meanwhile
-            except OSError:
-                pass
         os.remove(self._path(aside))
         return moved == data
 
 
 class FsspecStore:
-    """Claims under an fsspec URL (``memory://``, ``s3://``...)."""
+    """The files under an fsspec URL (``memory://``, ``s3://``...), by name; every call asks the
+    store itself (fsspec's listing cache dropped first)."""
 
     def __init__(self, fs, root: str, label: str) -> None:
         self.fs, self.root, self.label = fs, root.rstrip("/"), label
 
     def _path(self, name: str) -> str:
+        self.fs.invalidate_cache(f"{self.root}/{name}")
         return f"{self.root}/{name}"
+
+    def names(self) -> list[str]:
+        self.fs.invalidate_cache(self.root)
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+
+    def exists(self, name: str) -> bool:
+        return self.fs.exists(self._path(name))
+
+    def read(self, name: str) -> bytes | None:
+        """The bytes of ``name``, or None if it does not exist (or cannot be read)."""
+        try:
+            return self.fs.cat_file(self._path(name))
+        except OSError:
+            return None
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(name))
+
+    def age(self, name: str) -> float | None:
+        """Seconds since ``name`` was last written (None: absent, or the store cannot say)."""
+        try:
+            return time.time() - self.fs.modified(self._path(name)).timestamp()
+        except (NotImplementedError, OSError):
+            return None
 
     def create(self, name: str, data: bytes) -> bool:
         """Create ``name`` holding ``data`` with the store's exclusive write; read back (a store
         that ignores ``"x"`` overwrites: the later writer then finds its bytes there). A failed
         write removes what it may have left."""
         path = self._path(name)
-        self.fs.invalidate_cache(path)
         if not honours_exclusive(self.fs) and self.fs.exists(path):
             return False
         try:
@@ -136,28 +165,10 @@ class FsspecStore:
         except FileExistsError:
             return False
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 self.fs.rm_file(path)  # what the failed write left (created by it: "xb")
-            except (FileNotFoundError, OSError):
-                pass
             raise
         return self.read(name) == data
-
-    def read(self, name: str) -> bytes | None:
-        """The bytes of ``name``, or None if it does not exist."""
-        self.fs.invalidate_cache(self._path(name))
-        try:
-            return self.fs.cat_file(self._path(name))
-        except (FileNotFoundError, OSError):
-            return None
-
-    def age(self, name: str) -> float | None:
-        """Seconds since ``name`` was last written (None: absent, or the store cannot say)."""
-        self.fs.invalidate_cache(self._path(name))
-        try:
-            return time.time() - self.fs.modified(self._path(name)).timestamp()
-        except (FileNotFoundError, NotImplementedError, OSError):
-            return None
 
     def remove_if_same(self, name: str, data: bytes, aside: str) -> bool:
         """Delete ``name`` if it holds ``data`` (a read, then a delete: not atomic)."""
@@ -165,7 +176,7 @@ class FsspecStore:
             return False
         try:
             self.fs.rm_file(self._path(name))
-        except (FileNotFoundError, OSError):
+        except OSError:
             return False
         return True
 
@@ -213,17 +224,12 @@ class PathClaim:
     """This save's claim on a path: :meth:`check` before committing, :meth:`release` after."""
 
     def __init__(self, store, record: ClaimRecord) -> None:
-        self.store, self.record = store, record
+        self.store, self.record, self.token = store, record, record.token  # the token its file names carry
         self.data = record.dumps()
         self.ended = False  #: its save can no longer commit (a write failed): the next save here clears it
         # released when the save ends, or when its writer is dropped without ending it
         self._release = weakref.finalize(self, _release, store, self.data, record.token)
         _live[record.token] = self
-
-    @property
-    def token(self) -> str:
-        """The token this save's file names carry."""
-        return self.record.token
 
     def check(self) -> None:
         """Raise :class:`ConcurrentSaveError` unless the claim file still holds this claim."""
@@ -259,22 +265,21 @@ def take(store, what: str) -> PathClaim:
     for _ in range(5):
         if store.create(CLAIM_FILE, record.dumps()):
             return PathClaim(store, record)
-        data, other = read_record(store)
-        if data is None:
-            continue  # released meanwhile
-        if not _stale(store, other):
-            raise ConcurrentSaveError(_busy(store, other))
-        store.remove_if_same(CLAIM_FILE, data, f"{CLAIM_FILE}.{record.token}.stale")
+        stale = refuse_if_held(store)
+        if stale is not None:  # (None: released meanwhile)
+            store.remove_if_same(CLAIM_FILE, stale, f"{CLAIM_FILE}.{record.token}.stale")
     raise ConcurrentSaveError(f"{store.label!r}: other saves kept claiming it while this one cleared stale "
                               f"claims; nothing was written. Save again")
 
 
-def refuse_if_held(store) -> None:
+def refuse_if_held(store) -> bytes | None:
     """Raise :class:`ConcurrentSaveError` naming the holder, as :func:`take` would, if a save that
-    may still run holds ``store``'s path; takes nothing and clears nothing (a check before a save)."""
+    may still run holds ``store``'s path; else the bytes of the stale claim there (None: none).
+    Takes nothing and clears nothing."""
     data, other = read_record(store)
     if data is not None and not _stale(store, other):
         raise ConcurrentSaveError(_busy(store, other))
+    return data
 
 
 def _stale(store, other: ClaimRecord | None) -> bool:
@@ -292,7 +297,9 @@ def _stale(store, other: ClaimRecord | None) -> bool:
 def _busy(store, other: ClaimRecord | None) -> str:
     holder = other.describe() if other is not None else "a save that is taking it now"
     where = os.path.join(store.label, CLAIM_FILE) if "://" not in store.label else f"{store.label}/{CLAIM_FILE}"
-    if other is not None and other.owner.here() is False:
+    if other is not None and other.owner == Owner.current():
+        after = "that save is in progress in this process: call .result() on its future before saving there again"
+    elif other is not None and other.owner.here() is False:
         after = ("it was taken on another host, so qdcp cannot tell whether that save still runs: if it "
                  "does not (its job ended, its host died), delete the claim file and save again")
     else:

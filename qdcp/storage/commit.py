@@ -34,8 +34,8 @@ from qdcp.errors import ConcurrentSaveError
 from qdcp.storage.claims import CLAIM_PREFIX, honours_exclusive, protocols
 from qdcp.storage.metadata import METADATA_FILE, safe_load_metadata
 
-__all__ = ["save_prefix", "data_prefix", "metadata_tmp", "token_of", "referenced", "publish_local", "publish_remote",
-           "writes_whole", "debris", "is_save_file"]
+__all__ = ["save_prefix", "data_prefix", "metadata_tmp", "token_of", "referenced", "referenced_in",
+           "publish_local", "publish_remote", "writes_whole", "debris"]
 
 _DATA = re.compile(r"__([0-9a-f]{8,})_\d+_\d+\.distcp")
 _TMP = re.compile(r"\.metadata(?:\.([0-9a-f]{8,}))?\.tmp")
@@ -63,11 +63,6 @@ def token_of(name: str) -> str | None:
     return (m.group(1) or "") if m is not None else None
 
 
-def is_save_file(name: str) -> bool:
-    """Whether ``name`` is one a qdcp save writes in its directory (data, metadata, claim)."""
-    return token_of(name) is not None or name == METADATA_FILE
-
-
 def referenced(metadata: Metadata | None) -> set[str]:
     """The data files ``metadata`` points into."""
     if metadata is None or not isinstance(getattr(metadata, "storage_data", None), dict):
@@ -75,15 +70,13 @@ def referenced(metadata: Metadata | None) -> set[str]:
     return {getattr(info, "relative_path", None) for info in metadata.storage_data.values()} - {None}
 
 
-def read_metadata_bytes(data: bytes | None) -> Metadata | None:
-    """A ``.metadata`` as bytes read safely (None if absent or unreadable: then nothing it lists is
-    removed)."""
-    if data is None:
-        return None
+def referenced_in(data: bytes | None) -> set[str]:
+    """The data files the ``.metadata`` bytes ``data`` point into (none where absent or unreadable:
+    then nothing it lists is removed)."""
     try:
-        return safe_load_metadata(io.BytesIO(data))
+        return referenced(safe_load_metadata(io.BytesIO(data))) if data is not None else set()
     except Exception:  # noqa: BLE001 (a damaged .metadata lists nothing to remove)
-        return None
+        return set()
 
 
 def _appeared(root: str) -> ConcurrentSaveError:
@@ -93,13 +86,23 @@ def _appeared(root: str) -> ConcurrentSaveError:
         f"overwrite=True to replace it, or save to another path")
 
 
-def publish_local(root: str, token: str, overwrite: bool, check: Callable[[], None]) -> None:
-    """Publish the written ``.metadata.<token>.tmp`` as ``.metadata`` (``check()`` first: the claim)."""
+def publish_local(root: str, token: str, metadata: Metadata, overwrite: bool, check: Callable[[], None],
+                  sync: bool) -> None:
+    """Write ``.metadata.<token>.tmp`` (fsync'd where ``sync``) and publish it as ``.metadata``
+    (``check()`` first: the claim)."""
     tmp, final = os.path.join(root, metadata_tmp(token)), os.path.join(root, METADATA_FILE)
+    with open(tmp, "wb") as f:
+        pickle.dump(metadata, f)
+        if sync:
+            os.fsync(f.fileno())
     check()
     if overwrite:
         os.replace(tmp, final)  # atomic on POSIX: readers see the old or the new one
-        return
+    else:
+        _link(root, tmp, final)
+
+
+def _link(root: str, tmp: str, final: str) -> None:
     try:
         os.link(tmp, final)  # never replaces: fails if a .metadata appeared meanwhile
     except FileExistsError:
@@ -131,21 +134,17 @@ def publish_remote(fs, root: str, token: str, metadata: Metadata, overwrite: boo
     """Publish ``.metadata`` under an fsspec URL: on an object store (:func:`writes_whole`) one
     write, exclusive unless ``overwrite``; on any other file system ``.metadata.<token>.tmp`` is
     written whole, then renamed into place (``fs.mv``), so a write cut short never touches ``.metadata``."""
-    root = root.rstrip("/")
-    final, data = f"{root}/{METADATA_FILE}", pickle.dumps(metadata)
-    if not writes_whole(fs):
-        tmp = f"{root}/{metadata_tmp(token)}"
+    root, whole = root.rstrip("/"), writes_whole(fs)
+    final, tmp, data = f"{root}/{METADATA_FILE}", f"{root}/{metadata_tmp(token)}", pickle.dumps(metadata)
+    if not whole:
         fs.pipe_file(tmp, data)
-        check()
-        fs.invalidate_cache(final)
-        if not overwrite and fs.exists(final):
-            raise _appeared(root)
-        fs.mv(tmp, final)
-        return
     check()
     fs.invalidate_cache(final)
-    if not overwrite and not honours_exclusive(fs) and fs.exists(final):
+    if not overwrite and not (whole and honours_exclusive(fs)) and fs.exists(final):
         raise _appeared(root)
+    if not whole:
+        fs.mv(tmp, final)
+        return
     try:
         with fs.open(final, "wb" if overwrite else "xb") as f:
             f.write(data)

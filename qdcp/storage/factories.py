@@ -10,7 +10,6 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from qdcp.errors import QdcpError
-from qdcp.io.pipeline import default_thread_count
 from qdcp.storage.reader import CheckpointReader, SafeReading
 from qdcp.storage.urls import is_url, local_path
 from qdcp.storage.writer import AtomicWriting, CheckpointWriter
@@ -57,8 +56,8 @@ def storage_writer(path: str | os.PathLike, overwrite: bool = False, checksums: 
     path = local_path(path)
     if is_url(path):
         _need_fsspec()
-        return FsspecCheckpointWriter(path, overwrite=overwrite, checksums=checksums, stager=stager, **kwargs)
-    return CheckpointWriter(path, overwrite=overwrite, checksums=checksums, stager=stager, **kwargs)
+    cls = FsspecCheckpointWriter if is_url(path) else CheckpointWriter
+    return cls(path, overwrite=overwrite, checksums=checksums, stager=stager, **kwargs)
 
 
 def _local_file_system_path(path: str | os.PathLike, storage_options: dict) -> str | os.PathLike:
@@ -86,13 +85,5 @@ if FsspecWriter is not None:
             self._setup_safe_reading(thread_count)
 
     class FsspecCheckpointWriter(AtomicWriting, FsspecWriter):
-        """:class:`CheckpointWriter` for fsspec URLs."""
-
-        def __init__(self, path: str, overwrite: bool = False, checksums: bool = True,
-                     stager: AsyncStager | None = None, thread_count: int | None = None,
-                     direct_io: bool | None = None, **kwargs: Any) -> None:
-            super().__init__(os.fspath(path), overwrite=True, thread_count=thread_count or default_thread_count(),
-                             **kwargs)
-            self._setup_atomic(overwrite, checksums, stager)
-            self.qdcp_auto_threads = thread_count is None
-            self.qdcp_direct_io = direct_io  # taken as CheckpointWriter takes it; fsspec files are written buffered
+        """:class:`CheckpointWriter` for fsspec URLs (``direct_io`` is taken, but fsspec files are
+        written buffered)."""

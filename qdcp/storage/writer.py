@@ -7,9 +7,9 @@ with their root cause (:mod:`qdcp.storage.causes`), and guards the plain path's 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-import pickle
 import sys
 import threading
 from typing import Any, Callable
@@ -32,15 +32,10 @@ from qdcp.storage.urls import is_url
 
 __all__ = ["AtomicWriting", "CheckpointWriter", "refuse_existing_checkpoint"]
 
-_in_flight_lock = threading.Lock()
-_in_flight: set[str] = set()
-
-
 #: ``direct_io=None``: an async save's upload (a save this writer staged) is written directly where
-#: the process may use fewer cores than this, buffered where it may use this many or more. Measured
-#: (docs/benchmarks.md, *Async save on few cores*): on 2 cores training beside a direct upload ran 2-3x as fast as
-#: beside a buffered one; on a 16-core H100 host buffered uploads finished 10-40% sooner (four runs),
-#: training beside them at 0.63-0.78x its speed alone against 0.74-0.79x beside direct ones (three).
+#: the process may use fewer cores than this, buffered where it may use this many or more (measured:
+#: docs/benchmarks.md, *Async save on few cores*; on 2 cores training beside a direct upload ran 2-3x
+#: as fast as beside a buffered one, on 16 buffered uploads finished 10-40% sooner).
 DIRECT_UPLOAD_BELOW_CORES = 8
 
 
@@ -60,8 +55,6 @@ def refuse_existing_checkpoint(storage_meta: StorageMeta | None, who: str) -> No
 
 
 _default_stager: Callable[[], AsyncStager] | None = None
-
-
 _shared_lock = threading.Lock()
 _shared: list[AsyncStager] = []  # default stagers, reused by this process's writers from save to save
 _SHARED_MAX = 2
@@ -94,7 +87,23 @@ def _stage_shared(state_dict) -> tuple[AsyncStager, Any, bool]:
 
 
 class AtomicWriting:
-    """Mixin for DCP's file-system writers: no silent overwrite, atomic commit, one save per path."""
+    """Mixin for DCP's file-system writers: no silent overwrite, atomic commit, one save per path
+    (the arguments: :class:`CheckpointWriter`'s)."""
+
+    def __init__(self, path: str | os.PathLike, overwrite: bool = False, checksums: bool = True,
+                 stager: AsyncStager | None = None, thread_count: int | None = None,
+                 direct_io: bool | None = None, **kwargs: Any) -> None:
+        super().__init__(path, overwrite=True, thread_count=thread_count or default_thread_count(), **kwargs)
+        self.qdcp_overwrite = overwrite
+        self.qdcp_checksums = bool(checksums)
+        self.qdcp_auto_threads = thread_count is None
+        self.qdcp_direct_io = direct_io
+        self._claim: claims.PathClaim | None = None
+        self._published = False
+        self._stager = stager
+        self._owns_stager = stager is None
+        self.qdcp_staged = False  # set by stage(): this save's upload runs beside training
+        self._dist_seen = _dist_up()  # made in a job: a save that finds no process group would be torn
 
     def storage_meta(self) -> StorageMeta | None:
         """DCP's, declaring to the planner what this writer does itself (:class:`QdcpStorageMeta`)."""
@@ -107,17 +116,6 @@ class AtomicWriting:
     def _own_pipeline(self) -> bool:
         """Whether items are written by qdcp's pipeline (torch.save archives), not DCP's own."""
         return getattr(self, "serialization_format", SerializationFormat.TORCH_SAVE) == SerializationFormat.TORCH_SAVE
-
-    def _setup_atomic(self, overwrite: bool, checksums: bool, stager: AsyncStager | None = None) -> None:
-        self.qdcp_overwrite = overwrite
-        self.qdcp_checksums = bool(checksums)
-        self._holds_path = False
-        self._claim: claims.PathClaim | None = None
-        self._published = False
-        self._stager = stager
-        self._owns_stager = stager is None
-        self.qdcp_staged = False  # set by stage(): this save's upload runs beside training
-        self._dist_seen = _dist_up()  # made in a job: a save that finds no process group would be torn
 
     # DCP's hook: ``dcp.async_save`` without ``async_stager`` stages through a writer that is an
     # AsyncStager (FileSystemWriter is one). This writer does no staging of its own: it hands the
@@ -168,9 +166,6 @@ class AtomicWriting:
             wanted = self.qdcp_staged and pipeline.usable_cores() < DIRECT_UPLOAD_BELOW_CORES
         return bool(wanted) and self.sync_files and isinstance(self.fs, FileSystem)
 
-    def _key(self) -> str:
-        return os.path.abspath(os.fspath(self.path)) if not is_url(self.path) else os.fspath(self.path)
-
     def prepare_local_plan(self, plan):
         if getattr(self, "_is_coordinator", True):
             # the coordinator makes the directory: the other ranks write into it only once the
@@ -178,60 +173,37 @@ class AtomicWriting:
             # here, with no race between ranks (abandon() removes it only then)
             self._made_dir = not is_url(self.path) and not os.path.isdir(self.path)
             self.fs.mkdir(self.path)
-        with _in_flight_lock:
-            self._refuse_taken()
-            _in_flight.add(self._key())
-            self._holds_path = True
         return plan
 
-    def _refuse_taken(self) -> None:
-        """Raise if a checkpoint is at the path (without ``overwrite``) or a save of this process
-        is writing it (``_in_flight_lock`` held by the caller)."""
-        if not self.qdcp_overwrite and self.fs.exists(self._get_metadata_path()):
+    def check_path(self) -> None:
+        """Raise now what planning this save would raise for its path, taking and writing nothing
+        (``qdcp.async_save`` calls it before staging): a checkpoint there (no ``overwrite``), a claim
+        on it held by a save that may still run (one of this process's among them)."""
+        if self.fs.exists(self.path):
+            self._refuse_existing()
+            claims.refuse_if_held(self._store)
+
+    def _refuse_existing(self) -> None:
+        if not self.qdcp_overwrite and self._store.exists(METADATA_FILE):
             raise QdcpError(
                 f"a checkpoint already exists at {os.fspath(self.path)!r}; pass overwrite=True to "
                 f"replace it (the old one stays loadable until the new one is complete), or save "
                 f"to a new path")
-        if self._key() in _in_flight:
-            raise QdcpError(
-                f"another save to {os.fspath(self.path)!r} is in progress in this process; wait "
-                f"for it (call .result() on its future) before saving there again")
-
-    def check_path(self) -> None:
-        """Raise now what planning this save would raise for its path, taking and writing nothing
-        (``qdcp.async_save`` calls it before staging): a checkpoint there (no ``overwrite``), a save
-        of this process to it in progress, a claim on it held by a save that may still run."""
-        with _in_flight_lock:
-            self._refuse_taken()
-        if self.fs.exists(self.path):
-            claims.refuse_if_held(self._claim_store())
-
-    def _release_path(self) -> None:
-        if self._holds_path:
-            with _in_flight_lock:
-                _in_flight.discard(self._key())
-            self._holds_path = False
 
     def _release(self) -> None:
-        self._release_path()
         claim, self._claim = self._claim, None
         if claim is not None:
             claim.release()
 
     def prepare_global_plan(self, plans):
-        """On the coordinator only, once per save: claim the path (:mod:`qdcp.storage.claims`), then
-        check again that no checkpoint appeared there; every file name carries the claim's token."""
+        """On the coordinator only, once per save: refuse a checkpoint at the path (no ``overwrite``),
+        claim the path (:mod:`qdcp.storage.claims`), then check again (one may have been committed
+        meanwhile); every file name carries the claim's token."""
         what = f"a qdcp save of {len(plans)} rank{'s' if len(plans) != 1 else ''} ({_command()})"
+        self._refuse_existing()
+        self._claim = claims.take(self._store, what)
         try:
-            self._claim = claims.take(self._claim_store(), what)
-        except BaseException:
-            self._release_path()
-            raise
-        try:
-            if not self.qdcp_overwrite and self._files.exists(METADATA_FILE):
-                raise QdcpError(
-                    f"a checkpoint already exists at {os.fspath(self.path)!r} (it was committed while this "
-                    f"save was being planned); pass overwrite=True to replace it, or save to a new path")
+            self._refuse_existing()
         except BaseException:
             self._release()
             raise
@@ -255,15 +227,12 @@ class AtomicWriting:
                 fut.set_result(write_items(self, plan.items, plan.storage_data.prefix, planner, crc=not hashed,
                                            hash_items=hashed, direct=self._writes_direct()))
         except BaseException as e:
-            self._files.remove_prefixed(plan.storage_data.prefix)  # this rank's own, partly written
+            self._remove_files(plan.storage_data.prefix)  # this rank's own, partly written
             if self._claim is not None:
                 self._claim.end()  # it cannot commit now; abandon() removes every rank's files
-            self._release_path()
             raise_with_cause(e, f"writing the checkpoint at {os.fspath(self.path)!r}")
         finally:
             self.qdcp_staged = False  # the next save through this writer says again whether it is staged
-        if not getattr(self, "_is_coordinator", False):
-            self._release()
         return fut
 
     def group_gone(self) -> QdcpError | None:
@@ -281,7 +250,7 @@ class AtomicWriting:
         torn = self.group_gone()
         if torn is not None:
             raise torn
-        if kwargs.get("use_collectives") is False and _world_size() > 1:
+        if kwargs.get("use_collectives") is False and _dist_up() and dist.get_world_size() > 1:
             raise QdcpError(
                 f"saving to {os.fspath(self.path)!r} with use_collectives=False: every rank would commit a "
                 f".metadata of its own data and claim the path for itself; qdcp's writer commits one "
@@ -303,11 +272,11 @@ class AtomicWriting:
     def abandon(self) -> None:
         """End a save that did not commit: remove the files it wrote (every rank's: call it once
         every rank has returned, as ``qdcp.save`` does) and release its claim. A no-op after a
-        save that committed, and on ranks other than the coordinator (their in-process hold only)."""
+        save that committed, and on ranks other than the coordinator."""
         claim = self._claim
         if claim is not None:
-            self._files.remove_prefixed(commit.save_prefix(claim.token))
-            self._files.remove(commit.metadata_tmp(claim.token))
+            self._remove_files(commit.save_prefix(claim.token))
+            self._store.remove(commit.metadata_tmp(claim.token))
         self._release()
         if claim is not None and getattr(self, "_made_dir", False):
             try:
@@ -315,14 +284,19 @@ class AtomicWriting:
             except OSError:
                 pass
 
-    def _claim_store(self) -> claims.LocalStore | claims.FsspecStore:
+    @property
+    def _store(self) -> claims.LocalStore | claims.FsspecStore:
+        """The checkpoint directory's files, by name."""
         if is_url(self.path):
             return claims.FsspecStore(self.fs.fs, os.fspath(self.path), os.fspath(self.path))
         return claims.LocalStore(self.path)
 
-    @property
-    def _files(self) -> "_SaveFiles":
-        return _SaveFiles(self)
+    def _remove_files(self, prefix: str) -> None:
+        """Remove this save's data files that start with ``prefix`` (never raises: best effort)."""
+        with contextlib.suppress(OSError):
+            for name in self._store.names():
+                if name.startswith(prefix) and commit.token_of(name) is not None:
+                    self._store.remove(name)
 
     def _commit(self, metadata: Metadata, results) -> None:
         """Write ``.metadata`` and publish it (the claim checked first); then remove what the
@@ -339,20 +313,17 @@ class AtomicWriting:
         if self._hashes_items():
             checksums.attach(metadata, checksums.written_record(metadata, hashes))
         metadata.storage_meta = self.storage_meta().plain()
-        token, files = self._claim.token, self._files
-        replaced = commit.referenced(commit.read_metadata_bytes(files.read(METADATA_FILE))) \
-            if self.qdcp_overwrite else set()
+        token, store, root = self._claim.token, self._store, os.fspath(self.path)
+        replaced = commit.referenced_in(store.read(METADATA_FILE)) if self.qdcp_overwrite else set()
         if is_url(self.path):
-            commit.publish_remote(self.fs.fs, os.fspath(self.path), token, metadata, self.qdcp_overwrite,
-                                  self._claim.check)
+            commit.publish_remote(self.fs.fs, root, token, metadata, self.qdcp_overwrite, self._claim.check)
         else:
-            self._write_local_tmp(metadata, token)
-            commit.publish_local(os.fspath(self.path), token, self.qdcp_overwrite, self._claim.check)
+            commit.publish_local(root, token, metadata, self.qdcp_overwrite, self._claim.check, self.sync_files)
         self._published = True
         try:  # committed; what is left (a name that cannot be removed, a directory) stays
             if self.sync_files and not is_url(self.path):
-                _fsync_dir(os.fspath(self.path))
-            names = files.names()
+                _fsync_dir(root)
+            names = store.names()
         except OSError:
             return
         for name in commit.debris(names, commit.referenced(metadata), replaced, token):
@@ -364,77 +335,17 @@ class AtomicWriting:
     def _remove_unreferenced(self, name: str) -> None:
         """Remove a file the committed checkpoint does not reference (the replaced checkpoint's, a
         dead save's)."""
-        self._files.remove(name)
-
-    def _write_local_tmp(self, metadata: Metadata, token: str) -> None:
-        with open(os.path.join(os.fspath(self.path), commit.metadata_tmp(token)), "wb") as f:
-            pickle.dump(metadata, f)
-            if self.sync_files:
-                os.fsync(f.fileno())
+        self._store.remove(name)
 
 
 def _dist_up() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _command() -> str:
     """This process's command line, shortened, to name a save in a claim."""
     line = " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]) if sys.argv and sys.argv[0] else "python"
     return line if len(line) <= 80 else line[:77] + "..."
-
-
-class _SaveFiles:
-    """The files of a writer's checkpoint directory, local or fsspec, by name."""
-
-    def __init__(self, writer: AtomicWriting) -> None:
-        self.root, self.remote = os.fspath(writer.path), is_url(writer.path)
-        self.fs = writer.fs.fs if self.remote else None
-
-    def _path(self, name: str) -> str:
-        return f"{self.root.rstrip('/')}/{name}" if self.remote else os.path.join(self.root, name)
-
-    def names(self) -> list[str]:
-        if self.remote:
-            self.fs.invalidate_cache(self.root)
-            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
-        return os.listdir(self.root)
-
-    def exists(self, name: str) -> bool:
-        if self.remote:
-            self.fs.invalidate_cache(self._path(name))
-            return self.fs.exists(self._path(name))
-        return os.path.exists(self._path(name))
-
-    def read(self, name: str) -> bytes | None:
-        try:
-            if self.remote:
-                return self.fs.cat_file(self._path(name))
-            with open(self._path(name), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-
-    def remove(self, name: str) -> None:
-        try:
-            if self.remote:
-                self.fs.rm_file(self._path(name))
-            else:
-                os.remove(self._path(name))
-        except FileNotFoundError:
-            pass
-
-    def remove_prefixed(self, prefix: str) -> None:
-        """Remove this save's data files that start with ``prefix`` (never raises: best effort)."""
-        try:
-            for name in self.names():
-                if name.startswith(prefix) and commit.token_of(name) is not None:
-                    self.remove(name)
-        except OSError:
-            pass
 
 
 def _fsync_dir(path: str) -> None:
@@ -466,24 +377,13 @@ class CheckpointWriter(AtomicWriting, FileSystemWriter):
             :func:`~qdcp.io.pipeline.default_thread_count` (the usable cores, at most 4).
         direct_io: write large items around the page cache, from their own memory
             (:mod:`qdcp.io.direct`; items may then start up to 4 KiB apart), where files are
-            fsync'd (``sync_files``, the default) on a local file system that offers ``O_DIRECT``
-            (Linux). None (default): for the saves this writer stages (``dcp.async_save`` through
-            it, ``qdcp.async_save``), whose upload runs beside training, where this process may
-            use fewer than :data:`DIRECT_UPLOAD_BELOW_CORES` (8) cores: a direct write takes a
-            fraction of the CPU time of a buffered one, which a few cores feel; with more, buffered
-            uploads finish sooner. A synchronous save, which training waits for, is written
-            buffered. True: every save; False: none (buffered, as DCP's writer).
+            fsync'd (``sync_files``, the default) on a local file system that offers ``O_DIRECT``.
+            None (default): for the saves this writer stages (``dcp.async_save`` through it,
+            ``qdcp.async_save``) where this process may use fewer than
+            :data:`DIRECT_UPLOAD_BELOW_CORES` cores (a direct write takes a fraction of a buffered
+            one's CPU time, which training beside the upload feels on few cores). True: every
+            save; False: none (buffered, as DCP's writer).
         **kwargs: other ``FileSystemWriter`` options (``sync_files``, ``per_thread_copy_ahead``...).
 
-    Each rank's items are written by :mod:`qdcp.io.pipeline`: split by bytes over
-    ``thread_count`` files written and fsync'd in parallel, device copies ahead of the writes,
-    without the ``torch.save`` zip CRC-32s where every item is checksummed otherwise.
+    Each rank's items are written by :mod:`qdcp.io.pipeline`.
     """
-
-    def __init__(self, path: str | os.PathLike, overwrite: bool = False, checksums: bool = True,
-                 stager: AsyncStager | None = None, thread_count: int | None = None,
-                 direct_io: bool | None = None, **kwargs: Any) -> None:
-        super().__init__(path, overwrite=True, thread_count=thread_count or default_thread_count(), **kwargs)
-        self._setup_atomic(overwrite, checksums, stager)
-        self.qdcp_auto_threads = thread_count is None
-        self.qdcp_direct_io = direct_io
