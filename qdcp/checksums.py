@@ -1,17 +1,8 @@
-"""Item checksums: the hash, and the record of them in a checkpoint's metadata.
-
-:class:`qdcp.QuantizedSavePlanner` hashes every item it writes -- a tensor chunk's elements in
-row-major order, or a BYTE_IO item's bytes -- from the data being written (the staged copy in an
-async save), and records the hashes in ``Metadata.planner_data["__qdcp_checksums__"]`` (added
-once the global plan is made, so that the global plan and ``Metadata`` are those DCP's plan
-caching compares)::
-
-    {"algorithm": "xxh3_64", "items": {item_fqn: bytes}}
-
-where ``bytes`` holds one little-endian 64-bit hash per chunk of the item, in the order of
-``Metadata.state_dict_metadata[item_fqn].chunks`` (one for a BYTE_IO item). The hash is xxHash's
-XXH3-64 (``xxhash.xxh3_64``), seed 0. :class:`qdcp.QuantizedLoadPlanner` verifies every item it
-reads whole; :class:`qdcp.CheckpointReader` verifies the rest (items read in part when resharding).
+"""Item checksums (docs/format.md, *Checksums*): the XXH3-64 hash of an item, the record of
+them in ``Metadata.planner_data["__qdcp_checksums__"]``, the save's checks between ranks
+(:class:`SaveHashes`) and the load planner's verifier (:class:`ReadVerifier`). One rule: qdcp's
+writer hashes every item as it writes it, else the save planner does; qdcp's reader verifies every
+item it reads, else the load planner verifies the items it reads whole.
 """
 
 from __future__ import annotations
@@ -95,14 +86,17 @@ _TRAILERS = {"1": 4, "2": 8}  # version -> bytes of the hash after the item
 TRAILER_EXTENSION = "qdcp-checksum"
 
 
-def trailer_version(descriptors: list[str], where: str = "stored item") -> str | None:
-    """The qdcp-checksum version among an item's transform descriptors (None if absent)."""
+def trailer_version(descriptors: list[str], where: str) -> str | None:
+    """The qdcp-checksum version among an item's transform descriptors (None if absent). The
+    trailer wraps the raw bytes in the file: it is listed last (applied last at the save)."""
     for d in descriptors:
         name, _, version = d.partition("/")
         if name == TRAILER_EXTENSION:
             major = version.partition(".")[0]
             if major not in _TRAILERS:
                 raise CheckpointFormatError(f"{where}: unknown qdcp-checksum version {version!r}; upgrade qdcp")
+            if descriptors[-1] != d:
+                raise CheckpointFormatError(f"{where}: unexpected extension order {descriptors}")
             return major
     return None
 
@@ -170,33 +164,6 @@ def hash_many(items: Iterable[tuple[Any, Any]]) -> dict[Any, int | None]:
     return out
 
 
-class RecordBuilder:
-    """Builds the metadata record chunk by chunk, straight into each item's packed bytes (the
-    coordinator of a large job sets one hash per chunk of every rank: no per-chunk Python objects)."""
-
-    def __init__(self) -> None:
-        self._items: dict[str, bytearray] = {}
-        self._missing: dict[str, int] = {}
-
-    def item(self, fqn: str, chunks: int) -> None:
-        """Declare item ``fqn`` with ``chunks`` chunks, none of them hashed yet."""
-        self._items[fqn] = bytearray(8 * chunks)
-        self._missing[fqn] = chunks
-
-    def set(self, fqn: str, index: int, h: int | None) -> None:
-        """The hash of chunk ``index`` of ``fqn`` (None: unknown, the item is left out)."""
-        if h is not None and fqn in self._items:
-            _U64.pack_into(self._items[fqn], 8 * index, h)
-            self._missing[fqn] -= 1
-
-    def record(self) -> dict:
-        """The record: items every chunk of which was hashed; ``unchecked`` lists the others (a
-        tensor subclass whose values cannot be read: :func:`of_tensor`)."""
-        items = {fqn: bytes(b) for fqn, b in self._items.items() if self._missing[fqn] == 0 and b}
-        unchecked = sorted(fqn for fqn, b in self._items.items() if b and self._missing[fqn])
-        return {"algorithm": ALGORITHM, "items": items, **({"unchecked": unchecked} if unchecked else {})}
-
-
 def item_key(item: WriteItem) -> tuple[str, tuple[int, ...]]:
     """A write item's ``(fqn, chunk offsets)``: how the save side names it across ranks."""
     return item.index.fqn, tuple(item.index.offset or ())
@@ -246,25 +213,26 @@ class SaveHashes:
         without ``checksums`` or where the writer makes it."""
         if not self.checksums or self.by_writer:
             return None
-        builder = RecordBuilder()
-        for fqn, md in metadata.state_dict_metadata.items():
-            builder.item(fqn, len(md.chunks) if isinstance(md, TensorStorageMetadata) else 1)
-        for rank, plan in enumerate(global_plan):
-            hashes = per_rank[rank]["hashes"]
-            for item in plan.items:
-                builder.set(item.index.fqn, item.index.index or 0, hashes.get(item_key(item)))
-        return builder.record()
+        return written_record(metadata, {item.index: per_rank[rank]["hashes"].get(item_key(item))
+                                         for rank, plan in enumerate(global_plan) for item in plan.items})
 
 
 def written_record(metadata: Metadata, hashes: dict) -> dict:
-    """The metadata's checksum record from the hashes a writer computed as it wrote each item
-    (``{MetadataIndex: hash}``, the index as DCP's global plan set it)."""
-    builder = RecordBuilder()
+    """The metadata's checksum record from the hashes of the items DCP writes (``{MetadataIndex:
+    hash}``, the index as DCP's global plan set it; None: a tensor subclass whose values cannot be
+    read, :func:`of_tensor`). An item with a chunk left unhashed is listed as ``unchecked``."""
+    packed: dict[str, bytearray] = {}
+    missing: dict[str, int] = {}
     for fqn, md in metadata.state_dict_metadata.items():
-        builder.item(fqn, len(md.chunks) if isinstance(md, TensorStorageMetadata) else 1)
+        missing[fqn] = len(md.chunks) if isinstance(md, TensorStorageMetadata) else 1
+        packed[fqn] = bytearray(8 * missing[fqn])
     for index, h in hashes.items():
-        builder.set(index.fqn, index.index or 0, h)
-    return builder.record()
+        if h is not None and index.fqn in packed:
+            _U64.pack_into(packed[index.fqn], 8 * (index.index or 0), h)
+            missing[index.fqn] -= 1
+    items = {fqn: bytes(b) for fqn, b in packed.items() if b and not missing[fqn]}
+    unchecked = sorted(fqn for fqn, b in packed.items() if b and missing[fqn])
+    return {"algorithm": ALGORITHM, "items": items, **({"unchecked": unchecked} if unchecked else {})}
 
 
 def diverged(per_rank: list[dict], shared_only: bool) -> dict[tuple, list[int]]:
@@ -325,34 +293,16 @@ class Record:
         return table.get(tuple(offsets or ()))
 
     def _table(self, fqn: str) -> dict[tuple, tuple[tuple | None, int]]:
-        blob = self.items.get(fqn)
+        blob = self.items.get(fqn)  # bytes: record() checked
         if blob is None:
             return {}
         item = self.metadata.state_dict_metadata.get(fqn)
         chunks = item.chunks if isinstance(item, TensorStorageMetadata) else [None]
-        if not isinstance(blob, bytes) or len(blob) != 8 * len(chunks):
-            raise CheckpointFormatError(
-                f"{describe_item(fqn)}: the checkpoint records {len(blob) // 8 if isinstance(blob, bytes) else 0} "
-                f"checksums for its {len(chunks)} chunks; the metadata is damaged")
-        out = {}
-        for i, chunk in enumerate(chunks):
-            (h,) = _U64.unpack_from(blob, 8 * i)
-            if chunk is None:
-                out[()] = (None, h)
-            else:
-                out[tuple(chunk.offsets)] = (tuple(chunk.sizes), h)
-        return out
-
-    def whole(self, read_item) -> tuple[tuple[int, ...] | None, int] | None:
-        """:meth:`expected` for a read item that takes its stored chunk (or object) whole; None for
-        one that reads part of it, or when the checkpoint records no checksum for it. The one
-        place that decides whether an item is read whole."""
-        found = self.expected(read_item.storage_index.fqn, read_item.storage_index.offset)
-        if found is None:
-            return None
-        sizes = found[0]
-        whole = sizes is None or (not any(read_item.storage_offsets) and tuple(read_item.lengths) == sizes)
-        return found if whole else None
+        if len(blob) != 8 * len(chunks):
+            raise CheckpointFormatError(f"{describe_item(fqn)}: the checkpoint records {len(blob) // 8} checksums "
+                                        f"for its {len(chunks)} chunks; the metadata is damaged")
+        hashes = struct.unpack(f"<{len(chunks)}Q", blob)
+        return {tuple(c.offsets) if c else (): (tuple(c.sizes) if c else None, h) for c, h in zip(chunks, hashes)}
 
 
 def record(metadata: Metadata | None) -> Record | None:
@@ -454,29 +404,26 @@ class ReadVerifier:
     def __init__(self, record: Record | None, atomic: bool = False) -> None:
         self.record = record
         self.atomic = atomic  # the load changes no target before every read is in and verified
-        self._whole: dict[Any, tuple[int, torch.dtype]] = {}  # read item -> (hash, stored dtype)
-        self._temps: set[int] = set()
-        self._filled: set[str] = set()
-        self._pending: collections.deque = collections.deque()  # (future, expected, read item, key, untouched, bytes)
-        self._pending_bytes = 0  # the host bytes the pending hashes hold on to
-        self._remaining = 0
         self._lock = threading.Lock()
-        self.hashed = 0  #: items this verifier hashed itself (this load)
+        self.plan([])
 
     def plan(self, read_items) -> None:
-        """Note which of the final plan's read items take a stored chunk (or object) whole."""
-        self._whole, self._temps, self._filled, self._pending = {}, set(), set(), collections.deque()
-        self._pending_bytes = 0
-        self.hashed = 0
-        if self.record is None:
-            return
+        """Note which of the final plan's read items take a stored chunk (or object) whole: those
+        this verifier checks."""
+        self._whole: dict[Any, tuple[int, torch.dtype | None]] = {}  # read item -> (hash, stored dtype)
+        self._temps: set[int] = set()
+        self._filled: set[str] = set()
+        self._pending: collections.deque = collections.deque()  # (future, expected, read item, key, bytes)
+        self._pending_bytes = 0  # the host bytes the pending hashes hold on to
         self._remaining = len(read_items)
-        md = self.record.metadata.state_dict_metadata
-        for item in read_items:
-            found = self.record.whole(item)
-            if found is not None:
-                sizes, h = found
-                self._whole[item] = (h, md[item.storage_index.fqn].properties.dtype if sizes is not None else None)
+        self.hashed = 0  #: items this verifier hashed itself (this load)
+        md = self.record.metadata.state_dict_metadata if self.record is not None else {}
+        for item in read_items if self.record is not None else ():
+            found = self.record.expected(item.storage_index.fqn, item.storage_index.offset)
+            if found is not None and found[0] is None:  # an object
+                self._whole[item] = (found[1], None)
+            elif found is not None and not any(item.storage_offsets) and tuple(item.lengths) == found[0]:
+                self._whole[item] = (found[1], md[item.storage_index.fqn].properties.dtype)
 
     def buffer(self, read_item, dest: torch.Tensor) -> torch.Tensor:
         """Where DCP should copy ``read_item``'s data: ``dest``, or a host buffer to check first

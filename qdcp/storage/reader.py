@@ -64,8 +64,8 @@ class AdoptingLoadPlanner(Protocol):
 
 
 class _PlannerCalls:
-    """The planner as the reading threads call it: one call at a time (DCP's load planners are
-    called by one thread), its optional capabilities looked up once."""
+    """The planner as the reading threads call it, ``calls("method", *args)``: one call at a time
+    (DCP's load planners are called by one thread), its optional capabilities looked up once."""
 
     def __init__(self, planner: Any, shared: bool) -> None:
         self.planner = planner
@@ -73,38 +73,19 @@ class _PlannerCalls:
         self.reporting = isinstance(planner, ReportingLoadPlanner)
         self._lock = threading.Lock() if shared else contextlib.nullcontext()
 
-    def resolve(self, req) -> torch.Tensor:
+    def __call__(self, method: str, *args: Any) -> Any:
         with self._lock:
-            return self.planner.resolve_tensor(req).detach()
-
-    def commit(self, req, tensor: torch.Tensor) -> None:
-        with self._lock:
-            self.planner.commit_tensor(req, tensor)
-
-    def load_bytes(self, req, value: io.BytesIO) -> None:
-        with self._lock:
-            self.planner.load_bytes(req, value)
+            return getattr(self.planner, method)(*args)
 
     def changed(self, req, written: bool) -> str:
         """What the load has changed so far, for an error about ``req`` ("" if the planner cannot say)."""
-        if not self.reporting:
-            return ""
-        with self._lock:
-            return self.planner.changed_note(req, written)
-
-    def buffer_for(self, req, nbytes: int) -> torch.Tensor | None:
-        with self._lock:
-            return self.planner.buffer_for(req, nbytes)
-
-    def adopt(self, req, tensor: torch.Tensor) -> bool:
-        with self._lock:
-            return self.planner.adopt_tensor(req, tensor)
+        return self("changed_note", req, written) if self.reporting else ""
 
 
 class _Lane:
     """One reading thread's memory, kept by the reader from load to load: a scratch buffer, two
     pinned buffers for CUDA targets (and the copies from them still running), the item whose copy
-    is still running (committed after the next item is read), the buffer ``resolve_tensor`` gave."""
+    is still running (committed after the next item is read)."""
 
     def __init__(self) -> None:
         self.calls: _PlannerCalls | None = None
@@ -114,12 +95,11 @@ class _Lane:
         self.slot = 1
         self.pinned_max = _PINNED_MAX
         self.pending: Callable[[], None] | None = None
-        self.resolved: tuple[Any, torch.Tensor] | None = None
         self.devices: set[int] = set()  # the CUDA devices of the targets it copied into (this load)
 
     def buffer(self, length: int, pinned: bool = False) -> torch.Tensor:
         """``length`` bytes of reused memory: the scratch buffer, or the other of the two pinned
-        buffers once the copy from it has ended."""
+        buffers once the copy from it has ended (an old buffer is freed before a larger one is made)."""
         if pinned:
             self.slot = 1 - self.slot
             if self.copied[self.slot] is not None:
@@ -179,9 +159,7 @@ class SafeReading:
     def read_threads(self) -> int:
         """The threads a load reads files on: ``thread_count`` where given; by default the usable
         cores, at most 4 (into CUDA targets as into host memory)."""
-        if self.thread_count is not None:
-            return self.thread_count
-        return default_thread_count()
+        return self.thread_count or default_thread_count()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -241,7 +219,7 @@ class SafeReading:
             self._qdcp_lanes.append(_Lane())
         lanes = self._qdcp_lanes[:threads]
         for lane in lanes:
-            lane.calls, lane.pending, lane.resolved, lane.devices = calls, None, None, set()
+            lane.calls, lane.pending, lane.devices = calls, None, set()
             lane.pinned_max = _PINNED_MAX // threads
         # a new thread's current CUDA device is 0: the others take the caller's (no context made on 0)
         device = torch.cuda.current_device() if threads > 1 and torch.cuda.is_initialized() else None
@@ -261,7 +239,7 @@ class SafeReading:
                 for index in sorted({d for lane in lanes for d in lane.devices}):
                     torch.cuda.synchronize(index)
             for lane in lanes:
-                lane.calls, lane.pending, lane.resolved = None, None, None
+                lane.calls, lane.pending = None, None
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -284,30 +262,96 @@ class SafeReading:
 
     def _read_file(self, lane: _Lane, rel: str, reqs: list, failed: threading.Event) -> None:
         """Read ``reqs`` from data file ``rel``, in order (until ``failed`` is set: another file failed)."""
-        try:
-            stream_cm = self._open_file(rel, f"{describe_item(reqs[0].storage_index.fqn)}: its data file")
-            stream = stream_cm.__enter__()
-        except OSError as e:
-            raise CheckpointFormatError(
-                f"{describe_item(reqs[0].storage_index.fqn)}: its data file {rel!r} cannot be opened "
-                f"({e}); the checkpoint is incomplete") from None
-        try:
+        where = f"{describe_item(reqs[0].storage_index.fqn)}: its data file"
+        with contextlib.ExitStack() as files:
+            try:  # an fsspec stream opens as it is entered
+                stream = files.enter_context(self._open_file(rel, where))
+            except OSError as e:
+                raise CheckpointFormatError(f"{where} {rel!r} cannot be opened ({e}); the checkpoint is "
+                                            f"incomplete") from None
             size = stream.seek(0, io.SEEK_END)
-            for req in reqs:
-                if failed.is_set():
-                    break
-                self._read_item(lane, stream, size, rel, req)
-        except BaseException:
-            lane.pending = None  # the load failed: the item copied last is not committed
-            raise
-        finally:
-            stream_cm.__exit__(None, None, None)
+            try:
+                for req in reqs:
+                    if failed.is_set():
+                        break
+                    self._read_item(lane, stream, size, rel, req)
+            except BaseException:
+                lane.pending = None  # the load failed: the item copied last is not committed
+                raise
 
-    def _recorded(self, req) -> int | None:
-        """The checksum the checkpoint records for the stored item ``req`` reads (None if none)."""
+    def _read_item(self, lane: _Lane, stream, size: int, rel: str, req) -> None:
+        """Read one item, check it (its recorded checksum, else its trailer, else the zip's CRCs)
+        and hand it to the planner: loaded bytes, or the part of a stored chunk ``req`` reads."""
+        calls, where = lane.calls, describe_item(req.storage_index.fqn)
+        info = self.storage_data[req.storage_index]
+        span = _stored_range(info, size, rel, where)
+        descriptors = list(info.transform_descriptors or ())
+        version = checksums.trailer_version(descriptors, where)
+        transforms = descriptors[:-1] if version is not None else descriptors
         found = self._qdcp_sums.expected(req.storage_index.fqn, req.storage_index.offset) \
-            if self._qdcp_sums is not None else None
-        return found[1] if found is not None else None
+            if self._qdcp_sums is not None and version is None else None
+        recorded = found[1] if found is not None else None
+        tensor_item = req.type != LoadItemType.BYTE_IO
+        in_place = tensor_item and not transforms  # read as a view of the memory it was read into
+        buffer = self._planner_buffer(calls, req, span[1]) if in_place else None
+        target = calls("resolve_tensor", req).detach() if tensor_item and not calls.adopting else None
+        if target is not None and not descriptors and recorded is not None \
+                and self._read_straight(lane, stream, req, span, target, recorded, where):
+            return
+        pinned = in_place and target is not None and target.device.type == "cuda" and span[1] <= lane.pinned_max
+        try:
+            with torch.cuda.device(target.device) if pinned else contextlib.nullcontext():
+                memory = buffer if buffer is not None else lane.buffer(span[1], pinned)
+            payload = self._payload(stream, span, rel, memory, transforms, version, req, where)
+            if not tensor_item:
+                return self._deliver_bytes(calls, req, payload, recorded, version is None, where)
+            if version is None and recorded is None:
+                check_zip_crcs(payload, where)
+            tensor = archived_tensor(payload, memory) if in_place else None
+            adoptable = tensor is None or buffer is not None  # a view of the reader's own memory is copied out
+            if tensor is None:
+                tensor = _unpickled(payload, where)
+            verified = self._verification(calls, req, tensor, recorded)
+        except QdcpError:
+            raise
+        except Exception as e:
+            raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
+        self._deliver(lane, req, target, self._requested_part(tensor, req, where), verified, adoptable, where,
+                      pinned)
+
+    def _read_straight(self, lane: _Lane, stream, req, span: tuple[int, int], target: torch.Tensor,
+                       recorded: int, where: str) -> bool:
+        """Read a whole stored chunk straight into ``target`` (``resolve_tensor``'s buffer), check it
+        there and commit it, where ``target`` takes it as stored: the chunk's dtype and shape, on the
+        CPU, contiguous (True); else False, nothing read into it."""
+        expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        if expected is None or any(req.storage_offsets) or tuple(req.lengths) != expected[0] \
+                or (tuple(target.shape), target.dtype) != expected or target.device.type != "cpu" \
+                or not target.is_contiguous() or type(target) is not torch.Tensor:
+            return False
+        try:
+            if not read_archive_into(stream, *span, lane.buffer(span[1]), target):
+                return False
+        except Exception as e:
+            raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
+        self._commit(lane.calls, req, target, self._verification(lane.calls, req, target, recorded), where)
+        return True
+
+    def _payload(self, stream, span: tuple[int, int], rel: str, memory: torch.Tensor, transforms: list,
+                 version: str | None, req, where: str) -> memoryview:
+        """The item's stored bytes, read into ``memory``, its trailer checked and its transforms
+        undone (only those make a copy)."""
+        offset, length = span
+        stream.seek(offset)
+        data = memoryview(memory.numpy())[:length]
+        got = stream.readinto(data)
+        if got != length:
+            raise CheckpointFormatError(f"{where}: {rel!r} ended after {got} of {length} bytes")
+        if version is not None:
+            data = checksums.trailed_payload(data, where, version)
+        if not transforms:
+            return data
+        return memoryview(self.transforms.transform_load_stream(req, transforms, io.BytesIO(data)).read(-1))
 
     @staticmethod
     def _compare(calls: _PlannerCalls, req, got: int | None, expected: int, written: bool) -> None:
@@ -327,28 +371,11 @@ class SafeReading:
         pending = checksums.hash_later(tensor)
         return lambda written=True: self._compare(calls, req, pending(), recorded, written)
 
-    def _payload(self, stream, offset: int, length: int, rel: str, *, where: str, descriptors, version, req,
-                 memory: torch.Tensor):
-        """The item's stored bytes, read into ``memory`` (``length`` bytes), trailer checked and
-        transforms undone (only those other than the checksum make a copy)."""
-        stream.seek(offset)
-        data = memoryview(memory.numpy())[:length]
-        got = stream.readinto(data)
-        if got != length:
-            raise CheckpointFormatError(f"{where}: {rel!r} ended after {got} of {length} bytes")
-        if version is not None:  # written last-applied-first: the trailer wraps the raw bytes in the file
-            if checksums.trailer_version(descriptors[-1:]) is None:
-                raise CheckpointFormatError(f"{where}: unexpected extension order {descriptors}")
-            data, descriptors = checksums.trailed_payload(data, where, version), descriptors[:-1]
-        if not descriptors:
-            return data
-        return memoryview(self.transforms.transform_load_stream(req, descriptors, io.BytesIO(data)).read(-1))
-
     @staticmethod
     def _planner_buffer(calls: _PlannerCalls, req, length: int) -> torch.Tensor | None:
         """A buffer the planner offers for this stored item (``buffer_for``: the item is read there
         and the planner adopts the view), or None."""
-        buffer = calls.buffer_for(req, length) if calls.adopting else None
+        buffer = calls("buffer_for", req, length) if calls.adopting else None
         if buffer is None:
             return None
         if buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous() \
@@ -377,79 +404,6 @@ class SafeReading:
             tensor = tensor.narrow(dim, o, n)
         return tensor
 
-    def _read_item(self, lane: _Lane, stream, size: int, rel: str, req) -> None:
-        """Read one item, check it and hand it to the planner (loaded bytes, or a tensor)."""
-        calls = lane.calls
-        where = describe_item(req.storage_index.fqn)
-        info = self.storage_data[req.storage_index]
-        offset, length = _stored_range(info, size, rel, where)
-        descriptors = list(info.transform_descriptors or ())
-        version = checksums.trailer_version(descriptors, where)
-        # the recorded checksum is checked here, on the bytes just read (hot)
-        recorded = self._recorded(req) if version is None else None
-        zip_crcs = version is None and recorded is None  # nothing else checks it
-        in_place = req.type != LoadItemType.BYTE_IO \
-            and (not descriptors or (version is not None and len(descriptors) == 1))
-        buffer = self._planner_buffer(calls, req, length) if in_place else None
-        adoptable = True  # a view of the reader's own scratch buffer is copied out, never kept
-        if not descriptors and recorded is not None and buffer is None and req.type != LoadItemType.BYTE_IO \
-                and not calls.adopting and self._read_straight(lane, stream, req, (offset, length), recorded, where):
-            return None
-        resolved = lane.resolved
-        pinned = buffer is None and resolved is not None and resolved[0] is req and length <= lane.pinned_max \
-            and resolved[1].device.type == "cuda" and torch.cuda.is_available()
-        try:
-            # read into memory, checked there (trailer, recorded checksum or the zip's CRCs)
-            with torch.cuda.device(resolved[1].device) if pinned else contextlib.nullcontext():
-                memory = buffer if buffer is not None else lane.buffer(length, pinned)
-            payload = self._payload(stream, offset, length, rel, where=where, descriptors=descriptors,
-                                    version=version, req=req, memory=memory)
-            if req.type == LoadItemType.BYTE_IO:
-                return self._deliver_bytes(calls, req, payload, recorded, zip_crcs, where)
-            if zip_crcs:
-                check_zip_crcs(payload, where)
-            tensor = archived_tensor(payload, memory) if in_place else None
-            if tensor is None:
-                tensor = _unpickled(payload, where)
-            else:
-                adoptable = buffer is not None
-            verified = self._verification(calls, req, tensor, recorded)
-        except QdcpError:
-            raise
-        except Exception as e:
-            raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
-        self._deliver(lane, req, self._requested_part(tensor, req, where), verified, adoptable, where,
-                      pinned and in_place)
-        return None
-
-    def _read_straight(self, lane: _Lane, stream, req, span: tuple[int, int], recorded: int, where: str) -> bool:
-        """Read a whole stored chunk straight into the planner's buffer, check it there and commit
-        it, where that buffer takes it as stored (True); else False (the buffer, if one was handed
-        out, kept for the usual path)."""
-        target = self._whole_chunk_target(lane, req)
-        try:
-            direct = target is not None and read_archive_into(stream, *span, lane.buffer(span[1]), target)
-        except Exception as e:
-            raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
-        if direct:
-            self._commit(lane.calls, req, target, self._verification(lane.calls, req, target, recorded), where)
-        elif target is not None:
-            lane.resolved = (req, target)  # handed out once: the usual path uses it
-        return direct
-
-    def _whole_chunk_target(self, lane: _Lane, req) -> torch.Tensor | None:
-        """``resolve_tensor``'s buffer for ``req`` where ``req`` reads a whole stored chunk into a
-        contiguous CPU buffer of its dtype and shape (the item can be read straight into it)."""
-        expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
-        if expected is None or any(req.storage_offsets) or tuple(req.lengths) != expected[0]:
-            return None
-        target = lane.calls.resolve(req)
-        if target.device.type != "cpu" or target.dtype != expected[1] or tuple(target.shape) != expected[0] \
-                or not target.is_contiguous() or type(target) is not torch.Tensor:
-            lane.resolved = (req, target)  # handed out once: the usual path uses it
-            return None
-        return target
-
     def _deliver_bytes(self, calls: _PlannerCalls, req, payload: memoryview, recorded: int | None, zip_crcs: bool,
                        where: str) -> None:
         """An object item, checked (the recorded checksum, else a torch.save archive's CRCs), to the planner."""
@@ -457,20 +411,20 @@ class SafeReading:
             self._compare(calls, req, checksums.of_bytes(payload), recorded, written=False)
         elif zip_crcs and payload[:4] == b"PK\x03\x04":  # a torch.save archive
             check_zip_crcs(payload, where)
-        calls.load_bytes(req, io.BytesIO(payload))
+        calls("load_bytes", req, io.BytesIO(payload))
 
-    def _deliver(self, lane: _Lane, req, tensor: torch.Tensor, verified: Callable[[], None], adoptable: bool,
-                 where: str, pinned: bool = False) -> None:
+    def _deliver(self, lane: _Lane, req, target: torch.Tensor | None, tensor: torch.Tensor,
+                 verified: Callable[..., None], adoptable: bool, where: str, pinned: bool) -> None:
         """The part of a stored chunk ``req`` reads, to the planner: adopted as it is (qdcp's entry
-        reader keeps a whole chunk as loaded), else copied into ``resolve_tensor``'s buffer while
-        the bytes just read are hashed on another core, then committed."""
+        reader keeps a whole chunk as loaded), else copied into ``target`` (``resolve_tensor``'s
+        buffer) while the bytes just read are hashed on another core, then committed."""
         calls = lane.calls
         if adoptable and calls.adopting:
             verified(written=False)
-            if calls.adopt(req, tensor):
+            if calls("adopt_tensor", req, tensor):
                 return
-        resolved, lane.resolved = lane.resolved, None
-        target = resolved[1] if resolved is not None and resolved[0] is req else calls.resolve(req)
+        if target is None:
+            target = calls("resolve_tensor", req).detach()
         if target.device.type == "cuda":
             lane.devices.add(target.device.index if target.device.index is not None else torch.cuda.current_device())
         if target.size() != tensor.size():
@@ -492,7 +446,7 @@ class SafeReading:
         """Wait for ``target``'s check, then commit it to the planner."""
         verified()
         try:
-            calls.commit(req, target)
+            calls("commit_tensor", req, target)
         except QdcpError:
             raise
         except Exception as e:
