@@ -121,6 +121,7 @@ _BACKGROUND_BYTES = 1 << 20
 # A load planner's items waiting for their background hash hold at most this much host memory (the
 # reads wait for the oldest hash past it): hashing slower than reading does not hold the whole load.
 _PENDING_MAX = 512 << 20
+_HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -129,7 +130,7 @@ def _hash_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="qdcp-hash")
+            _pool = ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="qdcp-hash")
         return _pool
 
 
@@ -150,13 +151,12 @@ def hash_many(items: Iterable[tuple[Any, Any]]) -> dict[Any, int | None]:
     at a time); large data is hashed on background threads while the next is produced."""
     out: dict[Any, int] = {}
     pending: collections.deque = collections.deque()
-    limit = 2 * max(1, min(4, os.cpu_count() or 1))
     for key, data in items:
         if _nbytes(data) < _BACKGROUND_BYTES:
             out[key] = of_data(data)
             continue
         pending.append((key, _hash_pool().submit(of_data, data)))
-        if len(pending) > limit:
+        if len(pending) > 2 * _HASH_THREADS:
             k, fut = pending.popleft()
             out[k] = fut.result()
     for k, fut in pending:
@@ -170,18 +170,10 @@ def item_key(item: WriteItem) -> tuple[str, tuple[int, ...]]:
 
 
 class SaveHashes:
-    """The save side, beside :class:`ReadVerifier`: each rank's item hashes, the checks between
-    ranks before anything is written, and the metadata's record.
-
-    On every rank, :meth:`local` hashes what the writer will be given for each item (all of them
-    with ``checksums`` or ``check_replicas``; else only the items other ranks' shards also hold);
-    on the coordinator, :meth:`check` compares the ranks' hashes of the items several ranks hold
-    (shared items always, every replica with ``check_replicas``) and :meth:`record` builds the
-    checksum record of the hashes of the copies DCP writes.
-
-    ``by_writer``: the save's writer hashes every item as it writes it and makes the record
-    (:func:`written_record`; qdcp's writers): only the items the checks compare are hashed here.
-    """
+    """The save planner's hashes: each rank's (:meth:`local`), compared between ranks before
+    anything is written (:meth:`check`: shared items always, every replica with
+    ``check_replicas``), and the record of them (:meth:`record`). ``by_writer``: the save's writer
+    hashes every item and makes the record (qdcp's): only the items the checks compare are hashed."""
 
     def __init__(self, checksums: bool, check_replicas: bool, by_writer: bool = False) -> None:
         self.checksums = checksums
@@ -207,10 +199,9 @@ class SaveHashes:
         return per_rank
 
     def record(self, global_plan: list[SavePlan], per_rank: list[dict], metadata: Metadata) -> dict | None:
-        """The metadata's checksum record (None without ``checksums``): for each item, the hash of
-        the copy the rank that writes it computed (DCP writes one rank's copy of a replicated item),
-        in the metadata's chunk order (DCP's global plan gives each item's chunk index); None
-        without ``checksums`` or where the writer makes it."""
+        """The metadata's checksum record: for each item, the hash the rank that writes it computed
+        (DCP writes one rank's copy of a replicated item); None without ``checksums`` or where the
+        writer makes it."""
         if not self.checksums or self.by_writer:
             return None
         return written_record(metadata, {item.index: per_rank[rank]["hashes"].get(item_key(item))
@@ -369,12 +360,9 @@ def attach(metadata: Metadata, record: dict) -> None:
 
 
 def metadata_digest(metadata: Metadata, items: Mapping[str, Any], unchecked: Iterable[str] = ()) -> str:
-    """XXH3-64 (16 hex digits) of the canonical JSON (keys sorted, no spaces) of ``{"entries": {fqn:
-    [dtype, size, [[offsets, sizes], ...]] or "bytes"}, "nesting": {key: path}, "spec": the qdcp
-    spec text or null, "items": {fqn: hashes as hex}}``: every item of ``state_dict_metadata`` (its
-    chunks in their order), ``planner_data``'s paths (DCP's ``{flat key: path}``), and the record's
-    item hashes; ``"unchecked": [fqn, ...]`` too where the record lists items it could not hash.
-    docs/format.md, *Checksums*."""
+    """XXH3-64 (16 hex digits) of the canonical JSON of the metadata's entries, nesting and spec
+    and the record's item hashes (``unchecked`` too where the record has it): docs/format.md,
+    *The metadata digest*."""
     entries: dict[str, Any] = {}
     for fqn, item in (metadata.state_dict_metadata or {}).items():
         entries[fqn] = [str(item.properties.dtype), list(item.size),
@@ -390,16 +378,13 @@ def metadata_digest(metadata: Metadata, items: Mapping[str, Any], unchecked: Ite
 
 
 class ReadVerifier:
-    """Checks the items a load planner reads whole against a checkpoint's :class:`Record`.
+    """Checks the items a load planner reads whole (under DCP's reader) against a :class:`Record`.
 
-    DCP's reader loads a stored chunk, copies the part a read item asks for into the buffer the
-    planner's ``resolve_tensor`` gave, then calls ``commit_tensor``. For a read item that takes a
-    stored chunk whole, :meth:`buffer` gives a host buffer of the stored dtype where the real
-    destination is another dtype or on a device (the hash is of the stored bytes), and
-    :meth:`check` hashes what arrived: large items on a background thread while the reader goes on,
-    all of them done by the time the plan's last item is committed. Items read in part are left to
-    the storage reader.
-    """
+    DCP's reader copies the part of a stored chunk a read item asks for into ``resolve_tensor``'s
+    buffer, then calls ``commit_tensor``. For a whole stored chunk, :meth:`buffer` gives a host
+    buffer of the stored dtype where the destination is another dtype or on a device (the hash is
+    of the stored bytes), and :meth:`check` hashes what arrived: large items on a background
+    thread, all of them compared by the time the plan's last item is committed."""
 
     def __init__(self, record: Record | None, atomic: bool = False) -> None:
         self.record = record

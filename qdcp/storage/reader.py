@@ -128,16 +128,14 @@ class NoMetadataError(CheckpointFormatError):
 
 class _MetadataUnreadable(BaseException):
     """Carries qdcp's ``.metadata`` error (its ``__cause__``) past ``dcp.load``'s ``except Exception``
-    around ``read_metadata``, which would turn it into ``AssertionError("metadata is None; ...")``
-    (torch 2.11 without the message): DCP wraps it in its CheckpointException, message intact, and
-    ``qdcp.load`` raises the error it carries."""
+    around ``read_metadata``, which would turn it into ``AssertionError("metadata is None; ...")``:
+    DCP wraps it in its CheckpointException, message intact, and ``qdcp.load`` raises the cause."""
 
 
 def metadata_error_told(reader: Any, rank: int | None, read: Callable[[], Metadata]) -> Metadata:
-    """``read()``: a reader's ``read_metadata`` (``rank``: DCP's rank-local fallback, called when
-    the first call raised), whose qdcp error reaches the user as itself: the error of the first
-    call is kept on ``reader``, and a fallback that fails too raises it again past DCP's
-    ``except Exception`` (:class:`_MetadataUnreadable`, message intact in DCP's exception)."""
+    """``read()``, a reader's ``read_metadata`` (``rank``: DCP's rank-local fallback, called when the
+    first call raised): where the fallback fails too, the first call's qdcp error (kept on
+    ``reader``) is raised again as a :class:`_MetadataUnreadable`."""
     try:
         return read()
     except CheckpointFormatError as e:
@@ -200,16 +198,10 @@ class SafeReading:
             if isinstance(item, TensorStorageMetadata) for c in item.chunks}
 
     def read_data(self, plan, planner) -> Future:
-        """DCP's ``FileSystemReader.read_data``, checking every number the metadata gives before it is
-        used: files stay inside the checkpoint, byte ranges inside their file, the stored tensor has
-        the dtype and chunk shape the metadata records. Every item is verified once, here: against
-        the checksum its save recorded, else its ``qdcp-checksum`` trailer, else torch.save's zip
-        CRCs. Any failure is a :class:`CheckpointFormatError` naming the state-dict key. A planner
-        may offer memory for an item (``buffer_for(req, nbytes)``, a uint8 CPU tensor): the item is
-        read there and offered back as a view of it (``adopt_tensor(req, tensor)``), no copy made.
-
+        """DCP's ``FileSystemReader.read_data``, every number the metadata gives checked before use
+        and every item verified once (a failure: a :class:`CheckpointFormatError` naming the key).
         The files are read on up to :meth:`read_threads` threads, each file's items in order by one
-        of them; the planner is called by one thread at a time. Where reads fail, the error of the
+        of them, the planner called by one thread at a time; where reads fail, the error of the
         first failing file (in the plan's order) is raised once every thread has stopped. Copies
         into CUDA targets made on other threads have ended when this returns."""
         files = list(self._files_of(plan).items())
@@ -354,22 +346,21 @@ class SafeReading:
         return memoryview(self.transforms.transform_load_stream(req, transforms, io.BytesIO(data)).read(-1))
 
     @staticmethod
-    def _compare(calls: _PlannerCalls, req, got: int | None, expected: int, written: bool) -> None:
-        """Raise the error for corrupt bytes if ``got`` is not ``expected``; it says what the load has
-        changed so far (the planner's account, ``req``'s bytes included if ``written``)."""
-        if got is not None and got != expected:  # None: a subclass whose values cannot be read
-            raise checksums.corrupt(req.storage_index.fqn, req.storage_index.offset, expected, got,
-                                    calls.changed(req, written))
-
-    def _verification(self, calls: _PlannerCalls, req, tensor: torch.Tensor,
-                      recorded: int | None) -> Callable[..., None]:
-        """Start hashing the stored chunk just read (large ones on a background thread, while the
-        caller copies it on); the returned call (``written``: whether the bytes were copied into
-        ``resolve_tensor``'s buffer meanwhile, default True) waits and compares with ``recorded``."""
+    def _verification(calls: _PlannerCalls, req, data: Any, recorded: int | None) -> Callable[..., None]:
+        """Start hashing the item just read (large ones on a background thread, while the caller
+        copies it on); the returned call waits and raises the error for corrupt bytes where the
+        hash is not ``recorded``, saying what the load has changed so far (the planner's account;
+        ``written``, default True: the bytes were copied into ``resolve_tensor``'s buffer)."""
         if recorded is None:
             return lambda written=True: None
-        pending = checksums.hash_later(tensor)
-        return lambda written=True: self._compare(calls, req, pending(), recorded, written)
+        pending = checksums.hash_later(data)
+
+        def verified(written: bool = True) -> None:
+            got = pending()
+            if got is not None and got != recorded:  # None: a subclass whose values cannot be read
+                raise checksums.corrupt(req.storage_index.fqn, req.storage_index.offset, recorded, got,
+                                        calls.changed(req, written))
+        return verified
 
     @staticmethod
     def _planner_buffer(calls: _PlannerCalls, req, length: int) -> torch.Tensor | None:
@@ -408,7 +399,7 @@ class SafeReading:
                        where: str) -> None:
         """An object item, checked (the recorded checksum, else a torch.save archive's CRCs), to the planner."""
         if recorded is not None:
-            self._compare(calls, req, checksums.of_bytes(payload), recorded, written=False)
+            self._verification(calls, req, payload, recorded)(written=False)
         elif zip_crcs and payload[:4] == b"PK\x03\x04":  # a torch.save archive
             check_zip_crcs(payload, where)
         calls("load_bytes", req, io.BytesIO(payload))
@@ -510,11 +501,9 @@ def _stored_range(info, size: int, rel: str, where: str) -> tuple[int, int]:
 
 
 class CheckpointReader(SafeReading, FileSystemReader):
-    """A ``FileSystemReader`` that never runs code from ``.metadata``, verifies item checksums and
-    refuses a checkpoint whose save did not finish.
-
-    ``thread_count``: data files read at once (default: :meth:`read_threads`, the usable cores, at
-    most 4; each file's items in order on one thread, the planner called by one thread at a time)."""
+    """A ``FileSystemReader`` that never runs code from ``.metadata``, verifies every item it reads
+    and refuses a checkpoint whose save did not finish. ``thread_count``: data files read at once
+    (default: :meth:`read_threads`)."""
 
     def __init__(self, path: str | os.PathLike, thread_count: int | None = None, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
