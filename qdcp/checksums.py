@@ -278,10 +278,9 @@ class Record:
     def expected(self, fqn: str, offsets: Any) -> tuple[tuple[int, ...] | None, int] | None:
         """``(chunk sizes or None for a BYTE_IO item, hash)`` of the stored chunk of ``fqn`` at
         ``offsets``, or None when the checkpoint records no checksum for it."""
-        table = self._by_offsets.get(fqn)
-        if table is None:
-            table = self._by_offsets[fqn] = self._table(fqn)
-        return table.get(tuple(offsets or ()))
+        if fqn not in self._by_offsets:
+            self._by_offsets[fqn] = self._table(fqn)
+        return self._by_offsets[fqn].get(tuple(offsets or ()))
 
     def _table(self, fqn: str) -> dict[tuple, tuple[tuple | None, int]]:
         blob = self.items.get(fqn)  # bytes: record() checked
@@ -301,46 +300,39 @@ def record(metadata: Metadata | None) -> Record | None:
     the metadata's digest checked where the record carries one (:func:`sealed`). A checkpoint
     marked sealed (:func:`attach`) must carry the record, its digest and every item's hash."""
     data = getattr(metadata, "planner_data", None)
-    raw = data.get(PLANNER_DATA_KEY) if isinstance(data, dict) else None
-    marked = isinstance(data, dict) and data.get(SEALED_KEY) is not None
+    data = data if isinstance(data, dict) else {}
+    raw, marked = data.get(PLANNER_DATA_KEY), data.get(SEALED_KEY) is not None
     if raw is None:
         if marked:
             raise _damaged("its save recorded every item's checksum, but the record is missing (or its name damaged)")
         return None
+    unchecked = raw.get("unchecked", []) if isinstance(raw, dict) else None
     if not isinstance(raw, dict) or not isinstance(raw.get("items"), dict) \
             or not all(isinstance(k, str) and isinstance(v, bytes) for k, v in raw["items"].items()) \
-            or not isinstance(raw.get("unchecked", []), list) \
-            or not all(isinstance(k, str) for k in raw.get("unchecked", [])):
+            or not isinstance(unchecked, list) or not all(isinstance(k, str) for k in unchecked):
         raise CheckpointFormatError("the checkpoint's checksum record is malformed; the metadata is damaged")
     if raw.get("algorithm") != ALGORITHM:
         raise CheckpointFormatError(
             f"the checkpoint's items are checksummed with {raw.get('algorithm')!r}, which this qdcp does "
             f"not know (it knows {ALGORITHM!r}). Upgrade qdcp, or load without verification "
             f"(QuantizedLoadPlanner(checksums=False)).")
-    if marked:
-        _check_complete(metadata, raw)
-    if "metadata" in raw:  # checked once a load: by the reader that verifies, else by the load planner
-        if raw["metadata"] != metadata_digest(metadata, raw["items"], raw.get("unchecked", ())):
-            raise CheckpointFormatError(
-                "the checkpoint's .metadata does not match the digest its save recorded: it is damaged (an "
-                "entry's key, shape, dtype or chunks, its nesting or the qdcp spec changed). Restore it from a "
-                "good copy")
+    if marked and "metadata" not in raw:
+        raise _damaged("its checksum record has lost its digest")
+    covered = {*raw["items"], *unchecked}
+    for fqn, item in (metadata.state_dict_metadata or {}).items() if marked else ():
+        if fqn not in covered and (not isinstance(item, TensorStorageMetadata) or item.chunks):
+            raise _damaged(f"its checksum record has no checksum for {describe_item(fqn)}")
+    if "metadata" in raw and raw["metadata"] != metadata_digest(metadata, raw["items"], unchecked):
+        raise CheckpointFormatError(
+            "the checkpoint's .metadata does not match the digest its save recorded: it is damaged (an "
+            "entry's key, shape, dtype or chunks, its nesting or the qdcp spec changed). Restore it from a "
+            "good copy")
     return Record(metadata, raw["items"])
 
 
 def _damaged(what: str) -> CheckpointFormatError:
     return CheckpointFormatError(f"the checkpoint's .metadata is damaged: {what}. It cannot be verified, so it "
                                  f"is not loaded; restore it from a good copy")
-
-
-def _check_complete(metadata: Metadata, raw: dict) -> None:
-    """A sealed checkpoint's record has its digest and a hash (or an ``unchecked`` note) for every item."""
-    if "metadata" not in raw:
-        raise _damaged("its checksum record has lost its digest")
-    items, unchecked = raw["items"], set(raw.get("unchecked", ()))
-    for fqn, item in (metadata.state_dict_metadata or {}).items():
-        if fqn not in items and fqn not in unchecked and (not isinstance(item, TensorStorageMetadata) or item.chunks):
-            raise _damaged(f"its checksum record has no checksum for {describe_item(fqn)}")
 
 
 def sealed(record: dict, metadata: Metadata) -> dict:
