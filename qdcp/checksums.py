@@ -190,12 +190,28 @@ class SaveHashes:
         return {"hashes": hash_many((item_key(i), data(i)) for i in hashed), "shared": shared}
 
     def check(self, per_rank: list[dict | None]) -> list[dict]:
-        """Refuse items several ranks hold whose copies differ (see :meth:`local`); returns the
-        ranks' parts (an empty one for a rank that sent none)."""
+        """Refuse items several ranks hold whose copies differ: a component's items that several
+        shards hold (replicated, or constant along a dim the shards cut; DCP keeps one rank's
+        copy), and with ``check_replicas`` every replicated chunk. Returns the ranks' parts (an
+        empty one for a rank that sent none)."""
         per_rank = [part or {"hashes": {}, "shared": []} for part in per_rank]
-        _check_shared(per_rank)
-        if self.check_replicas:
-            _check_replicas(per_rank)
+        for key, ranks in diverged(per_rank, shared_only=True).items():
+            fqn, name = key[0].rsplit(COMPONENT_SEPARATOR, 1)
+            raise AlignmentError(
+                f"key {fqn!r}: component {name!r} holds values shared by the shards of ranks "
+                f"{ranks[0]} and {ranks[1]} (one for the whole tensor, or for a block both shards "
+                f"cut), but they differ: the shards were quantized each on its own (e.g. with "
+                f"its own per-tensor scale). Quantize the shards with one scale for the whole "
+                f"tensor, or save this entry dequantized.")
+        differ = diverged(per_rank, shared_only=False) if self.check_replicas else {}
+        if differ:
+            lines = [f"{describe_item(fqn)}: the chunk at {list(offsets)} of rank(s) {ranks[1:]} differs from rank "
+                     f"{ranks[0]}'s" for (fqn, offsets), ranks in sorted(differ.items())[:10]]
+            more = f" (and {len(differ) - 10} more)" if len(differ) > 10 else ""
+            raise ReplicaMismatchError(
+                f"{len(differ)} replicated chunk(s) differ between the ranks that hold them{more}; nothing was "
+                f"written:\n  " + "\n  ".join(lines) + "\nThe replicas diverged in training (check that "
+                "every replica group ran the same updates), or save from one replica group.")
         return per_rank
 
     def record(self, global_plan: list[SavePlan], per_rank: list[dict], metadata: Metadata) -> dict | None:
@@ -239,32 +255,6 @@ def diverged(per_rank: list[dict], shared_only: bool) -> dict[tuple, list[int]]:
             if seen[1] != hashes[key]:
                 out.setdefault(key, [seen[0]]).append(rank)
     return out
-
-
-def _check_shared(per_rank: list[dict]) -> None:
-    """Items of a component that several ranks' shards hold (replicated, or constant along a dim
-    the shards cut) must be equal: DCP keeps one rank's copy. Refuse them when they differ."""
-    for key, ranks in diverged(per_rank, shared_only=True).items():
-        fqn, name = key[0].rsplit(COMPONENT_SEPARATOR, 1)
-        raise AlignmentError(
-            f"key {fqn!r}: component {name!r} holds values shared by the shards of ranks "
-            f"{ranks[0]} and {ranks[1]} (one for the whole tensor, or for a block both shards "
-            f"cut), but they differ: the shards were quantized each on its own (e.g. with "
-            f"its own per-tensor scale). Quantize the shards with one scale for the whole "
-            f"tensor, or save this entry dequantized.")
-
-
-def _check_replicas(per_rank: list[dict]) -> None:
-    """Every chunk several ranks hold must have one hash; the diverged ones are named."""
-    differ = diverged(per_rank, shared_only=False)
-    if differ:
-        lines = [f"{describe_item(fqn)}: the chunk at {list(offsets)} of rank(s) {ranks[1:]} differs from rank "
-                 f"{ranks[0]}'s" for (fqn, offsets), ranks in sorted(differ.items())[:10]]
-        more = f" (and {len(differ) - 10} more)" if len(differ) > 10 else ""
-        raise ReplicaMismatchError(
-            f"{len(differ)} replicated chunk(s) differ between the ranks that hold them{more}; nothing was "
-            f"written:\n  " + "\n  ".join(lines) + "\nThe replicas diverged in training (check that "
-            "every replica group ran the same updates), or save from one replica group.")
 
 
 @dataclasses.dataclass
