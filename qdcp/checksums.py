@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 import struct
@@ -122,16 +123,11 @@ _BACKGROUND_BYTES = 1 << 20
 # reads wait for the oldest hash past it): hashing slower than reading does not hold the whole load.
 _PENDING_MAX = 512 << 20
 _HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
+@functools.cache  # threads racing on the first call may each make one: both work
 def _hash_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="qdcp-hash")
-        return _pool
+    return ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="qdcp-hash")
 
 
 def _nbytes(data: Any) -> int:

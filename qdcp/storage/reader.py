@@ -283,14 +283,17 @@ class SafeReading:
         found = self._qdcp_sums.expected(req.storage_index.fqn, req.storage_index.offset) \
             if self._qdcp_sums is not None and version is None else None
         recorded = found[1] if found is not None else None
+        expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        whole = expected is not None and not any(req.storage_offsets) and tuple(req.lengths) == expected[0]
         tensor_item = req.type != LoadItemType.BYTE_IO
         in_place = tensor_item and not transforms  # read as a view of the memory it was read into
         buffer = self._planner_buffer(calls, req, span[1]) if in_place else None
         target = calls("resolve_tensor", req).detach() if tensor_item and not calls.adopting else None
-        if target is not None and not descriptors and recorded is not None \
-                and self._read_straight(lane, stream, req, span, target, recorded, where):
+        if whole and target is not None and not descriptors and recorded is not None \
+                and self._read_straight(lane, stream, req, span, target, expected, recorded, where):
             return
-        pinned = in_place and target is not None and target.device.type == "cuda" and span[1] <= lane.pinned_max
+        pinned = whole and in_place and target is not None and target.device.type == "cuda" \
+            and span[1] <= lane.pinned_max
         try:
             with torch.cuda.device(target.device) if pinned else contextlib.nullcontext():
                 memory = buffer if buffer is not None else lane.buffer(span[1], pinned)
@@ -308,17 +311,15 @@ class SafeReading:
             raise
         except Exception as e:
             raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
-        self._deliver(lane, req, target, self._requested_part(tensor, req, where), verified, adoptable, where,
-                      pinned)
+        self._deliver(lane, req, target, self._requested_part(tensor, req, expected, where), verified, adoptable,
+                      where, pinned)
 
     def _read_straight(self, lane: _Lane, stream, req, span: tuple[int, int], target: torch.Tensor,
-                       recorded: int, where: str) -> bool:
+                       expected: tuple, recorded: int, where: str) -> bool:
         """Read a whole stored chunk straight into ``target`` (``resolve_tensor``'s buffer), check it
-        there and commit it, where ``target`` takes it as stored: the chunk's dtype and shape, on the
-        CPU, contiguous (True); else False, nothing read into it."""
-        expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
-        if expected is None or any(req.storage_offsets) or tuple(req.lengths) != expected[0] \
-                or (tuple(target.shape), target.dtype) != expected or target.device.type != "cpu" \
+        there and commit it, where ``target`` takes it as stored: the chunk's ``expected`` shape and
+        dtype, on the CPU, contiguous (True); else False, nothing read into it."""
+        if (tuple(target.shape), target.dtype) != expected or target.device.type != "cpu" \
                 or not target.is_contiguous() or type(target) is not torch.Tensor:
             return False
         try:
@@ -375,10 +376,10 @@ class SafeReading:
                             f"on {buffer.device}; a contiguous CPU uint8 buffer of {length} bytes is needed")
         return buffer[:length]
 
-    def _requested_part(self, tensor, req, where: str) -> torch.Tensor:
+    @staticmethod
+    def _requested_part(tensor, req, expected: tuple | None, where: str) -> torch.Tensor:
         """The part of a loaded stored chunk that ``req`` reads, after checking the chunk is the one
-        the metadata records and the read lies within it."""
-        expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        the metadata records (``expected``: its shape and dtype) and the read lies within it."""
         if expected is not None and isinstance(tensor, torch.Tensor):
             tensor = _stored_values(tensor, expected[1], where)
         if not isinstance(tensor, torch.Tensor) or expected is None \
