@@ -1,23 +1,15 @@
-"""Item checksums: the hash, and the record of them in a checkpoint's metadata.
-
-:class:`qdcp.QuantizedSavePlanner` hashes every item it writes -- a tensor chunk's elements in
-row-major order, or a BYTE_IO item's bytes -- from the data being written (the staged copy in an
-async save), and records the hashes in ``Metadata.planner_data["__qdcp_checksums__"]`` (added
-once the global plan is made, so that the global plan and ``Metadata`` are those DCP's plan
-caching compares)::
-
-    {"algorithm": "xxh3_64", "items": {item_fqn: bytes}}
-
-where ``bytes`` holds one little-endian 64-bit hash per chunk of the item, in the order of
-``Metadata.state_dict_metadata[item_fqn].chunks`` (one for a BYTE_IO item). The hash is xxHash's
-XXH3-64 (``xxhash.xxh3_64``), seed 0. :class:`qdcp.QuantizedLoadPlanner` verifies every item it
-reads whole; :class:`qdcp.CheckpointReader` verifies the rest (items read in part when resharding).
+"""Item checksums (docs/format.md, *Checksums*): the XXH3-64 hash of an item, the record of
+them in ``Metadata.planner_data["__qdcp_checksums__"]``, the save's checks between ranks
+(:class:`SaveHashes`) and the load planner's verifier (:class:`ReadVerifier`). One rule: qdcp's
+writer hashes every item as it writes it, else the save planner does; qdcp's reader verifies every
+item it reads, else the load planner verifies the items it reads whole.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 import struct
@@ -95,14 +87,17 @@ _TRAILERS = {"1": 4, "2": 8}  # version -> bytes of the hash after the item
 TRAILER_EXTENSION = "qdcp-checksum"
 
 
-def trailer_version(descriptors: list[str], where: str = "stored item") -> str | None:
-    """The qdcp-checksum version among an item's transform descriptors (None if absent)."""
+def trailer_version(descriptors: list[str], where: str) -> str | None:
+    """The qdcp-checksum version among an item's transform descriptors (None if absent). The
+    trailer wraps the raw bytes in the file: it is listed last (applied last at the save)."""
     for d in descriptors:
         name, _, version = d.partition("/")
         if name == TRAILER_EXTENSION:
             major = version.partition(".")[0]
             if major not in _TRAILERS:
                 raise CheckpointFormatError(f"{where}: unknown qdcp-checksum version {version!r}; upgrade qdcp")
+            if descriptors[-1] != d:
+                raise CheckpointFormatError(f"{where}: unexpected extension order {descriptors}")
             return major
     return None
 
@@ -127,16 +122,12 @@ _BACKGROUND_BYTES = 1 << 20
 # A load planner's items waiting for their background hash hold at most this much host memory (the
 # reads wait for the oldest hash past it): hashing slower than reading does not hold the whole load.
 _PENDING_MAX = 512 << 20
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
+@functools.cache  # threads racing on the first call may each make one: both work
 def _hash_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="qdcp-hash")
-        return _pool
+    return ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="qdcp-hash")
 
 
 def _nbytes(data: Any) -> int:
@@ -156,45 +147,17 @@ def hash_many(items: Iterable[tuple[Any, Any]]) -> dict[Any, int | None]:
     at a time); large data is hashed on background threads while the next is produced."""
     out: dict[Any, int] = {}
     pending: collections.deque = collections.deque()
-    limit = 2 * max(1, min(4, os.cpu_count() or 1))
     for key, data in items:
         if _nbytes(data) < _BACKGROUND_BYTES:
             out[key] = of_data(data)
             continue
         pending.append((key, _hash_pool().submit(of_data, data)))
-        if len(pending) > limit:
+        if len(pending) > 2 * _HASH_THREADS:
             k, fut = pending.popleft()
             out[k] = fut.result()
     for k, fut in pending:
         out[k] = fut.result()
     return out
-
-
-class RecordBuilder:
-    """Builds the metadata record chunk by chunk, straight into each item's packed bytes (the
-    coordinator of a large job sets one hash per chunk of every rank: no per-chunk Python objects)."""
-
-    def __init__(self) -> None:
-        self._items: dict[str, bytearray] = {}
-        self._missing: dict[str, int] = {}
-
-    def item(self, fqn: str, chunks: int) -> None:
-        """Declare item ``fqn`` with ``chunks`` chunks, none of them hashed yet."""
-        self._items[fqn] = bytearray(8 * chunks)
-        self._missing[fqn] = chunks
-
-    def set(self, fqn: str, index: int, h: int | None) -> None:
-        """The hash of chunk ``index`` of ``fqn`` (None: unknown, the item is left out)."""
-        if h is not None and fqn in self._items:
-            _U64.pack_into(self._items[fqn], 8 * index, h)
-            self._missing[fqn] -= 1
-
-    def record(self) -> dict:
-        """The record: items every chunk of which was hashed; ``unchecked`` lists the others (a
-        tensor subclass whose values cannot be read: :func:`of_tensor`)."""
-        items = {fqn: bytes(b) for fqn, b in self._items.items() if self._missing[fqn] == 0 and b}
-        unchecked = sorted(fqn for fqn, b in self._items.items() if b and self._missing[fqn])
-        return {"algorithm": ALGORITHM, "items": items, **({"unchecked": unchecked} if unchecked else {})}
 
 
 def item_key(item: WriteItem) -> tuple[str, tuple[int, ...]]:
@@ -203,18 +166,10 @@ def item_key(item: WriteItem) -> tuple[str, tuple[int, ...]]:
 
 
 class SaveHashes:
-    """The save side, beside :class:`ReadVerifier`: each rank's item hashes, the checks between
-    ranks before anything is written, and the metadata's record.
-
-    On every rank, :meth:`local` hashes what the writer will be given for each item (all of them
-    with ``checksums`` or ``check_replicas``; else only the items other ranks' shards also hold);
-    on the coordinator, :meth:`check` compares the ranks' hashes of the items several ranks hold
-    (shared items always, every replica with ``check_replicas``) and :meth:`record` builds the
-    checksum record of the hashes of the copies DCP writes.
-
-    ``by_writer``: the save's writer hashes every item as it writes it and makes the record
-    (:func:`written_record`; qdcp's writers): only the items the checks compare are hashed here.
-    """
+    """The save planner's hashes: each rank's (:meth:`local`), compared between ranks before
+    anything is written (:meth:`check`: shared items always, every replica with
+    ``check_replicas``), and the record of them (:meth:`record`). ``by_writer``: the save's writer
+    hashes every item and makes the record (qdcp's): only the items the checks compare are hashed."""
 
     def __init__(self, checksums: bool, check_replicas: bool, by_writer: bool = False) -> None:
         self.checksums = checksums
@@ -231,40 +186,56 @@ class SaveHashes:
         return {"hashes": hash_many((item_key(i), data(i)) for i in hashed), "shared": shared}
 
     def check(self, per_rank: list[dict | None]) -> list[dict]:
-        """Refuse items several ranks hold whose copies differ (see :meth:`local`); returns the
-        ranks' parts (an empty one for a rank that sent none)."""
+        """Refuse items several ranks hold whose copies differ: a component's items that several
+        shards hold (replicated, or constant along a dim the shards cut; DCP keeps one rank's
+        copy), and with ``check_replicas`` every replicated chunk. Returns the ranks' parts (an
+        empty one for a rank that sent none)."""
         per_rank = [part or {"hashes": {}, "shared": []} for part in per_rank]
-        _check_shared(per_rank)
-        if self.check_replicas:
-            _check_replicas(per_rank)
+        for key, ranks in diverged(per_rank, shared_only=True).items():
+            fqn, name = key[0].rsplit(COMPONENT_SEPARATOR, 1)
+            raise AlignmentError(
+                f"key {fqn!r}: component {name!r} holds values shared by the shards of ranks "
+                f"{ranks[0]} and {ranks[1]} (one for the whole tensor, or for a block both shards "
+                f"cut), but they differ: the shards were quantized each on its own (e.g. with "
+                f"its own per-tensor scale). Quantize the shards with one scale for the whole "
+                f"tensor, or save this entry dequantized.")
+        differ = diverged(per_rank, shared_only=False) if self.check_replicas else {}
+        if differ:
+            lines = [f"{describe_item(fqn)}: the chunk at {list(offsets)} of rank(s) {ranks[1:]} differs from rank "
+                     f"{ranks[0]}'s" for (fqn, offsets), ranks in sorted(differ.items())[:10]]
+            more = f" (and {len(differ) - 10} more)" if len(differ) > 10 else ""
+            raise ReplicaMismatchError(
+                f"{len(differ)} replicated chunk(s) differ between the ranks that hold them{more}; nothing was "
+                f"written:\n  " + "\n  ".join(lines) + "\nThe replicas diverged in training (check that "
+                "every replica group ran the same updates), or save from one replica group.")
         return per_rank
 
     def record(self, global_plan: list[SavePlan], per_rank: list[dict], metadata: Metadata) -> dict | None:
-        """The metadata's checksum record (None without ``checksums``): for each item, the hash of
-        the copy the rank that writes it computed (DCP writes one rank's copy of a replicated item),
-        in the metadata's chunk order (DCP's global plan gives each item's chunk index); None
-        without ``checksums`` or where the writer makes it."""
+        """The metadata's checksum record: for each item, the hash the rank that writes it computed
+        (DCP writes one rank's copy of a replicated item); None without ``checksums`` or where the
+        writer makes it."""
         if not self.checksums or self.by_writer:
             return None
-        builder = RecordBuilder()
-        for fqn, md in metadata.state_dict_metadata.items():
-            builder.item(fqn, len(md.chunks) if isinstance(md, TensorStorageMetadata) else 1)
-        for rank, plan in enumerate(global_plan):
-            hashes = per_rank[rank]["hashes"]
-            for item in plan.items:
-                builder.set(item.index.fqn, item.index.index or 0, hashes.get(item_key(item)))
-        return builder.record()
+        return written_record(metadata, {item.index: per_rank[rank]["hashes"].get(item_key(item))
+                                         for rank, plan in enumerate(global_plan) for item in plan.items})
 
 
 def written_record(metadata: Metadata, hashes: dict) -> dict:
-    """The metadata's checksum record from the hashes a writer computed as it wrote each item
-    (``{MetadataIndex: hash}``, the index as DCP's global plan set it)."""
-    builder = RecordBuilder()
+    """The metadata's checksum record from the hashes of the items DCP writes (``{MetadataIndex:
+    hash}``, the index as DCP's global plan set it; None: a tensor subclass whose values cannot be
+    read, :func:`of_tensor`). An item with a chunk left unhashed is listed as ``unchecked``."""
+    packed: dict[str, bytearray] = {}
+    missing: dict[str, int] = {}
     for fqn, md in metadata.state_dict_metadata.items():
-        builder.item(fqn, len(md.chunks) if isinstance(md, TensorStorageMetadata) else 1)
+        missing[fqn] = len(md.chunks) if isinstance(md, TensorStorageMetadata) else 1
+        packed[fqn] = bytearray(8 * missing[fqn])
     for index, h in hashes.items():
-        builder.set(index.fqn, index.index or 0, h)
-    return builder.record()
+        if h is not None and index.fqn in packed:
+            _U64.pack_into(packed[index.fqn], 8 * (index.index or 0), h)
+            missing[index.fqn] -= 1
+    items = {fqn: bytes(b) for fqn, b in packed.items() if b and not missing[fqn]}
+    unchecked = sorted(fqn for fqn, b in packed.items() if b and missing[fqn])
+    return {"algorithm": ALGORITHM, "items": items, **({"unchecked": unchecked} if unchecked else {})}
 
 
 def diverged(per_rank: list[dict], shared_only: bool) -> dict[tuple, list[int]]:
@@ -282,32 +253,6 @@ def diverged(per_rank: list[dict], shared_only: bool) -> dict[tuple, list[int]]:
     return out
 
 
-def _check_shared(per_rank: list[dict]) -> None:
-    """Items of a component that several ranks' shards hold (replicated, or constant along a dim
-    the shards cut) must be equal: DCP keeps one rank's copy. Refuse them when they differ."""
-    for key, ranks in diverged(per_rank, shared_only=True).items():
-        fqn, name = key[0].rsplit(COMPONENT_SEPARATOR, 1)
-        raise AlignmentError(
-            f"key {fqn!r}: component {name!r} holds values shared by the shards of ranks "
-            f"{ranks[0]} and {ranks[1]} (one for the whole tensor, or for a block both shards "
-            f"cut), but they differ: the shards were quantized each on its own (e.g. with "
-            f"its own per-tensor scale). Quantize the shards with one scale for the whole "
-            f"tensor, or save this entry dequantized.")
-
-
-def _check_replicas(per_rank: list[dict]) -> None:
-    """Every chunk several ranks hold must have one hash; the diverged ones are named."""
-    differ = diverged(per_rank, shared_only=False)
-    if differ:
-        lines = [f"{describe_item(fqn)}: the chunk at {list(offsets)} of rank(s) {ranks[1:]} differs from rank "
-                 f"{ranks[0]}'s" for (fqn, offsets), ranks in sorted(differ.items())[:10]]
-        more = f" (and {len(differ) - 10} more)" if len(differ) > 10 else ""
-        raise ReplicaMismatchError(
-            f"{len(differ)} replicated chunk(s) differ between the ranks that hold them{more}; nothing was "
-            f"written:\n  " + "\n  ".join(lines) + "\nThe replicas diverged in training (check that "
-            "every replica group ran the same updates), or save from one replica group.")
-
-
 @dataclasses.dataclass
 class Record:
     """The checksums a checkpoint carries, looked up by item and chunk offsets."""
@@ -319,40 +264,21 @@ class Record:
     def expected(self, fqn: str, offsets: Any) -> tuple[tuple[int, ...] | None, int] | None:
         """``(chunk sizes or None for a BYTE_IO item, hash)`` of the stored chunk of ``fqn`` at
         ``offsets``, or None when the checkpoint records no checksum for it."""
-        table = self._by_offsets.get(fqn)
-        if table is None:
-            table = self._by_offsets[fqn] = self._table(fqn)
-        return table.get(tuple(offsets or ()))
+        if fqn not in self._by_offsets:
+            self._by_offsets[fqn] = self._table(fqn)
+        return self._by_offsets[fqn].get(tuple(offsets or ()))
 
     def _table(self, fqn: str) -> dict[tuple, tuple[tuple | None, int]]:
-        blob = self.items.get(fqn)
+        blob = self.items.get(fqn)  # bytes: record() checked
         if blob is None:
             return {}
         item = self.metadata.state_dict_metadata.get(fqn)
         chunks = item.chunks if isinstance(item, TensorStorageMetadata) else [None]
-        if not isinstance(blob, bytes) or len(blob) != 8 * len(chunks):
-            raise CheckpointFormatError(
-                f"{describe_item(fqn)}: the checkpoint records {len(blob) // 8 if isinstance(blob, bytes) else 0} "
-                f"checksums for its {len(chunks)} chunks; the metadata is damaged")
-        out = {}
-        for i, chunk in enumerate(chunks):
-            (h,) = _U64.unpack_from(blob, 8 * i)
-            if chunk is None:
-                out[()] = (None, h)
-            else:
-                out[tuple(chunk.offsets)] = (tuple(chunk.sizes), h)
-        return out
-
-    def whole(self, read_item) -> tuple[tuple[int, ...] | None, int] | None:
-        """:meth:`expected` for a read item that takes its stored chunk (or object) whole; None for
-        one that reads part of it, or when the checkpoint records no checksum for it. The one
-        place that decides whether an item is read whole."""
-        found = self.expected(read_item.storage_index.fqn, read_item.storage_index.offset)
-        if found is None:
-            return None
-        sizes = found[0]
-        whole = sizes is None or (not any(read_item.storage_offsets) and tuple(read_item.lengths) == sizes)
-        return found if whole else None
+        if len(blob) != 8 * len(chunks):
+            raise CheckpointFormatError(f"{describe_item(fqn)}: the checkpoint records {len(blob) // 8} checksums "
+                                        f"for its {len(chunks)} chunks; the metadata is damaged")
+        hashes = struct.unpack(f"<{len(chunks)}Q", blob)
+        return {tuple(c.offsets) if c else (): (tuple(c.sizes) if c else None, h) for c, h in zip(chunks, hashes)}
 
 
 def record(metadata: Metadata | None) -> Record | None:
@@ -360,46 +286,39 @@ def record(metadata: Metadata | None) -> Record | None:
     the metadata's digest checked where the record carries one (:func:`sealed`). A checkpoint
     marked sealed (:func:`attach`) must carry the record, its digest and every item's hash."""
     data = getattr(metadata, "planner_data", None)
-    raw = data.get(PLANNER_DATA_KEY) if isinstance(data, dict) else None
-    marked = isinstance(data, dict) and data.get(SEALED_KEY) is not None
+    data = data if isinstance(data, dict) else {}
+    raw, marked = data.get(PLANNER_DATA_KEY), data.get(SEALED_KEY) is not None
     if raw is None:
         if marked:
             raise _damaged("its save recorded every item's checksum, but the record is missing (or its name damaged)")
         return None
+    unchecked = raw.get("unchecked", []) if isinstance(raw, dict) else None
     if not isinstance(raw, dict) or not isinstance(raw.get("items"), dict) \
             or not all(isinstance(k, str) and isinstance(v, bytes) for k, v in raw["items"].items()) \
-            or not isinstance(raw.get("unchecked", []), list) \
-            or not all(isinstance(k, str) for k in raw.get("unchecked", [])):
+            or not isinstance(unchecked, list) or not all(isinstance(k, str) for k in unchecked):
         raise CheckpointFormatError("the checkpoint's checksum record is malformed; the metadata is damaged")
     if raw.get("algorithm") != ALGORITHM:
         raise CheckpointFormatError(
             f"the checkpoint's items are checksummed with {raw.get('algorithm')!r}, which this qdcp does "
             f"not know (it knows {ALGORITHM!r}). Upgrade qdcp, or load without verification "
             f"(QuantizedLoadPlanner(checksums=False)).")
-    if marked:
-        _check_complete(metadata, raw)
-    if "metadata" in raw:  # checked once a load: by the reader that verifies, else by the load planner
-        if raw["metadata"] != metadata_digest(metadata, raw["items"], raw.get("unchecked", ())):
-            raise CheckpointFormatError(
-                "the checkpoint's .metadata does not match the digest its save recorded: it is damaged (an "
-                "entry's key, shape, dtype or chunks, its nesting or the qdcp spec changed). Restore it from a "
-                "good copy")
+    if marked and "metadata" not in raw:
+        raise _damaged("its checksum record has lost its digest")
+    covered = {*raw["items"], *unchecked}
+    for fqn, item in (metadata.state_dict_metadata or {}).items() if marked else ():
+        if fqn not in covered and (not isinstance(item, TensorStorageMetadata) or item.chunks):
+            raise _damaged(f"its checksum record has no checksum for {describe_item(fqn)}")
+    if "metadata" in raw and raw["metadata"] != metadata_digest(metadata, raw["items"], unchecked):
+        raise CheckpointFormatError(
+            "the checkpoint's .metadata does not match the digest its save recorded: it is damaged (an "
+            "entry's key, shape, dtype or chunks, its nesting or the qdcp spec changed). Restore it from a "
+            "good copy")
     return Record(metadata, raw["items"])
 
 
 def _damaged(what: str) -> CheckpointFormatError:
     return CheckpointFormatError(f"the checkpoint's .metadata is damaged: {what}. It cannot be verified, so it "
                                  f"is not loaded; restore it from a good copy")
-
-
-def _check_complete(metadata: Metadata, raw: dict) -> None:
-    """A sealed checkpoint's record has its digest and a hash (or an ``unchecked`` note) for every item."""
-    if "metadata" not in raw:
-        raise _damaged("its checksum record has lost its digest")
-    items, unchecked = raw["items"], set(raw.get("unchecked", ()))
-    for fqn, item in (metadata.state_dict_metadata or {}).items():
-        if fqn not in items and fqn not in unchecked and (not isinstance(item, TensorStorageMetadata) or item.chunks):
-            raise _damaged(f"its checksum record has no checksum for {describe_item(fqn)}")
 
 
 def sealed(record: dict, metadata: Metadata) -> dict:
@@ -419,12 +338,9 @@ def attach(metadata: Metadata, record: dict) -> None:
 
 
 def metadata_digest(metadata: Metadata, items: Mapping[str, Any], unchecked: Iterable[str] = ()) -> str:
-    """XXH3-64 (16 hex digits) of the canonical JSON (keys sorted, no spaces) of ``{"entries": {fqn:
-    [dtype, size, [[offsets, sizes], ...]] or "bytes"}, "nesting": {key: path}, "spec": the qdcp
-    spec text or null, "items": {fqn: hashes as hex}}``: every item of ``state_dict_metadata`` (its
-    chunks in their order), ``planner_data``'s paths (DCP's ``{flat key: path}``), and the record's
-    item hashes; ``"unchecked": [fqn, ...]`` too where the record lists items it could not hash.
-    docs/format.md, *Checksums*."""
+    """XXH3-64 (16 hex digits) of the canonical JSON of the metadata's entries, nesting and spec
+    and the record's item hashes (``unchecked`` too where the record has it): docs/format.md,
+    *The metadata digest*."""
     entries: dict[str, Any] = {}
     for fqn, item in (metadata.state_dict_metadata or {}).items():
         entries[fqn] = [str(item.properties.dtype), list(item.size),
@@ -440,43 +356,37 @@ def metadata_digest(metadata: Metadata, items: Mapping[str, Any], unchecked: Ite
 
 
 class ReadVerifier:
-    """Checks the items a load planner reads whole against a checkpoint's :class:`Record`.
+    """Checks the items a load planner reads whole (under DCP's reader) against a :class:`Record`.
 
-    DCP's reader loads a stored chunk, copies the part a read item asks for into the buffer the
-    planner's ``resolve_tensor`` gave, then calls ``commit_tensor``. For a read item that takes a
-    stored chunk whole, :meth:`buffer` gives a host buffer of the stored dtype where the real
-    destination is another dtype or on a device (the hash is of the stored bytes), and
-    :meth:`check` hashes what arrived: large items on a background thread while the reader goes on,
-    all of them done by the time the plan's last item is committed. Items read in part are left to
-    the storage reader.
-    """
+    DCP's reader copies the part of a stored chunk a read item asks for into ``resolve_tensor``'s
+    buffer, then calls ``commit_tensor``. For a whole stored chunk, :meth:`buffer` gives a host
+    buffer of the stored dtype where the destination is another dtype or on a device (the hash is
+    of the stored bytes), and :meth:`check` hashes what arrived: large items on a background
+    thread, all of them compared by the time the plan's last item is committed."""
 
     def __init__(self, record: Record | None, atomic: bool = False) -> None:
         self.record = record
         self.atomic = atomic  # the load changes no target before every read is in and verified
-        self._whole: dict[Any, tuple[int, torch.dtype]] = {}  # read item -> (hash, stored dtype)
-        self._temps: set[int] = set()
-        self._filled: set[str] = set()
-        self._pending: collections.deque = collections.deque()  # (future, expected, read item, key, untouched, bytes)
-        self._pending_bytes = 0  # the host bytes the pending hashes hold on to
-        self._remaining = 0
         self._lock = threading.Lock()
-        self.hashed = 0  #: items this verifier hashed itself (this load)
+        self.plan([])
 
     def plan(self, read_items) -> None:
-        """Note which of the final plan's read items take a stored chunk (or object) whole."""
-        self._whole, self._temps, self._filled, self._pending = {}, set(), set(), collections.deque()
-        self._pending_bytes = 0
-        self.hashed = 0
-        if self.record is None:
-            return
+        """Note which of the final plan's read items take a stored chunk (or object) whole: those
+        this verifier checks."""
+        self._whole: dict[Any, tuple[int, torch.dtype | None]] = {}  # read item -> (hash, stored dtype)
+        self._temps: set[int] = set()
+        self._filled: set[str] = set()
+        self._pending: collections.deque = collections.deque()  # (future, expected, read item, key, bytes)
+        self._pending_bytes = 0  # the host bytes the pending hashes hold on to
         self._remaining = len(read_items)
-        md = self.record.metadata.state_dict_metadata
-        for item in read_items:
-            found = self.record.whole(item)
-            if found is not None:
-                sizes, h = found
-                self._whole[item] = (h, md[item.storage_index.fqn].properties.dtype if sizes is not None else None)
+        self.hashed = 0  #: items this verifier hashed itself (this load)
+        md = self.record.metadata.state_dict_metadata if self.record is not None else {}
+        for item in read_items if self.record is not None else ():
+            found = self.record.expected(item.storage_index.fqn, item.storage_index.offset)
+            if found is not None and found[0] is None:  # an object
+                self._whole[item] = (found[1], None)
+            elif found is not None and not any(item.storage_offsets) and tuple(item.lengths) == found[0]:
+                self._whole[item] = (found[1], md[item.storage_index.fqn].properties.dtype)
 
     def buffer(self, read_item, dest: torch.Tensor) -> torch.Tensor:
         """Where DCP should copy ``read_item``'s data: ``dest``, or a host buffer to check first

@@ -87,33 +87,48 @@ _DESCRIBED: dict[bytes, tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int
 _DESCRIBED_MAX = 4096
 
 
+def _plain_archive(mem: memoryview, fill=lambda start, end: None):
+    """``(start, (dtype, shape, strides, storage offset, storage bytes))`` of the ``torch.save``
+    archive ``mem`` holding one plain tensor, stored (not compressed): where its one storage record
+    starts in ``mem``, and what its pickle describes. ``fill(start, end)`` brings those bytes of
+    the archive into ``mem`` first: only its other records (the pickle, the zip directory: a few
+    KiB) are asked for, never the storage record. None where the archive is anything else."""
+    length = len(mem)
+    tail = min(length, 1 << 16)
+    fill(length - tail, length)
+    with zipfile.ZipFile(io.BufferedReader(ViewReader(mem))) as z:
+        infos, directory = z.infolist(), z.start_dir
+    storage = [i for i in infos if _STORAGE_RECORD.fullmatch(i.filename)]
+    if directory < length - tail or len(storage) != 1 or any(i.compress_type != zipfile.ZIP_STORED for i in infos):
+        return None
+    record = storage[0]
+    rest = min([i.header_offset for i in infos if i.header_offset > record.header_offset] + [directory])
+    fill(rest, length - tail)  # the records after the storage record
+    fill(0, record.header_offset + 30)  # the records before it and its local header
+    start = _record_start(mem, record)
+    fill(record.header_offset + 30, start)  # its name and extra field
+    described = _describe(mem, infos)
+    if start + record.file_size > rest or described is None or described[4] != record.file_size:
+        return None
+    return start, described
+
+
 def archived_tensor(payload: memoryview, memory: torch.Tensor) -> torch.Tensor | None:
     """The tensor of the ``torch.save`` archive ``payload`` as a view of ``memory`` (the uint8
-    tensor whose first bytes ``payload`` is): no copy. Its bytes are the one storage record the
-    archive's zip directory lists; its size, strides and dtype come from ``torch.load`` onto the
-    meta device (which reads no storage), once per distinct pickle. None where the archive is
-    anything else (the caller then loads it the usual way)."""
+    tensor whose first bytes ``payload`` is): no copy. None where the archive is anything else
+    than one plain tensor (:func:`_plain_archive`; the caller then loads it the usual way)."""
     try:
-        with zipfile.ZipFile(io.BufferedReader(ViewReader(payload))) as z:
-            infos = z.infolist()
-        storage = [i for i in infos if _STORAGE_RECORD.fullmatch(i.filename)]
-        if len(storage) != 1 or any(i.compress_type != zipfile.ZIP_STORED for i in infos):
-            return None
-        described = _describe(payload, infos)
-        if described is None:
-            return None
-        start = _record_start(payload, storage[0])
+        found = _plain_archive(payload)
     except Exception:  # unreadable here: the usual load reports it
         return None
-    dtype, shape, stride, offset, nbytes = described
-    itemsize = dtype.itemsize
-    if storage[0].file_size != nbytes:
+    if found is None:
         return None
+    start, (dtype, shape, stride, offset, nbytes) = found
     if math.prod(shape) == 0:
         return torch.empty(shape, dtype=dtype)
     last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
-    if start + nbytes > len(payload) or any(s < 0 for s in stride) or offset < 0 \
-            or (last + 1) * itemsize > nbytes or nbytes % itemsize or (memory.data_ptr() + start) % itemsize:
+    if any(s < 0 for s in stride) or offset < 0 or (last + 1) * dtype.itemsize > nbytes or nbytes % dtype.itemsize \
+            or (memory.data_ptr() + start) % dtype.itemsize:
         return None
     flat = memory[start: start + nbytes].view(dtype)
     return flat.as_strided(shape, stride, flat.storage_offset() + offset)
@@ -121,12 +136,11 @@ def archived_tensor(payload: memoryview, memory: torch.Tensor) -> torch.Tensor |
 
 def read_archive_into(stream, offset: int, length: int, scratch: torch.Tensor, target: torch.Tensor) -> bool:
     """Read the ``torch.save`` archive stored at ``[offset, offset + length)`` of ``stream`` with
-    its one storage record read straight into ``target`` (a contiguous CPU tensor of the archived
-    tensor's dtype, shape and bytes), its other records (the pickle, the zip directory: a few KiB)
-    into ``scratch`` (a uint8 tensor of at least ``length`` bytes) at their own offsets. No copy
-    of the tensor's bytes is made. False, ``target`` untouched, where the archive is anything else
-    (the caller then reads it whole)."""
-    if not target.is_contiguous() or target.device.type != "cpu" or target.numel() == 0 or length < 22:
+    its one storage record read straight into ``target`` (a contiguous plain CPU tensor, the
+    caller checked), its other records into ``scratch`` (a uint8 tensor of at least ``length``
+    bytes) at their own offsets: no copy of the tensor's bytes. False, ``target`` untouched, where
+    the archive holds anything but a tensor of ``target``'s dtype, shape and bytes."""
+    if target.numel() == 0 or length < 22:
         return False
     mem = memoryview(scratch.numpy())[:length]
 
@@ -136,30 +150,14 @@ def read_archive_into(stream, offset: int, length: int, scratch: torch.Tensor, t
             if stream.readinto(mem[start:end]) != end - start:
                 raise EOFError(f"the stored item ended before byte {end} of {length}")
 
-    tail = min(length, 1 << 16)
-    fill(length - tail, length)
     try:
-        with zipfile.ZipFile(io.BufferedReader(ViewReader(mem))) as z:
-            infos, directory = z.infolist(), z.start_dir
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, struct.error):
+        found = _plain_archive(mem, fill)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, struct.error):
         return False
-    storage = [i for i in infos if _STORAGE_RECORD.fullmatch(i.filename)]
-    if directory < length - tail or len(storage) != 1 or any(i.compress_type != zipfile.ZIP_STORED for i in infos):
-        return False
-    record = storage[0]
-    rest = min([i.header_offset for i in infos if i.header_offset > record.header_offset] + [directory])
-    fill(rest, length - tail)  # the records after the storage record
-    fill(0, record.header_offset + 30)  # the records before it and its local header
-    name_len, extra_len = struct.unpack("<HH", bytes(mem[record.header_offset + 26: record.header_offset + 30]))
-    start = record.header_offset + 30 + name_len + extra_len
-    fill(record.header_offset + 30, start)
     nbytes = target.numel() * target.element_size()
-    if start + record.file_size > rest or record.file_size != nbytes:
+    if found is None or found[1] != (target.dtype, tuple(target.shape), target.stride(), 0, nbytes):
         return False
-    described = _describe(mem, infos)
-    if described != (target.dtype, tuple(target.shape), target.stride(), 0, nbytes):
-        return False
-    stream.seek(offset + start)
+    stream.seek(offset + found[0])
     if stream.readinto(memoryview(byte_view(target).numpy())) != nbytes:
         raise EOFError(f"the stored item ended inside its tensor's {nbytes} bytes")
     return True

@@ -64,8 +64,8 @@ class AdoptingLoadPlanner(Protocol):
 
 
 class _PlannerCalls:
-    """The planner as the reading threads call it: one call at a time (DCP's load planners are
-    called by one thread), its optional capabilities looked up once."""
+    """The planner as the reading threads call it, ``calls("method", *args)``: one call at a time
+    (DCP's load planners are called by one thread), its optional capabilities looked up once."""
 
     def __init__(self, planner: Any, shared: bool) -> None:
         self.planner = planner
@@ -73,38 +73,19 @@ class _PlannerCalls:
         self.reporting = isinstance(planner, ReportingLoadPlanner)
         self._lock = threading.Lock() if shared else contextlib.nullcontext()
 
-    def resolve(self, req) -> torch.Tensor:
+    def __call__(self, method: str, *args: Any) -> Any:
         with self._lock:
-            return self.planner.resolve_tensor(req).detach()
-
-    def commit(self, req, tensor: torch.Tensor) -> None:
-        with self._lock:
-            self.planner.commit_tensor(req, tensor)
-
-    def load_bytes(self, req, value: io.BytesIO) -> None:
-        with self._lock:
-            self.planner.load_bytes(req, value)
+            return getattr(self.planner, method)(*args)
 
     def changed(self, req, written: bool) -> str:
         """What the load has changed so far, for an error about ``req`` ("" if the planner cannot say)."""
-        if not self.reporting:
-            return ""
-        with self._lock:
-            return self.planner.changed_note(req, written)
-
-    def buffer_for(self, req, nbytes: int) -> torch.Tensor | None:
-        with self._lock:
-            return self.planner.buffer_for(req, nbytes)
-
-    def adopt(self, req, tensor: torch.Tensor) -> bool:
-        with self._lock:
-            return self.planner.adopt_tensor(req, tensor)
+        return self("changed_note", req, written) if self.reporting else ""
 
 
 class _Lane:
     """One reading thread's memory, kept by the reader from load to load: a scratch buffer, two
     pinned buffers for CUDA targets (and the copies from them still running), the item whose copy
-    is still running (committed after the next item is read), the buffer ``resolve_tensor`` gave."""
+    is still running (committed after the next item is read)."""
 
     def __init__(self) -> None:
         self.calls: _PlannerCalls | None = None
@@ -114,12 +95,11 @@ class _Lane:
         self.slot = 1
         self.pinned_max = _PINNED_MAX
         self.pending: Callable[[], None] | None = None
-        self.resolved: tuple[Any, torch.Tensor] | None = None
         self.devices: set[int] = set()  # the CUDA devices of the targets it copied into (this load)
 
     def buffer(self, length: int, pinned: bool = False) -> torch.Tensor:
         """``length`` bytes of reused memory: the scratch buffer, or the other of the two pinned
-        buffers once the copy from it has ended."""
+        buffers once the copy from it has ended (an old buffer is freed before a larger one is made)."""
         if pinned:
             self.slot = 1 - self.slot
             if self.copied[self.slot] is not None:
@@ -148,16 +128,14 @@ class NoMetadataError(CheckpointFormatError):
 
 class _MetadataUnreadable(BaseException):
     """Carries qdcp's ``.metadata`` error (its ``__cause__``) past ``dcp.load``'s ``except Exception``
-    around ``read_metadata``, which would turn it into ``AssertionError("metadata is None; ...")``
-    (torch 2.11 without the message): DCP wraps it in its CheckpointException, message intact, and
-    ``qdcp.load`` raises the error it carries."""
+    around ``read_metadata``, which would turn it into ``AssertionError("metadata is None; ...")``:
+    DCP wraps it in its CheckpointException, message intact, and ``qdcp.load`` raises the cause."""
 
 
 def metadata_error_told(reader: Any, rank: int | None, read: Callable[[], Metadata]) -> Metadata:
-    """``read()``: a reader's ``read_metadata`` (``rank``: DCP's rank-local fallback, called when
-    the first call raised), whose qdcp error reaches the user as itself: the error of the first
-    call is kept on ``reader``, and a fallback that fails too raises it again past DCP's
-    ``except Exception`` (:class:`_MetadataUnreadable`, message intact in DCP's exception)."""
+    """``read()``, a reader's ``read_metadata`` (``rank``: DCP's rank-local fallback, called when the
+    first call raised): where the fallback fails too, the first call's qdcp error (kept on
+    ``reader``) is raised again as a :class:`_MetadataUnreadable`."""
     try:
         return read()
     except CheckpointFormatError as e:
@@ -179,9 +157,7 @@ class SafeReading:
     def read_threads(self) -> int:
         """The threads a load reads files on: ``thread_count`` where given; by default the usable
         cores, at most 4 (into CUDA targets as into host memory)."""
-        if self.thread_count is not None:
-            return self.thread_count
-        return default_thread_count()
+        return self.thread_count or default_thread_count()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -222,16 +198,10 @@ class SafeReading:
             if isinstance(item, TensorStorageMetadata) for c in item.chunks}
 
     def read_data(self, plan, planner) -> Future:
-        """DCP's ``FileSystemReader.read_data``, checking every number the metadata gives before it is
-        used: files stay inside the checkpoint, byte ranges inside their file, the stored tensor has
-        the dtype and chunk shape the metadata records. Every item is verified once, here: against
-        the checksum its save recorded, else its ``qdcp-checksum`` trailer, else torch.save's zip
-        CRCs. Any failure is a :class:`CheckpointFormatError` naming the state-dict key. A planner
-        may offer memory for an item (``buffer_for(req, nbytes)``, a uint8 CPU tensor): the item is
-        read there and offered back as a view of it (``adopt_tensor(req, tensor)``), no copy made.
-
+        """DCP's ``FileSystemReader.read_data``, every number the metadata gives checked before use
+        and every item verified once (a failure: a :class:`CheckpointFormatError` naming the key).
         The files are read on up to :meth:`read_threads` threads, each file's items in order by one
-        of them; the planner is called by one thread at a time. Where reads fail, the error of the
+        of them, the planner called by one thread at a time; where reads fail, the error of the
         first failing file (in the plan's order) is raised once every thread has stopped. Copies
         into CUDA targets made on other threads have ended when this returns."""
         files = list(self._files_of(plan).items())
@@ -241,7 +211,7 @@ class SafeReading:
             self._qdcp_lanes.append(_Lane())
         lanes = self._qdcp_lanes[:threads]
         for lane in lanes:
-            lane.calls, lane.pending, lane.resolved, lane.devices = calls, None, None, set()
+            lane.calls, lane.pending, lane.devices = calls, None, set()
             lane.pinned_max = _PINNED_MAX // threads
         # a new thread's current CUDA device is 0: the others take the caller's (no context made on 0)
         device = torch.cuda.current_device() if threads > 1 and torch.cuda.is_initialized() else None
@@ -261,7 +231,7 @@ class SafeReading:
                 for index in sorted({d for lane in lanes for d in lane.devices}):
                     torch.cuda.synchronize(index)
             for lane in lanes:
-                lane.calls, lane.pending, lane.resolved = None, None, None
+                lane.calls, lane.pending = None, None
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -284,71 +254,120 @@ class SafeReading:
 
     def _read_file(self, lane: _Lane, rel: str, reqs: list, failed: threading.Event) -> None:
         """Read ``reqs`` from data file ``rel``, in order (until ``failed`` is set: another file failed)."""
-        try:
-            stream_cm = self._open_file(rel, f"{describe_item(reqs[0].storage_index.fqn)}: its data file")
-            stream = stream_cm.__enter__()
-        except OSError as e:
-            raise CheckpointFormatError(
-                f"{describe_item(reqs[0].storage_index.fqn)}: its data file {rel!r} cannot be opened "
-                f"({e}); the checkpoint is incomplete") from None
-        try:
+        where = f"{describe_item(reqs[0].storage_index.fqn)}: its data file"
+        with contextlib.ExitStack() as files:
+            try:  # an fsspec stream opens as it is entered
+                stream = files.enter_context(self._open_file(rel, where))
+            except OSError as e:
+                raise CheckpointFormatError(f"{where} {rel!r} cannot be opened ({e}); the checkpoint is "
+                                            f"incomplete") from None
             size = stream.seek(0, io.SEEK_END)
-            for req in reqs:
-                if failed.is_set():
-                    break
-                self._read_item(lane, stream, size, rel, req)
-        except BaseException:
-            lane.pending = None  # the load failed: the item copied last is not committed
-            raise
-        finally:
-            stream_cm.__exit__(None, None, None)
+            try:
+                for req in reqs:
+                    if failed.is_set():
+                        break
+                    self._read_item(lane, stream, size, rel, req)
+            except BaseException:
+                lane.pending = None  # the load failed: the item copied last is not committed
+                raise
 
-    def _recorded(self, req) -> int | None:
-        """The checksum the checkpoint records for the stored item ``req`` reads (None if none)."""
+    def _read_item(self, lane: _Lane, stream, size: int, rel: str, req) -> None:
+        """Read one item, check it (its recorded checksum, else its trailer, else the zip's CRCs)
+        and hand it to the planner: loaded bytes, or the part of a stored chunk ``req`` reads."""
+        calls, where = lane.calls, describe_item(req.storage_index.fqn)
+        info = self.storage_data[req.storage_index]
+        span = _stored_range(info, size, rel, where)
+        descriptors = list(info.transform_descriptors or ())
+        version = checksums.trailer_version(descriptors, where)
+        transforms = descriptors[:-1] if version is not None else descriptors
         found = self._qdcp_sums.expected(req.storage_index.fqn, req.storage_index.offset) \
-            if self._qdcp_sums is not None else None
-        return found[1] if found is not None else None
+            if self._qdcp_sums is not None and version is None else None
+        recorded = found[1] if found is not None else None
+        expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        whole = expected is not None and not any(req.storage_offsets) and tuple(req.lengths) == expected[0]
+        tensor_item = req.type != LoadItemType.BYTE_IO
+        in_place = tensor_item and not transforms  # read as a view of the memory it was read into
+        buffer = self._planner_buffer(calls, req, span[1]) if in_place else None
+        target = calls("resolve_tensor", req).detach() if tensor_item and not calls.adopting else None
+        if whole and target is not None and not descriptors and recorded is not None \
+                and self._read_straight(lane, stream, req, span, target, expected, recorded, where):
+            return
+        pinned = whole and in_place and target is not None and target.device.type == "cuda" \
+            and span[1] <= lane.pinned_max
+        try:
+            with torch.cuda.device(target.device) if pinned else contextlib.nullcontext():
+                memory = buffer if buffer is not None else lane.buffer(span[1], pinned)
+            payload = self._payload(stream, span, rel, memory, transforms, version, req, where)
+            if not tensor_item:
+                return self._deliver_bytes(calls, req, payload, recorded, version is None, where)
+            if version is None and recorded is None:
+                check_zip_crcs(payload, where)
+            tensor = archived_tensor(payload, memory) if in_place else None
+            adoptable = tensor is None or buffer is not None  # a view of the reader's own memory is copied out
+            if tensor is None:
+                tensor = _unpickled(payload, where)
+            verified = self._verification(calls, req, tensor, recorded)
+        except QdcpError:
+            raise
+        except Exception as e:
+            raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
+        self._deliver(lane, req, target, self._requested_part(tensor, req, expected, where), verified, adoptable,
+                      where, pinned)
 
-    @staticmethod
-    def _compare(calls: _PlannerCalls, req, got: int | None, expected: int, written: bool) -> None:
-        """Raise the error for corrupt bytes if ``got`` is not ``expected``; it says what the load has
-        changed so far (the planner's account, ``req``'s bytes included if ``written``)."""
-        if got is not None and got != expected:  # None: a subclass whose values cannot be read
-            raise checksums.corrupt(req.storage_index.fqn, req.storage_index.offset, expected, got,
-                                    calls.changed(req, written))
+    def _read_straight(self, lane: _Lane, stream, req, span: tuple[int, int], target: torch.Tensor,
+                       expected: tuple, recorded: int, where: str) -> bool:
+        """Read a whole stored chunk straight into ``target`` (``resolve_tensor``'s buffer), check it
+        there and commit it, where ``target`` takes it as stored: the chunk's ``expected`` shape and
+        dtype, on the CPU, contiguous (True); else False, nothing read into it."""
+        if (tuple(target.shape), target.dtype) != expected or target.device.type != "cpu" \
+                or not target.is_contiguous() or type(target) is not torch.Tensor:
+            return False
+        try:
+            if not read_archive_into(stream, *span, lane.buffer(span[1]), target):
+                return False
+        except Exception as e:
+            raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
+        self._commit(lane.calls, req, target, self._verification(lane.calls, req, target, recorded), where)
+        return True
 
-    def _verification(self, calls: _PlannerCalls, req, tensor: torch.Tensor,
-                      recorded: int | None) -> Callable[..., None]:
-        """Start hashing the stored chunk just read (large ones on a background thread, while the
-        caller copies it on); the returned call (``written``: whether the bytes were copied into
-        ``resolve_tensor``'s buffer meanwhile, default True) waits and compares with ``recorded``."""
-        if recorded is None:
-            return lambda written=True: None
-        pending = checksums.hash_later(tensor)
-        return lambda written=True: self._compare(calls, req, pending(), recorded, written)
-
-    def _payload(self, stream, offset: int, length: int, rel: str, *, where: str, descriptors, version, req,
-                 memory: torch.Tensor):
-        """The item's stored bytes, read into ``memory`` (``length`` bytes), trailer checked and
-        transforms undone (only those other than the checksum make a copy)."""
+    def _payload(self, stream, span: tuple[int, int], rel: str, memory: torch.Tensor, transforms: list,
+                 version: str | None, req, where: str) -> memoryview:
+        """The item's stored bytes, read into ``memory``, its trailer checked and its transforms
+        undone (only those make a copy)."""
+        offset, length = span
         stream.seek(offset)
         data = memoryview(memory.numpy())[:length]
         got = stream.readinto(data)
         if got != length:
             raise CheckpointFormatError(f"{where}: {rel!r} ended after {got} of {length} bytes")
-        if version is not None:  # written last-applied-first: the trailer wraps the raw bytes in the file
-            if checksums.trailer_version(descriptors[-1:]) is None:
-                raise CheckpointFormatError(f"{where}: unexpected extension order {descriptors}")
-            data, descriptors = checksums.trailed_payload(data, where, version), descriptors[:-1]
-        if not descriptors:
+        if version is not None:
+            data = checksums.trailed_payload(data, where, version)
+        if not transforms:
             return data
-        return memoryview(self.transforms.transform_load_stream(req, descriptors, io.BytesIO(data)).read(-1))
+        return memoryview(self.transforms.transform_load_stream(req, transforms, io.BytesIO(data)).read(-1))
+
+    @staticmethod
+    def _verification(calls: _PlannerCalls, req, data: Any, recorded: int | None) -> Callable[..., None]:
+        """Start hashing the item just read (large ones on a background thread, while the caller
+        copies it on); the returned call waits and raises the error for corrupt bytes where the
+        hash is not ``recorded``, saying what the load has changed so far (the planner's account;
+        ``written``, default True: the bytes were copied into ``resolve_tensor``'s buffer)."""
+        if recorded is None:
+            return lambda written=True: None
+        pending = checksums.hash_later(data)
+
+        def verified(written: bool = True) -> None:
+            got = pending()
+            if got is not None and got != recorded:  # None: a subclass whose values cannot be read
+                raise checksums.corrupt(req.storage_index.fqn, req.storage_index.offset, recorded, got,
+                                        calls.changed(req, written))
+        return verified
 
     @staticmethod
     def _planner_buffer(calls: _PlannerCalls, req, length: int) -> torch.Tensor | None:
         """A buffer the planner offers for this stored item (``buffer_for``: the item is read there
         and the planner adopts the view), or None."""
-        buffer = calls.buffer_for(req, length) if calls.adopting else None
+        buffer = calls("buffer_for", req, length) if calls.adopting else None
         if buffer is None:
             return None
         if buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous() \
@@ -357,10 +376,10 @@ class SafeReading:
                             f"on {buffer.device}; a contiguous CPU uint8 buffer of {length} bytes is needed")
         return buffer[:length]
 
-    def _requested_part(self, tensor, req, where: str) -> torch.Tensor:
+    @staticmethod
+    def _requested_part(tensor, req, expected: tuple | None, where: str) -> torch.Tensor:
         """The part of a loaded stored chunk that ``req`` reads, after checking the chunk is the one
-        the metadata records and the read lies within it."""
-        expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        the metadata records (``expected``: its shape and dtype) and the read lies within it."""
         if expected is not None and isinstance(tensor, torch.Tensor):
             tensor = _stored_values(tensor, expected[1], where)
         if not isinstance(tensor, torch.Tensor) or expected is None \
@@ -377,100 +396,27 @@ class SafeReading:
             tensor = tensor.narrow(dim, o, n)
         return tensor
 
-    def _read_item(self, lane: _Lane, stream, size: int, rel: str, req) -> None:
-        """Read one item, check it and hand it to the planner (loaded bytes, or a tensor)."""
-        calls = lane.calls
-        where = describe_item(req.storage_index.fqn)
-        info = self.storage_data[req.storage_index]
-        offset, length = _stored_range(info, size, rel, where)
-        descriptors = list(info.transform_descriptors or ())
-        version = checksums.trailer_version(descriptors, where)
-        # the recorded checksum is checked here, on the bytes just read (hot)
-        recorded = self._recorded(req) if version is None else None
-        zip_crcs = version is None and recorded is None  # nothing else checks it
-        in_place = req.type != LoadItemType.BYTE_IO \
-            and (not descriptors or (version is not None and len(descriptors) == 1))
-        buffer = self._planner_buffer(calls, req, length) if in_place else None
-        adoptable = True  # a view of the reader's own scratch buffer is copied out, never kept
-        if not descriptors and recorded is not None and buffer is None and req.type != LoadItemType.BYTE_IO \
-                and not calls.adopting and self._read_straight(lane, stream, req, (offset, length), recorded, where):
-            return None
-        resolved = lane.resolved
-        pinned = buffer is None and resolved is not None and resolved[0] is req and length <= lane.pinned_max \
-            and resolved[1].device.type == "cuda" and torch.cuda.is_available()
-        try:
-            # read into memory, checked there (trailer, recorded checksum or the zip's CRCs)
-            with torch.cuda.device(resolved[1].device) if pinned else contextlib.nullcontext():
-                memory = buffer if buffer is not None else lane.buffer(length, pinned)
-            payload = self._payload(stream, offset, length, rel, where=where, descriptors=descriptors,
-                                    version=version, req=req, memory=memory)
-            if req.type == LoadItemType.BYTE_IO:
-                return self._deliver_bytes(calls, req, payload, recorded, zip_crcs, where)
-            if zip_crcs:
-                check_zip_crcs(payload, where)
-            tensor = archived_tensor(payload, memory) if in_place else None
-            if tensor is None:
-                tensor = _unpickled(payload, where)
-            else:
-                adoptable = buffer is not None
-            verified = self._verification(calls, req, tensor, recorded)
-        except QdcpError:
-            raise
-        except Exception as e:
-            raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
-        self._deliver(lane, req, self._requested_part(tensor, req, where), verified, adoptable, where,
-                      pinned and in_place)
-        return None
-
-    def _read_straight(self, lane: _Lane, stream, req, span: tuple[int, int], recorded: int, where: str) -> bool:
-        """Read a whole stored chunk straight into the planner's buffer, check it there and commit
-        it, where that buffer takes it as stored (True); else False (the buffer, if one was handed
-        out, kept for the usual path)."""
-        target = self._whole_chunk_target(lane, req)
-        try:
-            direct = target is not None and read_archive_into(stream, *span, lane.buffer(span[1]), target)
-        except Exception as e:
-            raise CheckpointFormatError(f"{where}: its stored data cannot be read ({type(e).__name__}: {e})") from e
-        if direct:
-            self._commit(lane.calls, req, target, self._verification(lane.calls, req, target, recorded), where)
-        elif target is not None:
-            lane.resolved = (req, target)  # handed out once: the usual path uses it
-        return direct
-
-    def _whole_chunk_target(self, lane: _Lane, req) -> torch.Tensor | None:
-        """``resolve_tensor``'s buffer for ``req`` where ``req`` reads a whole stored chunk into a
-        contiguous CPU buffer of its dtype and shape (the item can be read straight into it)."""
-        expected = self._qdcp_chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
-        if expected is None or any(req.storage_offsets) or tuple(req.lengths) != expected[0]:
-            return None
-        target = lane.calls.resolve(req)
-        if target.device.type != "cpu" or target.dtype != expected[1] or tuple(target.shape) != expected[0] \
-                or not target.is_contiguous() or type(target) is not torch.Tensor:
-            lane.resolved = (req, target)  # handed out once: the usual path uses it
-            return None
-        return target
-
     def _deliver_bytes(self, calls: _PlannerCalls, req, payload: memoryview, recorded: int | None, zip_crcs: bool,
                        where: str) -> None:
         """An object item, checked (the recorded checksum, else a torch.save archive's CRCs), to the planner."""
         if recorded is not None:
-            self._compare(calls, req, checksums.of_bytes(payload), recorded, written=False)
+            self._verification(calls, req, payload, recorded)(written=False)
         elif zip_crcs and payload[:4] == b"PK\x03\x04":  # a torch.save archive
             check_zip_crcs(payload, where)
-        calls.load_bytes(req, io.BytesIO(payload))
+        calls("load_bytes", req, io.BytesIO(payload))
 
-    def _deliver(self, lane: _Lane, req, tensor: torch.Tensor, verified: Callable[[], None], adoptable: bool,
-                 where: str, pinned: bool = False) -> None:
+    def _deliver(self, lane: _Lane, req, target: torch.Tensor | None, tensor: torch.Tensor,
+                 verified: Callable[..., None], adoptable: bool, where: str, pinned: bool) -> None:
         """The part of a stored chunk ``req`` reads, to the planner: adopted as it is (qdcp's entry
-        reader keeps a whole chunk as loaded), else copied into ``resolve_tensor``'s buffer while
-        the bytes just read are hashed on another core, then committed."""
+        reader keeps a whole chunk as loaded), else copied into ``target`` (``resolve_tensor``'s
+        buffer) while the bytes just read are hashed on another core, then committed."""
         calls = lane.calls
         if adoptable and calls.adopting:
             verified(written=False)
-            if calls.adopt(req, tensor):
+            if calls("adopt_tensor", req, tensor):
                 return
-        resolved, lane.resolved = lane.resolved, None
-        target = resolved[1] if resolved is not None and resolved[0] is req else calls.resolve(req)
+        if target is None:
+            target = calls("resolve_tensor", req).detach()
         if target.device.type == "cuda":
             lane.devices.add(target.device.index if target.device.index is not None else torch.cuda.current_device())
         if target.size() != tensor.size():
@@ -492,7 +438,7 @@ class SafeReading:
         """Wait for ``target``'s check, then commit it to the planner."""
         verified()
         try:
-            calls.commit(req, target)
+            calls("commit_tensor", req, target)
         except QdcpError:
             raise
         except Exception as e:
@@ -556,11 +502,9 @@ def _stored_range(info, size: int, rel: str, where: str) -> tuple[int, int]:
 
 
 class CheckpointReader(SafeReading, FileSystemReader):
-    """A ``FileSystemReader`` that never runs code from ``.metadata``, verifies item checksums and
-    refuses a checkpoint whose save did not finish.
-
-    ``thread_count``: data files read at once (default: :meth:`read_threads`, the usable cores, at
-    most 4; each file's items in order on one thread, the planner called by one thread at a time)."""
+    """A ``FileSystemReader`` that never runs code from ``.metadata``, verifies every item it reads
+    and refuses a checkpoint whose save did not finish. ``thread_count``: data files read at once
+    (default: :meth:`read_threads`)."""
 
     def __init__(self, path: str | os.PathLike, thread_count: int | None = None, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
