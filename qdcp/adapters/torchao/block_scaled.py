@@ -15,7 +15,6 @@ from qdcp.adapters.formats import (
     NVFP4_ROW16,
     as_u8,
     ceil_div,
-    mxfp8_form,
     nvfp4_decode_scale,
     swizzle_128x4,
     unswizzle_128x4,
@@ -55,7 +54,8 @@ class _BlockScaledAdapter(TorchAOAdapter, RawInterchangeAdapter):
     block_attributes = ("block_size",)
 
     def _packing(self, t) -> int:
-        raise NotImplementedError
+        """Elements per ``qdata`` item along the last dim (fp4: two a byte)."""
+        return 2
 
     def _plain_scale_shape(self, t) -> tuple[int, ...]:
         return tuple(t.shape[:-1]) + (t.shape[-1] // t.block_size,)
@@ -72,9 +72,6 @@ class _BlockScaledAdapter(TorchAOAdapter, RawInterchangeAdapter):
         if t.is_swizzled_scales:
             del comps["scale"]
         return comps
-
-    def inner_buffers(self, t):
-        return TorchAOAdapter.components(self, t)
 
     def copy_into(self, target, components):
         components = dict(components)
@@ -123,14 +120,14 @@ class MXTensorAdapter(_BlockScaledAdapter):
 
     # Raw interchange: fp8 elements with block 32 are OCP MXFP8.
     def raw_forms_out(self, type_name, attrs):
-        form = mxfp8_form(attrs.get("elem_dtype")) if attrs.get("block_size") == 32 else None
+        form = MXFP8_FORMS.get(attrs.get("elem_dtype")) if attrs.get("block_size") == 32 else None
         return {form: ["qdata", "scale"]} if form else {}
 
     def to_raw_form(self, type_name, attrs, form, components):
         return {"data": as_u8(components["qdata"]), "scale": as_u8(components["scale"])}
 
     def raw_forms_in(self, target):
-        form = mxfp8_form(target.elem_dtype) if target.block_size == 32 else None
+        form = MXFP8_FORMS.get(target.elem_dtype) if target.block_size == 32 else None
         return (form,) if form else ()
 
     def from_raw_form(self, target, form, tensors):
@@ -151,9 +148,6 @@ class NVFP4TensorAdapter(_BlockScaledAdapter):
     per-tensor scale (quantize-on-load uses the whole tensor's amax for it)."""
 
     cls_name = "NVFP4Tensor"
-
-    def _packing(self, t):
-        return 2
 
     def needs_global_amax(self, target):
         return target.per_tensor_scale is not None

@@ -20,9 +20,6 @@ class _OptimStateAdapter(TorchAOAdapter):
 
     groups_per_shard = True
 
-    def component_names(self, t):
-        return list(type(t).tensor_attrs)
-
     def _block_size(self, t) -> int:
         return t.codes.numel() * self._codes_per_byte() // t.scale.numel()
 
@@ -81,10 +78,6 @@ class _OptimStateAdapter(TorchAOAdapter):
         if scale.ndim < 2 or scale.ndim != len(stored.shape):
             return None
         return tuple(n // s for n, s in zip(stored.shape, scale.shape))
-
-    def from_inner_buffers(self, t, buffers):
-        flat = t.__tensor_flatten__()[1]
-        return type(t).__tensor_unflatten__(dict(buffers), flat, t.shape, t.stride())
 
     def quantize_like(self, target, hp, global_amax=None):
         out = self._new(self.attributes(target), hp.shape, target.codes.device)
