@@ -4,19 +4,8 @@ A TE adapter (:mod:`qdcp.adapters.transformer_engine`) lists its canonical compo
 class-level tuple of :class:`Component` -- the way torchao's ``TorchAOBaseTensor`` declares
 ``tensor_data_names`` -- and ``TEAdapter`` derives ``component_names``, ``layouts``,
 ``components``, ``native_components`` and the copy of each component into a live tensor from that
-one declaration. A component names:
-
-- its canonical (stored) name and the TE attribute that holds it natively;
-- the usage it belongs to: present only where TE's ``_rowwise_data`` / ``_columnwise_data`` is set
-  (``None``: always present);
-- its canonical dtype (or a function of the adapter's attributes, e.g. the tensor's fp8 dtype);
-- how it maps to a logical chunk: a layout function of ``(logical shape, attributes)``; no layout
-  (or a function returning None) means replicated, the whole buffer in every chunk;
-- the transforms between TE's native buffer and the canonical form (unpad / unswizzle / transpose
-  back, and the inverse), plus other TE buffers it also fills (a transposed copy);
-- whether the canonical form *is* the native buffer, so a load may write straight into it.
-
-Nothing here imports TransformerEngine: the transforms read TE's attributes by name.
+one declaration (the fields of :class:`Component` say what each states). Nothing here imports
+TransformerEngine: the transforms read TE's attributes by name.
 """
 
 from __future__ import annotations
@@ -55,7 +44,7 @@ def blocked(*block: int) -> LayoutFn:
 
 @dataclasses.dataclass(frozen=True)
 class Component:
-    """One canonical component of a TE tensor type, declared once (see the module docstring)."""
+    """One canonical component of a TE tensor type, declared once."""
 
     name: str                                   #: canonical (stored) name
     buffer: str                                 #: TE attribute holding it natively, e.g. ``_rowwise_scale_inv``

@@ -2,24 +2,15 @@
 
 TE packs the members of a group (MoE experts) into one flat 1-D buffer per kind (rowwise data,
 columnwise data, scales, amaxes), each member's scale region padded on its own. qdcp stores a group
-*by member*, in the canonical form of the single-tensor TE adapters (:mod:`qdcp.adapters.transformer_engine`:
-scales compact and unswizzled, padding dropped), and never imports TE.
+*by member*, in the canonical form of the single-tensor TE adapters (:mod:`qdcp.adapters.transformer_engine`),
+and never imports TE. Two stored layouts (docs/adapters.md, *TE GroupedTensor*):
 
-Two stored layouts, chosen by the group's shapes:
-
-- **stacked** (all members share one 2-D shape ``(M, N)``; the entry's logical shape is TE's wrapper
-  shape ``[n, M, N]``): each canonical member component ``C`` of shape ``s`` is stored once as
-  ``[n, *s]`` with layout ``Blocked((1, *b))`` where ``b`` is the single-tensor block; per-member
-  scalars (Float8 ``scale_inv``, NVFP4 per-tensor amax, the group's Float8 ``amax`` / ``scale``) are
-  ``[n, 1, 1]`` with ``Blocked((1, 0, 0))`` (constant along each member's rows and columns). Member
-  ``i`` is the logical chunk ``[i:i+1]``, so any expert-parallel split of dim 0 (``n`` experts on
-  ``k`` ranks) maps to whole component chunks, and a member's rows shard to its rows' data and the
-  member's scalar.
-- **members** (varying first and/or last dims; logical shape is TE's 2-D ``logical_shape``): member
-  ``i``'s components are stored as ``m{i}.C`` (replicated layouts; the group loads whole).
-
-Unquantized (bf16) groups store ``data`` (stacked) or ``m{i}.data``. Dequantize is each member's
-single-tensor dequantize, stacked (uniform) or concatenated along TE's logical shape (varying).
+- **stacked** (all members share one 2-D shape ``(M, N)``; logical shape ``[n, M, N]``): each member
+  component of shape ``s`` and block ``b`` is stored as ``[n, *s]``, ``Blocked((1, *b))``; per-member
+  scalars as ``[n, 1, 1]``, ``Blocked((1, 0, 0))``. Member ``i`` is the logical chunk ``[i:i+1]``, so
+  any expert-parallel split of dim 0 maps to whole component chunks.
+- **members** (varying first and/or last dims; logical shape TE's 2-D ``logical_shape``): member
+  ``i``'s components as ``m{i}.C``, replicated (the group loads whole).
 """
 
 from __future__ import annotations
@@ -154,9 +145,6 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
         return any(c.__name__ in self._cls_names and c.__module__.startswith("transformer_engine.")
                    for c in cls.__mro__)
 
-    def type_name(self, t):
-        return TYPE_NAME
-
     # ------------------------------------------------------------------ members
     def members(self, t) -> list:
         """Member views into the flat buffers, always as tensor classes (``quantizer.internal``
@@ -180,9 +168,9 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
             and all(s == shapes[0] for s in shapes)
 
     def _logical_shape(self, t) -> tuple[int, ...]:
-        return tuple(t.shape) if isinstance(t, torch.Tensor) else self._wrapper_shape(t)
-
-    def _wrapper_shape(self, t) -> tuple[int, ...]:
+        """``t``'s shape; for a ``GroupedTensorStorage`` the shape its ``GroupedTensor`` would have."""
+        if isinstance(t, torch.Tensor):
+            return tuple(t.shape)
         shapes = self._shapes(t)
         if self._stacked(t, shapes):
             return (t.num_tensors, *shapes[0])
@@ -232,35 +220,25 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
         if recipe == "none" and all(len(s) == 1 and s == shapes[0] for s in shapes):
             return {"data": Blocked((1, 1))}  # 1-D members: [n, L]
         for i, member in enumerate(members):
-            comps = self._member_components(recipe, member)
-            for name, c in comps.items():
+            for name, c in self._member_parts(recipe, member).items():
                 out[_member_key(i, name)] = Replicated(tuple(c.shape))
         for name in extras:
             out[name] = Replicated((int(t.num_tensors),))
         return out
 
-    def attribute_classes(self):
-        return {}
-
     # ------------------------------------------------------------------ components
     @staticmethod
-    def _member_components(recipe, member) -> dict[str, torch.Tensor]:
+    def _member_parts(recipe, member, native: bool = False) -> dict[str, torch.Tensor]:
+        """A member's canonical components (``native``: those its buffers hold as they are)."""
         if recipe == "none":
             return {"data": member}
-        return _SINGLE[recipe].components(member)
-
-    @staticmethod
-    def _member_native(recipe, member) -> dict[str, torch.Tensor]:
-        if recipe == "none":
-            return {"data": member}
-        return _SINGLE[recipe].native_components(member)
+        return _SINGLE[recipe].native_components(member) if native else _SINGLE[recipe].components(member)
 
     def _collect(self, t, native: bool) -> dict[str, torch.Tensor]:
         recipe = _recipe(t)
         members = self.members(t)
         shapes = self._shapes(t)
-        get = self._member_native if native else self._member_components
-        per = [get(recipe, m) for m in members]
+        per = [self._member_parts(recipe, m, native) for m in members]
         extras = [n for n in _GROUP_EXTRAS.get(recipe, ()) if getattr(t, n) is not None]
         out: dict[str, torch.Tensor] = {}
         if self._stacked(t, shapes) or (recipe == "none" and len(shapes[0]) == 1):
@@ -391,8 +369,7 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
                 "quantize kernels, which qdcp does not drive); only raw loads of the same recipe and "
                 "member format fill one. Load into a plain tensor and quantize it with TE's quantizer.")
 
-    def quantize_like(self, target, hp, global_amax=None):
-        raise UnsupportedTensorError(self.quantize_unsupported(target))
+    quantize_like = qte.TEAdapter.quantize_like  # raises what quantize_unsupported says
 
     # ------------------------------------------------------------------ members <-> group
     def member_chunk(self, attrs: Mapping[str, Any], shape, index: int) -> Chunk | None:
