@@ -337,6 +337,7 @@ class RawConversion:
 
     names: tuple[str, ...]
     fill: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], None]
+    form: str | None = None  #: the neutral form the bits pass through, None within a family
 
 
 def raw_conversion(target_adapter: Adapter, target: torch.Tensor, source_adapter: Adapter, *, source_type: str,
@@ -356,7 +357,7 @@ def raw_conversion(target_adapter: Adapter, target: torch.Tensor, source_adapter
     if form is None:
         return None
     return RawConversion(tuple(offered[form]), lambda t, comps: target_adapter.from_raw_form(
-        t, form, source_adapter.to_raw_form(source_type, source_attrs, form, comps)))
+        t, form, source_adapter.to_raw_form(source_type, source_attrs, form, comps)), form)
 
 
 # ----------------------------------------------------------------------------- registry

@@ -53,7 +53,7 @@ class Component:
     layout: LayoutFn | None = None              #: None (or None returned): replicated
     to_canonical: ToCanonical | None = None     #: None: the native buffer as it is
     to_native: ToNative | None = None           #: None: the canonical value as it is (reshaped by the copy)
-    derived: tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor]], ...] = ()  #: other buffers it fills
+    derived: tuple[tuple[str, ToNative], ...] = ()  #: other TE buffers it fills, by attribute
     in_place: Callable[[Any], bool] | None = None  #: None: no ``to_canonical`` and no derived buffer
     needs_2d: str = ""                          #: 2-D only: what ``component_names`` calls it when refusing
 
@@ -86,5 +86,5 @@ class Component:
         """TE buffers (by attribute) that canonical ``value`` fills, in native form (1-byte types as
         uint8, TE's storage type); ``swizzled``: the target keeps GEMM-swizzled scales."""
         out = {self.buffer: value if self.to_native is None else self.to_native(value, swizzled)}
-        out.update((attr, fn(value)) for attr, fn in self.derived)
+        out.update((attr, fn(value, swizzled)) for attr, fn in self.derived)
         return {k: as_u8(v) if v.element_size() == 1 else v for k, v in out.items()}

@@ -38,32 +38,24 @@ _SINGLE: dict[str, qte.TEAdapter] = {
     "blockwise": qte.TEFloat8BlockwiseQTensorAdapter(),
     "nvfp4": qte.TENVFP4TensorAdapter(),
 }
-# member type name -> the recipes whose members have that type (per-member keys <-> grouped entry)
-_RECIPES_OF_TYPE: dict[str, set[str]] = {}
-for _r, _a in _SINGLE.items():
-    _RECIPES_OF_TYPE.setdefault(_a.type_names[0], set()).add(_r)
-del _r, _a
 
 # Per-group Float8 buffers that no member references, by recipe (stored beside the members).
 _GROUP_EXTRAS = {"delayed": ("amax",), "current": ("amax", "scale")}
 
 
+# recipe name -> the predicate of TE's Recipe that is true for it
+_RECIPE_TESTS = {"mxfp8": "mxfp8", "delayed": "delayed", "current": "float8_current_scaling",
+                 "blockwise": "float8_block_scaling", "nvfp4": "nvfp4"}
+
+
 def _recipe(g) -> str:
-    q = g.quantizer
-    if q is None:
+    if g.quantizer is None:
         return "none"
-    r = q._get_compatible_recipe()
-    if r.mxfp8():
-        return "mxfp8"
-    if r.delayed():
-        return "delayed"
-    if r.float8_current_scaling():
-        return "current"
-    if r.float8_block_scaling():
-        return "blockwise"
-    if r.nvfp4():
-        return "nvfp4"
-    raise UnsupportedTensorError(f"GroupedTensor with an unknown TE recipe {type(r).__name__}")
+    r = g.quantizer._get_compatible_recipe()
+    found = next((name for name, test in _RECIPE_TESTS.items() if getattr(r, test)()), None)
+    if found is None:
+        raise UnsupportedTensorError(f"GroupedTensor with an unknown TE recipe {type(r).__name__}")
+    return found
 
 
 def _member_key(i: int, name: str) -> str:
@@ -102,27 +94,18 @@ _BUFFER_NAMES = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_sca
 
 def _buffers(g) -> dict[str, torch.Tensor]:
     """The group's flat buffers (TE's ``get_data_tensors``); a buffer shared by two fields once."""
-    out: dict[str, torch.Tensor] = {}
-    for name in _BUFFER_NAMES:
-        b = getattr(g, name)
-        if b is None:
-            continue
-        if name == "columnwise_scale_inv" and b is g.scale_inv:
-            continue  # FP8 current scaling: one scale_inv for both directions
-        out[name] = b
-    return out
+    # FP8 current scaling: one scale_inv for both directions
+    return {name: b for name in _BUFFER_NAMES if (b := getattr(g, name)) is not None
+            and not (name == "columnwise_scale_inv" and b is g.scale_inv)}
 
 
 def _clone_with(g, cls, buffers: Mapping[str, torch.Tensor]):
     """A new ``cls`` group with ``g``'s metadata over ``buffers`` (same keys as :func:`_buffers`)."""
-    shared_si = g.columnwise_scale_inv is not None and g.columnwise_scale_inv is g.scale_inv
     kw = {name: buffers.get(name) for name in _BUFFER_NAMES}
-    if shared_si:
-        kw["columnwise_scale_inv"] = kw["scale_inv"]
+    if g.columnwise_scale_inv is not None and g.columnwise_scale_inv is g.scale_inv:
+        kw["columnwise_scale_inv"] = kw["scale_inv"]  # one buffer for both directions, as in g
     kw["data"] = kw.pop("rowwise_data")
-    extra = {}
-    if isinstance(g, torch.Tensor) and cls is type(g):
-        extra = {"requires_grad": g.requires_grad}
+    extra = {"requires_grad": g.requires_grad} if isinstance(g, torch.Tensor) and cls is type(g) else {}
     new = cls(g.logical_shape, g.fake_dtype, num_tensors=g.num_tensors,
               shapes=list(g.tensor_shapes) if g.tensor_shapes is not None else None,
               quantizer=g.quantizer, offsets=list(g.offsets) if g.offsets is not None else None,
@@ -197,11 +180,6 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
             attrs["member"] = _SINGLE[recipe].attributes(self.members(t)[0])
         return attrs
 
-    def _member_layouts(self, recipe, member) -> dict[str, Layout]:
-        if recipe == "none":
-            return {"data": Blocked((1,) * member.ndim)}
-        return _SINGLE[recipe].layouts(member)
-
     def component_names(self, t):
         return list(self.layouts(t))
 
@@ -212,7 +190,9 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
         extras = [n for n in _GROUP_EXTRAS.get(recipe, ()) if getattr(t, n) is not None]
         out: dict[str, Layout] = {}
         if self._stacked(t, shapes):
-            for name, lay in self._member_layouts(recipe, members[0]).items():
+            first = members[0]
+            for name, lay in ({"data": Blocked((1,) * first.ndim)} if recipe == "none"
+                              else _SINGLE[recipe].layouts(first)).items():
                 out[name] = Blocked((1, *lay.block)) if isinstance(lay, Blocked) else Blocked((1, 0, 0))
             for name in extras:
                 out[name] = Blocked((1, 0, 0))
@@ -320,9 +300,7 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
         return self._dequantize(self.attributes(t), self._logical_shape(t), dtype or t.fake_dtype,
                                 self.components(t))
 
-    def dequantize_stored(self, stored, dtype=None):
-        """Each member through its format's plain-torch math: needs no TransformerEngine."""
-        return self._dequantize(stored.attrs, tuple(stored.shape), dtype or stored.dtype, stored.components)
+    dequantize_stored = qte.TEAdapter.dequantize_stored  # each member's plain-torch math: needs no TE
 
     def _dequantize(self, attrs, shape, dtype, comps) -> torch.Tensor:
         recipe = attrs["recipe"]
@@ -392,10 +370,8 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
         # one member of a stacked group -> a single TE tensor (per-member keys weight0..n-1)
         single = next((a for a in _SINGLE.values() if a.matches(type(target))
                        and type(target).__name__ == a.cls_name), None)
-        if single is None or source_attrs.get("layout") != "stacked" or recipe == "none":
-            return None
-        if recipe not in _RECIPES_OF_TYPE.get(single.type_names[0], ()):
-            return None
+        if single is None or source_attrs.get("layout") != "stacked" or _SINGLE.get(recipe) is not single:
+            return None  # not a stacked group of this format's members
         if target.ndim != len(source_attrs["member_shape"]):  # the planner matched the shapes
             return None
         if single.attributes(target) != source_attrs.get("member"):

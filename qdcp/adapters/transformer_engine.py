@@ -363,6 +363,7 @@ def _block_row_scale(t, buf):
 
 
 def _block_row_scale_native(value, swizzled):
+    """TE's ``(N/128, roundup(M, 4))`` of a compact ``(M, N/128)`` (or 128x128 ``(M/128, N/128)``) scale."""
     m, tn = value.shape
     return pad2(value.t(), tn, round_up(m, 4))
 
@@ -391,15 +392,6 @@ def _block2d_scale(t, buf):
     return t._columnwise_scale_inv[:tn, :tm].t().contiguous()
 
 
-def _block2d_col_scale(value):
-    tm, tn = value.shape
-    return pad2(value.t(), tn, round_up(tm, 4))
-
-
-def _u8_t(value):
-    return as_u8(value).t()
-
-
 # ----------------------------------------------------------------------------- Float8Tensor
 
 def _float8_data(t, data):
@@ -419,7 +411,7 @@ class TEFloat8TensorAdapter(TEAdapter):
     COMPONENTS = (
         # the transpose (Hopper) is recomputed from data on load, so data is in place only without one
         Component("data", "_data", None, _fp8, blocks(), to_canonical=_float8_data,
-                  derived=(("_transpose", lambda v: as_u8(v).movedim(-1, 0)),),
+                  derived=(("_transpose", lambda v, swizzled: as_u8(v).movedim(-1, 0)),),
                   in_place=lambda t: t._data is not None and t._transpose is None),
         Component("scale_inv", "_scale_inv", None, torch.float32),
     )
@@ -496,11 +488,11 @@ class TEFloat8BlockwiseQTensorAdapter(TEAdapter):
     #: 128x128: one quantization, stored rowwise; the columnwise copy is its transpose (rebuilt on load)
     COMPONENTS_2D = (
         Component("rowwise_data", "_rowwise_data", None, _fp8, blocks(), to_canonical=_block2d_data,
-                  derived=(("_columnwise_data", _u8_t),),
+                  derived=(("_columnwise_data", _transpose_back),),
                   in_place=lambda t: t._rowwise_data is not None and t._columnwise_data is None),
         Component("rowwise_scale_inv", "_rowwise_scale_inv", None, torch.float32, blocks(128, 128),
                   to_canonical=_block2d_scale, to_native=_block_pad_cols,
-                  derived=(("_columnwise_scale_inv", _block2d_col_scale),)),
+                  derived=(("_columnwise_scale_inv", _block_row_scale_native),)),
     )
 
     def attributes(self, t):
@@ -514,19 +506,11 @@ class TEFloat8BlockwiseQTensorAdapter(TEAdapter):
         return super().present_components(t, attrs, check_2d=check_2d)
 
     def _dequantize(self, attrs, shape, dtype, comps):
-        fp8 = _FP8_TORCH[attrs["fp8_dtype"]]
-        if attrs["block_scaling_dim"] == 2:
-            q, s = comps["rowwise_data"], comps["rowwise_scale_inv"]
-            m, n = q.shape
-            s = repeat_blocks(s, 128, 128, (m, n))
-            return (bits_as(q, fp8).to(torch.float32) * s).to(dtype)
-        if "rowwise_data" in comps:
-            q, s = comps["rowwise_data"], comps["rowwise_scale_inv"]
-            s = s.repeat_interleave(128, 1)[:, : q.shape[1]]
-        else:
-            q, s = comps["columnwise_data"], comps["columnwise_scale_inv"]
-            s = s.repeat_interleave(128, 0)[: q.shape[0]]
-        return (bits_as(q, fp8).to(torch.float32) * s).to(dtype)
+        usage = "rowwise" if "rowwise_data" in comps else "columnwise"  # 128x128: rowwise only
+        q = comps[f"{usage}_data"]
+        block = (128, 128) if attrs["block_scaling_dim"] == 2 else (1, 128) if usage == "rowwise" else (128, 1)
+        s = repeat_blocks(comps[f"{usage}_scale_inv"], *block, q.shape)
+        return (bits_as(q, _FP8_TORCH[attrs["fp8_dtype"]]).to(torch.float32) * s).to(dtype)
 
     def _te_kwargs(self, attrs, comps):
         return {"is_2D_scaled": attrs["block_scaling_dim"] == 2, **self._native_kwargs(attrs, comps)}
@@ -570,24 +554,19 @@ class TENVFP4TensorAdapter(TEAdapter):
                 "NVFP4 with 4over6 block selection: qdcp has no verified plain-torch dequantize for it; "
                 "load it into an NVFP4Tensor of the same config, or dequantize with TE on a GPU")
         finv = torch.tensor(1.0 / (6.0 * float(attrs.get("e4m3_max", 448))), dtype=torch.float32)
-        if "rowwise_data" in comps:
-            codes = unpack_fp4(comps["rowwise_data"])[..., : shape[-1]]
-            scale = bits_as(comps["rowwise_scale_inv"], torch.float8_e4m3fn).float()
-            amax = comps["amax_rowwise"].float()
-            amax = amax.reshape(*shape[:-1], 1) if attrs.get("row_scaled") else amax.reshape(())
-            final = (scale * amax) * finv  # TE's kernel: float(scale) * amax * (1 / (6 * e4m3_max))
-            final = final.repeat_interleave(16, dim=-1)[..., : shape[-1]]
-            return (e2m1_to_float(codes) * final).to(dtype)
-        if attrs.get("columnwise_rht"):
+        row = "rowwise_data" in comps
+        if not row and attrs.get("columnwise_rht"):
             raise UnsupportedTensorError(
                 "NVFP4 columnwise-only tensor with random Hadamard transform: its values cannot be "
                 "recovered without the inverse transform; save or load the rowwise copy")
-        packed = comps["columnwise_data"]  # (M/2, N), two logical rows per byte
-        p = as_u8(packed)
-        codes = torch.stack([p & 0xF, p >> 4], dim=1).reshape(p.shape[0] * 2, p.shape[1])[: shape[0]]
-        scale = bits_as(comps["columnwise_scale_inv"], torch.float8_e4m3fn).float()
-        final = (scale * comps["amax_columnwise"].float().reshape(-1)[0]) * finv
-        final = final.repeat_interleave(16, dim=0)[: shape[0]]
+        usage = "rowwise" if row else "columnwise"
+        packed = as_u8(comps[f"{usage}_data"])  # columnwise: (M/2, N), two logical rows per byte
+        codes = (unpack_fp4(packed) if row else unpack_fp4(packed.t()).t())[tuple(map(slice, shape))]
+        amax = comps[f"amax_{usage}"].float()
+        amax = amax.reshape(*shape[:-1], 1) if row and attrs.get("row_scaled") else amax.reshape(-1)[0]
+        scale = bits_as(comps[f"{usage}_scale_inv"], torch.float8_e4m3fn).float()
+        final = (scale * amax) * finv  # TE's kernel: float(scale) * amax * (1 / (6 * e4m3_max))
+        final = repeat_blocks(final, *((1, 16) if row else (16, 1)), shape)
         return (e2m1_to_float(codes) * final).to(dtype)
 
     def _te_kwargs(self, attrs, comps):

@@ -57,14 +57,10 @@ class _BlockScaledAdapter(TorchAOAdapter, RawInterchangeAdapter):
         """Elements per ``qdata`` item along the last dim (fp4: two a byte)."""
         return 2
 
-    def _plain_scale_shape(self, t) -> tuple[int, ...]:
-        return tuple(t.shape[:-1]) + (t.shape[-1] // t.block_size,)
-
     def components(self, t):
         comps = super().components(t)
         if t.is_swizzled_scales:
-            rows, cols = self._plain_scale_shape(t)[-2:]
-            comps["scale"] = unswizzle_scale(t.scale, rows, cols)
+            comps["scale"] = unswizzle_scale(t.scale, t.shape[-2], t.shape[-1] // t.block_size)
         return comps
 
     def native_components(self, t):
@@ -85,8 +81,7 @@ class _BlockScaledAdapter(TorchAOAdapter, RawInterchangeAdapter):
                                   "scale": Blocked(ones + (t.block_size,))}
         for name in self.component_names(t):
             if name not in out:
-                value = getattr(t, name)
-                out[name] = _per_tensor_layout(value, t.shape)
+                out[name] = _per_tensor_layout(getattr(t, name), t.shape)
         return out
 
     def rebuild(self, stored):
