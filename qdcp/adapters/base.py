@@ -1,13 +1,6 @@
-"""The adapter contract and the public registry of adapters.
-
-An adapter knows one family of quantized tensor subclasses. It answers, for a live instance: which
-components (inner buffers) hold its data and in what canonical form, how each shards with the
-logical tensor (a :mod:`qdcp.layouts` layout), which attributes configure it (JSON-able); and it can
-dequantize an instance, rebuild one from components, quantize a high-precision tensor the way a
-target instance is configured, and copy components into an existing instance in place.
-
-Planners and the stager talk to tensors only through this contract. Users add families with
-:func:`register_adapter`.
+"""The adapter contract (:class:`Adapter` and the optional protocols) and the public registry of
+adapters. Planners and the stager talk to tensors only through this contract; users add families
+with :func:`register_adapter`.
 """
 
 from __future__ import annotations
@@ -20,7 +13,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 import torch
 
 from qdcp import spec as qspec
-from qdcp.errors import CheckpointFormatError, UnsupportedTensorError
+from qdcp.errors import CheckpointFormatError, LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Chunk, Layout
 
 
@@ -56,22 +49,19 @@ class Adapter(abc.ABC):
       :meth:`dequantize_stored` (values; works without the library where the adapter can) and
       :meth:`attribute_classes` (``qdcp inspect`` shows what the save recorded of :meth:`info`).
 
-    Optional contracts, ``runtime_checkable`` protocols (as DCP states ``AsyncStager``) that an
+    Optional contracts are ``runtime_checkable`` protocols (as DCP states ``AsyncStager``) that an
     adapter subclasses beside this class, for the defaults of the methods it does not write:
-
-    - :class:`RawInterchangeAdapter`: the same bits into a target of another type, no requantization
-      (the load planner, ``qdcp.export``);
-    - :class:`GroupAdapter`: one tensor packing several members, checkpointed by member (the load planner);
-    - :class:`OpRegisteringAdapter`: aten ops the library lacks (DCP's default stager, through
-      qdcp.staging.new_empty).
+    :class:`RawInterchangeAdapter`, :class:`GroupAdapter`, :class:`OpRegisteringAdapter`,
+    :class:`PicklingAdapter`.
 
     ``examples/custom_adapter.py`` is a complete adapter exercised through the core contract.
 
     Required (abstract: a subclass missing one cannot be instantiated): :meth:`matches`,
-    :meth:`type_name`, :meth:`component_names`, :meth:`layouts`, :meth:`attributes`,
-    :meth:`dequantize`, :meth:`rebuild`, :meth:`quantize_like`, :meth:`from_inner_buffers`; and
-    :attr:`type_names` (checked by :func:`register_adapter`). The defaults of the rest assume
-    components are plain attributes of the instance, stored as is. A stored format with no tensor
+    :meth:`component_names`, :meth:`layouts`, :meth:`attributes`, :meth:`dequantize`,
+    :meth:`rebuild`, :meth:`quantize_like`; and :attr:`type_names` (checked by
+    :func:`register_adapter`). The defaults of the rest assume components are plain attributes of
+    the instance, stored as is, and that its class speaks PyTorch's traceable-subclass protocol
+    (``__tensor_flatten__`` / ``__tensor_unflatten__``) for staging. A stored format with no tensor
     class subclasses :class:`StoredOnlyAdapter` instead.
     """
 
@@ -83,10 +73,9 @@ class Adapter(abc.ABC):
         """Whether live instances of ``cls`` belong to this adapter."""
         raise NotImplementedError
 
-    @abc.abstractmethod
     def type_name(self, t: torch.Tensor) -> str:
-        """Registry name of ``t``'s type (one of :attr:`type_names`)."""
-        raise NotImplementedError
+        """Registry name of ``t``'s type (one of :attr:`type_names`; default the first)."""
+        return self.type_names[0]
 
     @abc.abstractmethod
     def attributes(self, t: torch.Tensor) -> dict[str, Any]:
@@ -116,13 +105,17 @@ class Adapter(abc.ABC):
         return self.components(t)
 
     def inner_buffers(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every tensor that holds ``t``'s data, in native form (what a stager must copy)."""
-        return self.native_components(t)
+        """Every tensor that holds ``t``'s data, in native form (what a stager must copy). Default:
+        the inner tensors ``t.__tensor_flatten__()`` names."""
+        return {n: getattr(t, n) for n in t.__tensor_flatten__()[0]}
 
-    @abc.abstractmethod
     def from_inner_buffers(self, t: torch.Tensor, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """A new instance like ``t`` whose data lives in ``buffers`` (same keys as :meth:`inner_buffers`)."""
-        raise NotImplementedError
+        """A new instance like ``t`` whose data lives in ``buffers`` (same keys as :meth:`inner_buffers`).
+        Default: ``__tensor_unflatten__`` of ``buffers`` with ``t``'s flatten context."""
+        names, ctx = t.__tensor_flatten__()
+        if set(buffers) != set(names):
+            raise LoadMismatchError(f"{self.type_name(t)}: expected buffers {sorted(names)}, got {sorted(buffers)}")
+        return type(t).__tensor_unflatten__(dict(buffers), ctx, t.shape, t.stride())
 
     def unwrap(self, t: torch.Tensor) -> torch.Tensor | None:
         """For a wrapper whose values are one high-precision tensor (torchao's quantized-training
@@ -195,6 +188,10 @@ class Adapter(abc.ABC):
     def copy_into(self, target: torch.Tensor, components: Mapping[str, torch.Tensor]) -> None:
         """Copy canonical ``components`` (all or some) into ``target``'s buffers, in place."""
         native = self.native_components(target)
+        missing = set(components) - set(native)
+        if missing:
+            raise LoadMismatchError(
+                f"the target {self.type_name(target)} has no component(s) {sorted(missing)} to load into")
         for name, value in components.items():
             native[name].copy_(value)
 
@@ -333,24 +330,14 @@ def allow_pickled(qualified_names: list[str]) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class RawConversion:
     """How a raw entry of another type fills a target with the same bits: read ``names`` (canonical
-    components of the stored entry), then :meth:`fill`. Within one family ``owner.raw_load`` does it;
-    with a ``form``, the source's adapter states the bits in that neutral form and the target's
-    adapter takes them (:mod:`qdcp.adapters.formats`)."""
+    components of the stored entry), then ``fill(target, components)`` (in place, for the chunk the
+    target holds). Within one family the owner's ``raw_load`` fills; with a form, the source's
+    adapter states the bits in that neutral form and the target's takes them
+    (:mod:`qdcp.adapters.formats`)."""
 
     names: tuple[str, ...]
-    target_adapter: RawInterchangeAdapter
-    owner: RawInterchangeAdapter
-    source_type: str
-    source_attrs: Mapping[str, Any]
-    form: str | None = None
-
-    def fill(self, target: torch.Tensor, components: Mapping[str, torch.Tensor]) -> None:
-        """Fill ``target`` in place from the stored ``components`` (for the chunk it holds)."""
-        if self.form is None:
-            self.owner.raw_load(target, self.source_type, dict(self.source_attrs), components)
-            return
-        tensors = self.owner.to_raw_form(self.source_type, self.source_attrs, self.form, components)
-        self.target_adapter.from_raw_form(target, self.form, tensors)
+    fill: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], None]
+    form: str | None = None  #: the neutral form the bits pass through, None within a family
 
 
 def raw_conversion(target_adapter: Adapter, target: torch.Tensor, source_adapter: Adapter, *, source_type: str,
@@ -361,14 +348,16 @@ def raw_conversion(target_adapter: Adapter, target: torch.Tensor, source_adapter
         names = owner.raw_load_sources(target, source_type, dict(source_attrs)) \
             if isinstance(owner, RawInterchangeAdapter) else None
         if names is not None:
-            return RawConversion(tuple(names), target_adapter, owner, source_type, source_attrs)
+            return RawConversion(tuple(names), lambda t, comps, owner=owner:
+                                 owner.raw_load(t, source_type, dict(source_attrs), comps))
     if not (isinstance(source_adapter, RawInterchangeAdapter) and isinstance(target_adapter, RawInterchangeAdapter)):
         return None
     offered = source_adapter.raw_forms_out(source_type, source_attrs)
     form = next((f for f in target_adapter.raw_forms_in(target) if f in offered), None)
     if form is None:
         return None
-    return RawConversion(tuple(offered[form]), target_adapter, source_adapter, source_type, source_attrs, form)
+    return RawConversion(tuple(offered[form]), lambda t, comps: target_adapter.from_raw_form(
+        t, form, source_adapter.to_raw_form(source_type, source_attrs, form, comps)), form)
 
 
 # ----------------------------------------------------------------------------- registry

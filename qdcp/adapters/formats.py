@@ -15,7 +15,7 @@ import torch
 from qdcp.layouts import ceil_div
 
 __all__ = [
-    "MXFP8_FORMS", "NVFP4_ROW16", "NVFP4_GLOBAL_DIVISOR", "nvfp4_decode_scale", "mxfp8_form", "affine_form",
+    "MXFP8_FORMS", "NVFP4_ROW16", "NVFP4_GLOBAL_DIVISOR", "nvfp4_decode_scale", "affine_form",
     "parse_affine_form", "ceil_div", "round_up", "rows", "repeat_blocks", "pad2", "swizzle_128x4",
     "unswizzle_128x4", "as_u8", "bits_as", "copy_bits", "e2m1_to_float", "unpack_fp4",
 ]
@@ -43,6 +43,7 @@ __all__ = [
 #   ``scale``      ``(N / bn, K / bk)``, the scale values in their own dtype;
 #   ``zero_point`` (int kinds, optional) like ``scale``, int8.
 
+#: the MXFP8 form of each fp8 element dtype
 MXFP8_FORMS = {torch.float8_e4m3fn: "mxfp8_e4m3_row32", torch.float8_e5m2: "mxfp8_e5m2_row32"}
 NVFP4_ROW16 = "nvfp4_row16"
 NVFP4_GLOBAL_DIVISOR = 6.0 * 448.0
@@ -66,11 +67,6 @@ def parse_affine_form(form: str) -> tuple[str, tuple[int, int]] | None:
         return None
     bn, _, bk = parts[2][1:].partition("x")
     return (parts[1], (int(bn), int(bk))) if bn.isdigit() and bk.isdigit() else None
-
-
-def mxfp8_form(fp8_dtype: torch.dtype | None) -> str | None:
-    """The MXFP8 form name for elements of ``fp8_dtype`` (None for any other dtype)."""
-    return MXFP8_FORMS.get(fp8_dtype)
 
 
 # E2M1 code -> value (codes 8-15 are the negatives of 0-7).

@@ -4,19 +4,8 @@ A TE adapter (:mod:`qdcp.adapters.transformer_engine`) lists its canonical compo
 class-level tuple of :class:`Component` -- the way torchao's ``TorchAOBaseTensor`` declares
 ``tensor_data_names`` -- and ``TEAdapter`` derives ``component_names``, ``layouts``,
 ``components``, ``native_components`` and the copy of each component into a live tensor from that
-one declaration. A component names:
-
-- its canonical (stored) name and the TE attribute that holds it natively;
-- the usage it belongs to: present only where TE's ``_rowwise_data`` / ``_columnwise_data`` is set
-  (``None``: always present);
-- its canonical dtype (or a function of the adapter's attributes, e.g. the tensor's fp8 dtype);
-- how it maps to a logical chunk: a layout function of ``(logical shape, attributes)``; no layout
-  (or a function returning None) means replicated, the whole buffer in every chunk;
-- the transforms between TE's native buffer and the canonical form (unpad / unswizzle / transpose
-  back, and the inverse), plus other TE buffers it also fills (a transposed copy);
-- whether the canonical form *is* the native buffer, so a load may write straight into it.
-
-Nothing here imports TransformerEngine: the transforms read TE's attributes by name.
+one declaration (the fields of :class:`Component` say what each states). Nothing here imports
+TransformerEngine: the transforms read TE's attributes by name.
 """
 
 from __future__ import annotations
@@ -55,7 +44,7 @@ def blocked(*block: int) -> LayoutFn:
 
 @dataclasses.dataclass(frozen=True)
 class Component:
-    """One canonical component of a TE tensor type, declared once (see the module docstring)."""
+    """One canonical component of a TE tensor type, declared once."""
 
     name: str                                   #: canonical (stored) name
     buffer: str                                 #: TE attribute holding it natively, e.g. ``_rowwise_scale_inv``
@@ -64,7 +53,7 @@ class Component:
     layout: LayoutFn | None = None              #: None (or None returned): replicated
     to_canonical: ToCanonical | None = None     #: None: the native buffer as it is
     to_native: ToNative | None = None           #: None: the canonical value as it is (reshaped by the copy)
-    derived: tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor]], ...] = ()  #: other buffers it fills
+    derived: tuple[tuple[str, ToNative], ...] = ()  #: other TE buffers it fills, by attribute
     in_place: Callable[[Any], bool] | None = None  #: None: no ``to_canonical`` and no derived buffer
     needs_2d: str = ""                          #: 2-D only: what ``component_names`` calls it when refusing
 
@@ -97,5 +86,5 @@ class Component:
         """TE buffers (by attribute) that canonical ``value`` fills, in native form (1-byte types as
         uint8, TE's storage type); ``swizzled``: the target keeps GEMM-swizzled scales."""
         out = {self.buffer: value if self.to_native is None else self.to_native(value, swizzled)}
-        out.update((attr, fn(value)) for attr, fn in self.derived)
+        out.update((attr, fn(value, swizzled)) for attr, fn in self.derived)
         return {k: as_u8(v) if v.element_size() == 1 else v for k, v in out.items()}

@@ -2,24 +2,15 @@
 
 TE packs the members of a group (MoE experts) into one flat 1-D buffer per kind (rowwise data,
 columnwise data, scales, amaxes), each member's scale region padded on its own. qdcp stores a group
-*by member*, in the canonical form of the single-tensor TE adapters (:mod:`qdcp.adapters.transformer_engine`:
-scales compact and unswizzled, padding dropped), and never imports TE.
+*by member*, in the canonical form of the single-tensor TE adapters (:mod:`qdcp.adapters.transformer_engine`),
+and never imports TE. Two stored layouts (docs/adapters.md, *TE GroupedTensor*):
 
-Two stored layouts, chosen by the group's shapes:
-
-- **stacked** (all members share one 2-D shape ``(M, N)``; the entry's logical shape is TE's wrapper
-  shape ``[n, M, N]``): each canonical member component ``C`` of shape ``s`` is stored once as
-  ``[n, *s]`` with layout ``Blocked((1, *b))`` where ``b`` is the single-tensor block; per-member
-  scalars (Float8 ``scale_inv``, NVFP4 per-tensor amax, the group's Float8 ``amax`` / ``scale``) are
-  ``[n, 1, 1]`` with ``Blocked((1, 0, 0))`` (constant along each member's rows and columns). Member
-  ``i`` is the logical chunk ``[i:i+1]``, so any expert-parallel split of dim 0 (``n`` experts on
-  ``k`` ranks) maps to whole component chunks, and a member's rows shard to its rows' data and the
-  member's scalar.
-- **members** (varying first and/or last dims; logical shape is TE's 2-D ``logical_shape``): member
-  ``i``'s components are stored as ``m{i}.C`` (replicated layouts; the group loads whole).
-
-Unquantized (bf16) groups store ``data`` (stacked) or ``m{i}.data``. Dequantize is each member's
-single-tensor dequantize, stacked (uniform) or concatenated along TE's logical shape (varying).
+- **stacked** (all members share one 2-D shape ``(M, N)``; logical shape ``[n, M, N]``): each member
+  component of shape ``s`` and block ``b`` is stored as ``[n, *s]``, ``Blocked((1, *b))``; per-member
+  scalars as ``[n, 1, 1]``, ``Blocked((1, 0, 0))``. Member ``i`` is the logical chunk ``[i:i+1]``, so
+  any expert-parallel split of dim 0 maps to whole component chunks.
+- **members** (varying first and/or last dims; logical shape TE's 2-D ``logical_shape``): member
+  ``i``'s components as ``m{i}.C``, replicated (the group loads whole).
 """
 
 from __future__ import annotations
@@ -47,32 +38,24 @@ _SINGLE: dict[str, qte.TEAdapter] = {
     "blockwise": qte.TEFloat8BlockwiseQTensorAdapter(),
     "nvfp4": qte.TENVFP4TensorAdapter(),
 }
-# member type name -> the recipes whose members have that type (per-member keys <-> grouped entry)
-_RECIPES_OF_TYPE: dict[str, set[str]] = {}
-for _r, _a in _SINGLE.items():
-    _RECIPES_OF_TYPE.setdefault(_a.type_names[0], set()).add(_r)
-del _r, _a
 
 # Per-group Float8 buffers that no member references, by recipe (stored beside the members).
 _GROUP_EXTRAS = {"delayed": ("amax",), "current": ("amax", "scale")}
 
 
+# recipe name -> the predicate of TE's Recipe that is true for it
+_RECIPE_TESTS = {"mxfp8": "mxfp8", "delayed": "delayed", "current": "float8_current_scaling",
+                 "blockwise": "float8_block_scaling", "nvfp4": "nvfp4"}
+
+
 def _recipe(g) -> str:
-    q = g.quantizer
-    if q is None:
+    if g.quantizer is None:
         return "none"
-    r = q._get_compatible_recipe()
-    if r.mxfp8():
-        return "mxfp8"
-    if r.delayed():
-        return "delayed"
-    if r.float8_current_scaling():
-        return "current"
-    if r.float8_block_scaling():
-        return "blockwise"
-    if r.nvfp4():
-        return "nvfp4"
-    raise UnsupportedTensorError(f"GroupedTensor with an unknown TE recipe {type(r).__name__}")
+    r = g.quantizer._get_compatible_recipe()
+    found = next((name for name, test in _RECIPE_TESTS.items() if getattr(r, test)()), None)
+    if found is None:
+        raise UnsupportedTensorError(f"GroupedTensor with an unknown TE recipe {type(r).__name__}")
+    return found
 
 
 def _member_key(i: int, name: str) -> str:
@@ -111,27 +94,18 @@ _BUFFER_NAMES = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_sca
 
 def _buffers(g) -> dict[str, torch.Tensor]:
     """The group's flat buffers (TE's ``get_data_tensors``); a buffer shared by two fields once."""
-    out: dict[str, torch.Tensor] = {}
-    for name in _BUFFER_NAMES:
-        b = getattr(g, name)
-        if b is None:
-            continue
-        if name == "columnwise_scale_inv" and b is g.scale_inv:
-            continue  # FP8 current scaling: one scale_inv for both directions
-        out[name] = b
-    return out
+    # FP8 current scaling: one scale_inv for both directions
+    return {name: b for name in _BUFFER_NAMES if (b := getattr(g, name)) is not None
+            and not (name == "columnwise_scale_inv" and b is g.scale_inv)}
 
 
 def _clone_with(g, cls, buffers: Mapping[str, torch.Tensor]):
     """A new ``cls`` group with ``g``'s metadata over ``buffers`` (same keys as :func:`_buffers`)."""
-    shared_si = g.columnwise_scale_inv is not None and g.columnwise_scale_inv is g.scale_inv
     kw = {name: buffers.get(name) for name in _BUFFER_NAMES}
-    if shared_si:
-        kw["columnwise_scale_inv"] = kw["scale_inv"]
+    if g.columnwise_scale_inv is not None and g.columnwise_scale_inv is g.scale_inv:
+        kw["columnwise_scale_inv"] = kw["scale_inv"]  # one buffer for both directions, as in g
     kw["data"] = kw.pop("rowwise_data")
-    extra = {}
-    if isinstance(g, torch.Tensor) and cls is type(g):
-        extra = {"requires_grad": g.requires_grad}
+    extra = {"requires_grad": g.requires_grad} if isinstance(g, torch.Tensor) and cls is type(g) else {}
     new = cls(g.logical_shape, g.fake_dtype, num_tensors=g.num_tensors,
               shapes=list(g.tensor_shapes) if g.tensor_shapes is not None else None,
               quantizer=g.quantizer, offsets=list(g.offsets) if g.offsets is not None else None,
@@ -153,9 +127,6 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
     def matches(self, cls):
         return any(c.__name__ in self._cls_names and c.__module__.startswith("transformer_engine.")
                    for c in cls.__mro__)
-
-    def type_name(self, t):
-        return TYPE_NAME
 
     # ------------------------------------------------------------------ members
     def members(self, t) -> list:
@@ -180,9 +151,9 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
             and all(s == shapes[0] for s in shapes)
 
     def _logical_shape(self, t) -> tuple[int, ...]:
-        return tuple(t.shape) if isinstance(t, torch.Tensor) else self._wrapper_shape(t)
-
-    def _wrapper_shape(self, t) -> tuple[int, ...]:
+        """``t``'s shape; for a ``GroupedTensorStorage`` the shape its ``GroupedTensor`` would have."""
+        if isinstance(t, torch.Tensor):
+            return tuple(t.shape)
         shapes = self._shapes(t)
         if self._stacked(t, shapes):
             return (t.num_tensors, *shapes[0])
@@ -209,11 +180,6 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
             attrs["member"] = _SINGLE[recipe].attributes(self.members(t)[0])
         return attrs
 
-    def _member_layouts(self, recipe, member) -> dict[str, Layout]:
-        if recipe == "none":
-            return {"data": Blocked((1,) * member.ndim)}
-        return _SINGLE[recipe].layouts(member)
-
     def component_names(self, t):
         return list(self.layouts(t))
 
@@ -224,7 +190,9 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
         extras = [n for n in _GROUP_EXTRAS.get(recipe, ()) if getattr(t, n) is not None]
         out: dict[str, Layout] = {}
         if self._stacked(t, shapes):
-            for name, lay in self._member_layouts(recipe, members[0]).items():
+            first = members[0]
+            for name, lay in ({"data": Blocked((1,) * first.ndim)} if recipe == "none"
+                              else _SINGLE[recipe].layouts(first)).items():
                 out[name] = Blocked((1, *lay.block)) if isinstance(lay, Blocked) else Blocked((1, 0, 0))
             for name in extras:
                 out[name] = Blocked((1, 0, 0))
@@ -232,35 +200,25 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
         if recipe == "none" and all(len(s) == 1 and s == shapes[0] for s in shapes):
             return {"data": Blocked((1, 1))}  # 1-D members: [n, L]
         for i, member in enumerate(members):
-            comps = self._member_components(recipe, member)
-            for name, c in comps.items():
+            for name, c in self._member_parts(recipe, member).items():
                 out[_member_key(i, name)] = Replicated(tuple(c.shape))
         for name in extras:
             out[name] = Replicated((int(t.num_tensors),))
         return out
 
-    def attribute_classes(self):
-        return {}
-
     # ------------------------------------------------------------------ components
     @staticmethod
-    def _member_components(recipe, member) -> dict[str, torch.Tensor]:
+    def _member_parts(recipe, member, native: bool = False) -> dict[str, torch.Tensor]:
+        """A member's canonical components (``native``: those its buffers hold as they are)."""
         if recipe == "none":
             return {"data": member}
-        return _SINGLE[recipe].components(member)
-
-    @staticmethod
-    def _member_native(recipe, member) -> dict[str, torch.Tensor]:
-        if recipe == "none":
-            return {"data": member}
-        return _SINGLE[recipe].native_components(member)
+        return _SINGLE[recipe].native_components(member) if native else _SINGLE[recipe].components(member)
 
     def _collect(self, t, native: bool) -> dict[str, torch.Tensor]:
         recipe = _recipe(t)
         members = self.members(t)
         shapes = self._shapes(t)
-        get = self._member_native if native else self._member_components
-        per = [get(recipe, m) for m in members]
+        per = [self._member_parts(recipe, m, native) for m in members]
         extras = [n for n in _GROUP_EXTRAS.get(recipe, ()) if getattr(t, n) is not None]
         out: dict[str, torch.Tensor] = {}
         if self._stacked(t, shapes) or (recipe == "none" and len(shapes[0]) == 1):
@@ -342,9 +300,7 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
         return self._dequantize(self.attributes(t), self._logical_shape(t), dtype or t.fake_dtype,
                                 self.components(t))
 
-    def dequantize_stored(self, stored, dtype=None):
-        """Each member through its format's plain-torch math: needs no TransformerEngine."""
-        return self._dequantize(stored.attrs, tuple(stored.shape), dtype or stored.dtype, stored.components)
+    dequantize_stored = qte.TEAdapter.dequantize_stored  # each member's plain-torch math: needs no TE
 
     def _dequantize(self, attrs, shape, dtype, comps) -> torch.Tensor:
         recipe = attrs["recipe"]
@@ -391,8 +347,7 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
                 "quantize kernels, which qdcp does not drive); only raw loads of the same recipe and "
                 "member format fill one. Load into a plain tensor and quantize it with TE's quantizer.")
 
-    def quantize_like(self, target, hp, global_amax=None):
-        raise UnsupportedTensorError(self.quantize_unsupported(target))
+    quantize_like = qte.TEAdapter.quantize_like  # raises what quantize_unsupported says
 
     # ------------------------------------------------------------------ members <-> group
     def member_chunk(self, attrs: Mapping[str, Any], shape, index: int) -> Chunk | None:
@@ -415,10 +370,8 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
         # one member of a stacked group -> a single TE tensor (per-member keys weight0..n-1)
         single = next((a for a in _SINGLE.values() if a.matches(type(target))
                        and type(target).__name__ == a.cls_name), None)
-        if single is None or source_attrs.get("layout") != "stacked" or recipe == "none":
-            return None
-        if recipe not in _RECIPES_OF_TYPE.get(single.type_names[0], ()):
-            return None
+        if single is None or source_attrs.get("layout") != "stacked" or _SINGLE.get(recipe) is not single:
+            return None  # not a stacked group of this format's members
         if target.ndim != len(source_attrs["member_shape"]):  # the planner matched the shapes
             return None
         if single.attributes(target) != source_attrs.get("member"):

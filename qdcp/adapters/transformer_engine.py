@@ -4,29 +4,13 @@ TE is optional and never imported here: classes are recognised by module prefix
 ``transformer_engine.`` and class name along the MRO, and TE is used to rebuild a tensor only if
 ``transformer_engine.pytorch.tensor`` is already imported. Everything numeric is plain torch on
 CPU: canonical components (unswizzled, unpadded scales; data in logical row order), dequantize,
-and the inverse transforms that rebuild TE's native buffers (padding zero-filled, scales
-re-swizzled, transposes recomputed). Quantizing would need TE's CUDA kernels, which qdcp does not
-drive, so loading into a TE tensor of another format or from plain values raises
-:class:`UnsupportedTensorError` (at load planning).
+and the inverse transforms that rebuild TE's native buffers. Quantizing would need TE's CUDA
+kernels, which qdcp does not drive, so loading into a TE tensor of another format or from plain
+values raises :class:`UnsupportedTensorError` (at load planning).
 
-Each adapter declares its components (the class-level ``COMPONENTS`` tuple of
-:class:`~qdcp.adapters.te_components.Component`: TE attribute, usage, dtype, layout, native
-transforms); :class:`TEAdapter` derives every per-component method from that declaration.
-
-Canonical components per type (see docs/format.md):
-
-- ``Float8Tensor``: ``data`` (logical shape, fp8) and ``scale_inv`` (1,) f32. A transpose-only
-  tensor (Hopper, columnwise) stores its transpose back in logical order; a target's transpose is
-  recomputed on load (a byte transpose, exact).
-- ``MXFP8Tensor``: ``rowwise_data`` / ``rowwise_scale_inv`` (M.., N/32) e8m0;
-  ``columnwise_data`` / ``columnwise_scale_inv`` (M/32, N) e8m0 -- each direction is its own
-  quantization, so each present one is stored.
-- ``Float8BlockwiseQTensor``: 128x128 stores ``rowwise_data`` and ``rowwise_scale_inv``
-  (M/128, N/128) f32 (the columnwise copy is their transpose, rebuilt on load); 1x128 stores
-  rowwise ``(M, N/128)`` and columnwise ``(M/128, N)`` scales, data in logical order.
-- ``NVFP4Tensor``: ``rowwise_data`` (M, N/2) packed low nibble first, ``rowwise_scale_inv``
-  (M, N/16) e4m3, ``amax_rowwise`` (1,) or per row (M, 1); columnwise ``columnwise_data``
-  (M/2, N) (two rows per byte), ``columnwise_scale_inv`` (M/16, N), ``amax_columnwise``.
+Each adapter declares its canonical components (``COMPONENTS``, of
+:class:`~qdcp.adapters.te_components.Component`), from which :class:`TEAdapter` derives every
+per-component method; docs/adapters.md tables them per type.
 """
 
 from __future__ import annotations
@@ -38,13 +22,13 @@ import torch
 
 from qdcp.adapters.base import Adapter, RawInterchangeAdapter
 from qdcp.adapters.formats import (
+    MXFP8_FORMS,
     NVFP4_ROW16,
     as_u8,
     bits_as,
     ceil_div,
     copy_bits,
     e2m1_to_float,
-    mxfp8_form,
     pad2,
     repeat_blocks,
     round_up,
@@ -92,10 +76,10 @@ def _te_dtype(code: int):
 # ----------------------------------------------------------------------------- adapter base
 
 class TEAdapter(Adapter, RawInterchangeAdapter):
-    """Shared machinery: recognition, TE's inner buffers for the stager, GPU-only errors, and every
+    """Shared machinery: recognition, rebuilding through TE, GPU-only errors, and every
     per-component method, derived from the subclass's declared :attr:`COMPONENTS`
     (:mod:`qdcp.adapters.te_components`). A subclass adds only what is format-specific: its
-    attributes, the dequantize math and TE's constructor call."""
+    attributes, the dequantize math and TE's constructor keywords."""
 
     cls_name: str = ""
     format_name: str = ""
@@ -124,9 +108,6 @@ class TEAdapter(Adapter, RawInterchangeAdapter):
                 f"(or re-save it with qdcp.save, whose raw entries load without TE)")
         return True
 
-    def type_name(self, t):
-        return self.type_names[0]
-
     _RECIPES = {"Float8Quantizer": "delayed scaling", "Float8CurrentScalingQuantizer": "current scaling",
                 "MXFP8Quantizer": "mxfp8", "Float8BlockQuantizer": "blockwise", "NVFP4Quantizer": "nvfp4"}
     _USAGE_BUFFERS = (("rowwise", "_data"), ("rowwise", "_rowwise_data"),
@@ -144,17 +125,6 @@ class TEAdapter(Adapter, RawInterchangeAdapter):
         if usage:
             out["usage"] = "+".join(dict.fromkeys(usage))
         return out
-
-    # --- stager: TE's own buffers, rewrapped through TE's flatten protocol
-    def inner_buffers(self, t):
-        names, _ = t.__tensor_flatten__()
-        return {n: getattr(t, n) for n in names}
-
-    def from_inner_buffers(self, t, buffers):
-        names, ctx = t.__tensor_flatten__()
-        if set(buffers) != set(names):
-            raise LoadMismatchError(f"{self.cls_name}: expected buffers {sorted(names)}, got {sorted(buffers)}")
-        return type(t).__tensor_unflatten__(dict(buffers), ctx, t.shape, t.stride())
 
     # --- canonical components: all derived from the declaration
     def declared(self, attrs) -> tuple[Component, ...]:
@@ -265,15 +235,21 @@ class TEAdapter(Adapter, RawInterchangeAdapter):
         raise NotImplementedError
 
     def rebuild(self, stored):
-        if _te_tensor_module() is None:
+        te = _te_tensor_module()
+        if te is None:
             raise UnsupportedTensorError(
                 f"rebuilding a TransformerEngine {self.cls_name} needs transformer_engine, which this "
                 f"process has not imported (qdcp never imports it); import transformer_engine.pytorch "
                 f"first. Its values need no TE: qdcp.read_entry(path, key, dequantize=True).")
-        return self._rebuild_te(stored.attrs, tuple(int(s) for s in stored.shape), stored.dtype,
-                                dict(stored.components))
+        attrs, comps = stored.attrs, dict(stored.components)
+        kw = self._te_kwargs(attrs, comps)
+        if "fp8_dtype" in attrs:
+            kw["fp8_dtype"] = _te_dtype(_FP8_CODES[attrs["fp8_dtype"]])
+        return getattr(te, self.cls_name)(shape=tuple(int(s) for s in stored.shape), dtype=stored.dtype,
+                                          quantizer=None, device=next(v.device for v in comps.values()), **kw)
 
-    def _rebuild_te(self, attrs, shape, dtype, comps) -> torch.Tensor:
+    def _te_kwargs(self, attrs, comps) -> dict[str, Any]:
+        """The format's keywords of TE's constructor for ``rebuild`` (besides shape, dtypes, device)."""
         raise NotImplementedError
 
     def quantize_unsupported(self, target):
@@ -387,6 +363,7 @@ def _block_row_scale(t, buf):
 
 
 def _block_row_scale_native(value, swizzled):
+    """TE's ``(N/128, roundup(M, 4))`` of a compact ``(M, N/128)`` (or 128x128 ``(M/128, N/128)``) scale."""
     m, tn = value.shape
     return pad2(value.t(), tn, round_up(m, 4))
 
@@ -415,15 +392,6 @@ def _block2d_scale(t, buf):
     return t._columnwise_scale_inv[:tn, :tm].t().contiguous()
 
 
-def _block2d_col_scale(value):
-    tm, tn = value.shape
-    return pad2(value.t(), tn, round_up(tm, 4))
-
-
-def _u8_t(value):
-    return as_u8(value).t()
-
-
 # ----------------------------------------------------------------------------- Float8Tensor
 
 def _float8_data(t, data):
@@ -443,7 +411,7 @@ class TEFloat8TensorAdapter(TEAdapter):
     COMPONENTS = (
         # the transpose (Hopper) is recomputed from data on load, so data is in place only without one
         Component("data", "_data", None, _fp8, blocks(), to_canonical=_float8_data,
-                  derived=(("_transpose", lambda v: as_u8(v).movedim(-1, 0)),),
+                  derived=(("_transpose", lambda v, swizzled: as_u8(v).movedim(-1, 0)),),
                   in_place=lambda t: t._data is not None and t._transpose is None),
         Component("scale_inv", "_scale_inv", None, torch.float32),
     )
@@ -459,12 +427,8 @@ class TEFloat8TensorAdapter(TEAdapter):
     def _dequantize(self, attrs, shape, dtype, comps):
         return dequantize_fp8(comps["data"], attrs["fp8_dtype"], comps["scale_inv"], dtype)
 
-    def _rebuild_te(self, attrs, shape, dtype, comps):
-        te = _te_tensor_module()
-        data = as_u8(comps["data"]).contiguous()
-        return te.Float8Tensor(shape=shape, dtype=dtype, data=data, fp8_scale_inv=comps["scale_inv"],
-                               fp8_dtype=_te_dtype(_FP8_CODES[attrs["fp8_dtype"]]),
-                               device=data.device)
+    def _te_kwargs(self, attrs, comps):
+        return {"data": as_u8(comps["data"]).contiguous(), "fp8_scale_inv": comps["scale_inv"]}
 
 
 # ----------------------------------------------------------------------------- MXFP8Tensor
@@ -490,7 +454,7 @@ class TEMXFP8TensorAdapter(TEAdapter):
         return _fp8_attrs(t)
 
     def raw_form(self, attrs):
-        return mxfp8_form(_FP8_TORCH.get(attrs.get("fp8_dtype")))
+        return MXFP8_FORMS.get(_FP8_TORCH.get(attrs.get("fp8_dtype")))
 
     def _dequantize(self, attrs, shape, dtype, comps):
         fp8 = attrs["fp8_dtype"]
@@ -500,12 +464,8 @@ class TEMXFP8TensorAdapter(TEAdapter):
         return dequantize_mxfp8(comps["columnwise_data"], fp8, comps["columnwise_scale_inv"], block_rows=32,
                                 block_cols=1, dtype=dtype)
 
-    def _rebuild_te(self, attrs, shape, dtype, comps):
-        te = _te_tensor_module()
-        device = next(v.device for v in comps.values())
-        return te.MXFP8Tensor(shape=shape, dtype=dtype, fp8_dtype=_te_dtype(_FP8_CODES[attrs["fp8_dtype"]]),
-                              quantizer=None, with_gemm_swizzled_scales=False, device=device,
-                              **self._native_kwargs(attrs, comps))
+    def _te_kwargs(self, attrs, comps):
+        return {"with_gemm_swizzled_scales": False, **self._native_kwargs(attrs, comps)}
 
 
 # ----------------------------------------------------------------------------- blockwise FP8
@@ -528,11 +488,11 @@ class TEFloat8BlockwiseQTensorAdapter(TEAdapter):
     #: 128x128: one quantization, stored rowwise; the columnwise copy is its transpose (rebuilt on load)
     COMPONENTS_2D = (
         Component("rowwise_data", "_rowwise_data", None, _fp8, blocks(), to_canonical=_block2d_data,
-                  derived=(("_columnwise_data", _u8_t),),
+                  derived=(("_columnwise_data", _transpose_back),),
                   in_place=lambda t: t._rowwise_data is not None and t._columnwise_data is None),
         Component("rowwise_scale_inv", "_rowwise_scale_inv", None, torch.float32, blocks(128, 128),
                   to_canonical=_block2d_scale, to_native=_block_pad_cols,
-                  derived=(("_columnwise_scale_inv", _block2d_col_scale),)),
+                  derived=(("_columnwise_scale_inv", _block_row_scale_native),)),
     )
 
     def attributes(self, t):
@@ -546,26 +506,14 @@ class TEFloat8BlockwiseQTensorAdapter(TEAdapter):
         return super().present_components(t, attrs, check_2d=check_2d)
 
     def _dequantize(self, attrs, shape, dtype, comps):
-        fp8 = _FP8_TORCH[attrs["fp8_dtype"]]
-        if attrs["block_scaling_dim"] == 2:
-            q, s = comps["rowwise_data"], comps["rowwise_scale_inv"]
-            m, n = q.shape
-            s = repeat_blocks(s, 128, 128, (m, n))
-            return (bits_as(q, fp8).to(torch.float32) * s).to(dtype)
-        if "rowwise_data" in comps:
-            q, s = comps["rowwise_data"], comps["rowwise_scale_inv"]
-            s = s.repeat_interleave(128, 1)[:, : q.shape[1]]
-        else:
-            q, s = comps["columnwise_data"], comps["columnwise_scale_inv"]
-            s = s.repeat_interleave(128, 0)[: q.shape[0]]
-        return (bits_as(q, fp8).to(torch.float32) * s).to(dtype)
+        usage = "rowwise" if "rowwise_data" in comps else "columnwise"  # 128x128: rowwise only
+        q = comps[f"{usage}_data"]
+        block = (128, 128) if attrs["block_scaling_dim"] == 2 else (1, 128) if usage == "rowwise" else (128, 1)
+        s = repeat_blocks(comps[f"{usage}_scale_inv"], *block, q.shape)
+        return (bits_as(q, _FP8_TORCH[attrs["fp8_dtype"]]).to(torch.float32) * s).to(dtype)
 
-    def _rebuild_te(self, attrs, shape, dtype, comps):
-        te = _te_tensor_module()
-        device = next(v.device for v in comps.values())
-        return te.Float8BlockwiseQTensor(
-            shape=shape, dtype=dtype, fp8_dtype=_te_dtype(_FP8_CODES[attrs["fp8_dtype"]]), quantizer=None,
-            is_2D_scaled=attrs["block_scaling_dim"] == 2, device=device, **self._native_kwargs(attrs, comps))
+    def _te_kwargs(self, attrs, comps):
+        return {"is_2D_scaled": attrs["block_scaling_dim"] == 2, **self._native_kwargs(attrs, comps)}
 
 
 # ----------------------------------------------------------------------------- NVFP4Tensor
@@ -606,34 +554,25 @@ class TENVFP4TensorAdapter(TEAdapter):
                 "NVFP4 with 4over6 block selection: qdcp has no verified plain-torch dequantize for it; "
                 "load it into an NVFP4Tensor of the same config, or dequantize with TE on a GPU")
         finv = torch.tensor(1.0 / (6.0 * float(attrs.get("e4m3_max", 448))), dtype=torch.float32)
-        if "rowwise_data" in comps:
-            codes = unpack_fp4(comps["rowwise_data"])[..., : shape[-1]]
-            scale = bits_as(comps["rowwise_scale_inv"], torch.float8_e4m3fn).float()
-            amax = comps["amax_rowwise"].float()
-            amax = amax.reshape(*shape[:-1], 1) if attrs.get("row_scaled") else amax.reshape(())
-            final = (scale * amax) * finv  # TE's kernel: float(scale) * amax * (1 / (6 * e4m3_max))
-            final = final.repeat_interleave(16, dim=-1)[..., : shape[-1]]
-            return (e2m1_to_float(codes) * final).to(dtype)
-        if attrs.get("columnwise_rht"):
+        row = "rowwise_data" in comps
+        if not row and attrs.get("columnwise_rht"):
             raise UnsupportedTensorError(
                 "NVFP4 columnwise-only tensor with random Hadamard transform: its values cannot be "
                 "recovered without the inverse transform; save or load the rowwise copy")
-        packed = comps["columnwise_data"]  # (M/2, N), two logical rows per byte
-        p = as_u8(packed)
-        codes = torch.stack([p & 0xF, p >> 4], dim=1).reshape(p.shape[0] * 2, p.shape[1])[: shape[0]]
-        scale = bits_as(comps["columnwise_scale_inv"], torch.float8_e4m3fn).float()
-        final = (scale * comps["amax_columnwise"].float().reshape(-1)[0]) * finv
-        final = final.repeat_interleave(16, dim=0)[: shape[0]]
+        usage = "rowwise" if row else "columnwise"
+        packed = as_u8(comps[f"{usage}_data"])  # columnwise: (M/2, N), two logical rows per byte
+        codes = (unpack_fp4(packed) if row else unpack_fp4(packed.t()).t())[tuple(map(slice, shape))]
+        amax = comps[f"amax_{usage}"].float()
+        amax = amax.reshape(*shape[:-1], 1) if row and attrs.get("row_scaled") else amax.reshape(-1)[0]
+        scale = bits_as(comps[f"{usage}_scale_inv"], torch.float8_e4m3fn).float()
+        final = (scale * amax) * finv  # TE's kernel: float(scale) * amax * (1 / (6 * e4m3_max))
+        final = repeat_blocks(final, *((1, 16) if row else (16, 1)), shape)
         return (e2m1_to_float(codes) * final).to(dtype)
 
-    def _rebuild_te(self, attrs, shape, dtype, comps):
-        te = _te_tensor_module()
-        device = next(v.device for v in comps.values())
-        return te.NVFP4Tensor(
-            shape=shape, dtype=dtype, fp4_dtype=_te_dtype(_FP4_CODE), quantizer=None,
-            with_gemm_swizzled_scales=False, row_scaled_nvfp4=bool(attrs.get("row_scaled")),
-            nvfp4_use_4over6=bool(attrs.get("use_4over6")), nvfp4_e4m3_max=int(attrs.get("e4m3_max", 448)),
-            device=device, **self._native_kwargs(attrs, comps))
+    def _te_kwargs(self, attrs, comps):
+        return {"fp4_dtype": _te_dtype(_FP4_CODE), "with_gemm_swizzled_scales": False,
+                "row_scaled_nvfp4": bool(attrs.get("row_scaled")), "nvfp4_use_4over6": bool(attrs.get("use_4over6")),
+                "nvfp4_e4m3_max": int(attrs.get("e4m3_max", 448)), **self._native_kwargs(attrs, comps)}
 
 
 def builtin_adapters() -> list[Adapter]:

@@ -56,9 +56,10 @@ class _AffineAdapter(TorchAOAdapter, RawInterchangeAdapter):
 
     _zero_point = True  # the class always carries a zero_point
     block_attributes = ("block_size",)
+    kind = ""  #: the element kind of its affine form
 
     def _kind(self, attrs: Mapping[str, Any]) -> str | None:
-        raise NotImplementedError
+        return self.kind
 
     def _form(self, attrs: Mapping[str, Any]) -> str | None:
         block = attrs.get("block_size")
@@ -130,9 +131,7 @@ class Int8TensorAdapter(_AffineAdapter):
     """``torchao.quantization.Int8Tensor`` (Int8WeightOnlyConfig / Int8DynamicActivationInt8WeightConfig v2)."""
 
     cls_name = "Int8Tensor"
-
-    def _kind(self, attrs):
-        return "int8"
+    kind = "int8"
 
     def quantize_like(self, target, hp, global_amax=None):
         mt = importlib.import_module("torchao.quantization.quant_primitives").MappingType
@@ -149,9 +148,7 @@ class Float8TensorAdapter(_AffineAdapter):
 
     cls_name = "Float8Tensor"
     _zero_point = False
-
-    def _kind(self, attrs):
-        return "float8"
+    kind = "float8"
 
     def quantize_like(self, target, hp, global_amax=None):
         return type(target).from_hp(

@@ -8,10 +8,11 @@ prefix and class name, and loaded from the fixed import paths in :data:`CLASS_PA
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -30,6 +31,11 @@ CLASS_PATHS: dict[str, str] = {
     "OptimStateFp8": "torchao.optim.subclass_fp8",
     "Int8QuantizedTrainingLinearWeight": "torchao.prototype.quantized_training.int8",
     "BitNetPacked2bitLinearWeight": "torchao.prototype.quantized_training.bitnet",
+    "WeightWithDynamicFloat8CastTensor": "torchao.float8.fsdp_utils",
+    "Float8TrainingWeightWrapperTensor": "torchao.prototype.moe_training.tensor",
+    "MXFP8TrainingWeightWrapperTensor": "torchao.prototype.moe_training.tensor",
+    "Int8MixedPrecisionTrainingLinearWeight": "torchao.prototype.quantized_training.int8_mixed_precision",
+    "BitNetTrainingLinearWeight": "torchao.prototype.quantized_training.bitnet",
 }
 
 # Enums and records that may appear in torchao attributes: class name -> (module, attribute).
@@ -63,27 +69,42 @@ def import_class(module: str, name: str) -> Any:
             f"install torchao 0.18 (pip install 'qdcp[torchao]')") from None
 
 
-class TorchAOAdapter(Adapter, OpRegisteringAdapter):
-    """Shared machinery for one torchao class that declares its data as ``TorchAOBaseTensor`` does.
+def removal(table: dict, op: Any) -> Callable[[], None]:
+    """What :meth:`~qdcp.adapters.base.OpRegisteringAdapter.add_op` returns for an entry it put in a
+    library's op ``table``: a callable that removes it, unless something replaced it since."""
+    handler = table[op]
 
-    Subclasses set :attr:`cls_name` and implement :meth:`layouts` and :meth:`quantize_like`.
-    """
+    def remove() -> None:
+        if table.get(op) is handler:
+            del table[op]
+    return remove
+
+
+class TorchAOClassAdapter(Adapter, OpRegisteringAdapter):
+    """One torchao class, recognised by name under the ``torchao`` package and imported (only when
+    an entry must be rebuilt) from :data:`CLASS_PATHS`. Subclasses set :attr:`cls_name`."""
 
     cls_name: str = ""
 
     def __init__(self) -> None:
         self.type_names = (f"torchao.{self.cls_name}",)
-        self._attribute_classes: dict[str, type] | None = None
 
-    # --- identity
     def matches(self, cls: type) -> bool:
         return cls.__name__ == self.cls_name and cls.__module__.split(".")[0] == "torchao"
 
-    def type_name(self, t):
-        return self.type_names[0]
-
     def tensor_class(self) -> type:
         return import_class(CLASS_PATHS[self.cls_name], self.cls_name)
+
+    def loaded_classes(self):
+        cls = getattr(sys.modules.get(CLASS_PATHS[self.cls_name]), self.cls_name, None)
+        return [cls] if isinstance(cls, type) and self.matches(cls) else []
+
+
+class TorchAOAdapter(TorchAOClassAdapter):
+    """Shared machinery for one torchao class that declares its data as ``TorchAOBaseTensor`` does.
+
+    Subclasses set :attr:`cls_name` and implement :meth:`layouts` and :meth:`quantize_like`.
+    """
 
     def allow_pickled(self, qualified_name: str) -> bool:
         """A pickled ``torchao...<cls_name>`` (stock DCP's save of this type): its class imported from
@@ -94,49 +115,24 @@ class TorchAOAdapter(Adapter, OpRegisteringAdapter):
         self.tensor_class()
         return True
 
-    def loaded_classes(self):
-        module = sys.modules.get(CLASS_PATHS[self.cls_name])
-        cls = getattr(module, self.cls_name, None) if module is not None else None
-        return [cls] if isinstance(cls, type) and self.matches(cls) else []
-
     def add_op(self, cls, op, impl):
         """Through ``TorchAOBaseTensor.implements``: torchao's per-class table of aten ops."""
         table = getattr(cls, "_ATEN_OP_TABLE", {}).get(cls)
         if table is None or op in table or not hasattr(cls, "implements"):
             return None
         cls.implements(op)(lambda func, types, args, kwargs: impl(func, args, kwargs))
-        handler = table[op]
-
-        def remove() -> None:
-            if table.get(op) is handler:
-                del table[op]
-        return remove
+        return removal(table, op)
 
     def attribute_classes(self) -> Mapping[str, type]:
-        if self._attribute_classes is None:
-            found = {}
-            for name, module in _ATTRIBUTE_CLASSES.items():
-                try:
-                    found[name] = getattr(importlib.import_module(module), name)
-                except (ImportError, AttributeError):
-                    pass
-            self._attribute_classes = found
-        return self._attribute_classes
+        return _attribute_classes()
 
-    # --- declarations (TorchAOBaseTensor style)
-    def _data_names(self, cls: type) -> tuple[list[str], list[str]]:
-        return list(cls.tensor_data_names), list(getattr(cls, "optional_tensor_data_names", []) or [])
-
-    def _attr_names(self, cls: type) -> list[str]:
-        return list(cls.tensor_attribute_names) + list(
-            getattr(cls, "optional_tensor_attribute_names", []) or [])
-
+    # --- what ``TorchAOBaseTensor.__tensor_flatten__`` derives from the class's declared lists: the
+    # data names (the optional ones where set) and the attributes by name
     def component_names(self, t):
-        required, optional = self._data_names(type(t))
-        return required + [n for n in optional if getattr(t, n, None) is not None]
+        return list(t.__tensor_flatten__()[0])
 
     def attributes(self, t):
-        return {n: getattr(t, n) for n in self._attr_names(type(t))}
+        return dict(t.__tensor_flatten__()[1])
 
     def dequantize(self, t, dtype=None):
         """torchao's ``dequantize``, computed in ``dtype`` where the class takes an ``output_dtype``
@@ -159,34 +155,29 @@ class TorchAOAdapter(Adapter, OpRegisteringAdapter):
         check_shape(out, stored.shape, self.cls_name)
         return out
 
-    def from_inner_buffers(self, t, buffers):
-        attrs = self.attributes(t)
-        return type(t).__tensor_unflatten__(dict(buffers), attrs, t.shape, t.stride())
 
-    def copy_into(self, target, components):
-        native = self.native_components(target)
-        missing = set(components) - set(native)
-        if missing:
-            raise LoadMismatchError(
-                f"the target {self.cls_name} has no component(s) {sorted(missing)} to load into")
-        for name, value in components.items():
-            native[name].copy_(value)
+@functools.cache
+def _attribute_classes() -> dict[str, type]:
+    """The classes of :data:`_ATTRIBUTE_CLASSES` that this torchao has."""
+    found = {}
+    for name, module in _ATTRIBUTE_CLASSES.items():
+        try:
+            found[name] = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            pass
+    return found
 
 
-_OUTPUT_DTYPE: dict[type, bool] = {}
 _REFUSED_OUTPUT: set[tuple[type, torch.dtype]] = set()
 
 
+@functools.cache
 def _takes_output_dtype(cls: type) -> bool:
     """Whether ``cls.dequantize`` takes an ``output_dtype`` argument (torchao's newer classes do)."""
-    known = _OUTPUT_DTYPE.get(cls)
-    if known is None:
-        try:
-            known = "output_dtype" in inspect.signature(cls.dequantize).parameters
-        except (TypeError, ValueError):
-            known = False
-        _OUTPUT_DTYPE[cls] = known
-    return known
+    try:
+        return "output_dtype" in inspect.signature(cls.dequantize).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def check_shape(out: torch.Tensor, shape, cls_name: str) -> None:

@@ -15,7 +15,6 @@ from qdcp.adapters.formats import (
     NVFP4_ROW16,
     as_u8,
     ceil_div,
-    mxfp8_form,
     nvfp4_decode_scale,
     swizzle_128x4,
     unswizzle_128x4,
@@ -55,16 +54,13 @@ class _BlockScaledAdapter(TorchAOAdapter, RawInterchangeAdapter):
     block_attributes = ("block_size",)
 
     def _packing(self, t) -> int:
-        raise NotImplementedError
-
-    def _plain_scale_shape(self, t) -> tuple[int, ...]:
-        return tuple(t.shape[:-1]) + (t.shape[-1] // t.block_size,)
+        """Elements per ``qdata`` item along the last dim (fp4: two a byte)."""
+        return 2
 
     def components(self, t):
         comps = super().components(t)
         if t.is_swizzled_scales:
-            rows, cols = self._plain_scale_shape(t)[-2:]
-            comps["scale"] = unswizzle_scale(t.scale, rows, cols)
+            comps["scale"] = unswizzle_scale(t.scale, t.shape[-2], t.shape[-1] // t.block_size)
         return comps
 
     def native_components(self, t):
@@ -72,9 +68,6 @@ class _BlockScaledAdapter(TorchAOAdapter, RawInterchangeAdapter):
         if t.is_swizzled_scales:
             del comps["scale"]
         return comps
-
-    def inner_buffers(self, t):
-        return TorchAOAdapter.components(self, t)
 
     def copy_into(self, target, components):
         components = dict(components)
@@ -88,8 +81,7 @@ class _BlockScaledAdapter(TorchAOAdapter, RawInterchangeAdapter):
                                   "scale": Blocked(ones + (t.block_size,))}
         for name in self.component_names(t):
             if name not in out:
-                value = getattr(t, name)
-                out[name] = _per_tensor_layout(value, t.shape)
+                out[name] = _per_tensor_layout(getattr(t, name), t.shape)
         return out
 
     def rebuild(self, stored):
@@ -123,14 +115,14 @@ class MXTensorAdapter(_BlockScaledAdapter):
 
     # Raw interchange: fp8 elements with block 32 are OCP MXFP8.
     def raw_forms_out(self, type_name, attrs):
-        form = mxfp8_form(attrs.get("elem_dtype")) if attrs.get("block_size") == 32 else None
+        form = MXFP8_FORMS.get(attrs.get("elem_dtype")) if attrs.get("block_size") == 32 else None
         return {form: ["qdata", "scale"]} if form else {}
 
     def to_raw_form(self, type_name, attrs, form, components):
         return {"data": as_u8(components["qdata"]), "scale": as_u8(components["scale"])}
 
     def raw_forms_in(self, target):
-        form = mxfp8_form(target.elem_dtype) if target.block_size == 32 else None
+        form = MXFP8_FORMS.get(target.elem_dtype) if target.block_size == 32 else None
         return (form,) if form else ()
 
     def from_raw_form(self, target, form, tensors):
@@ -151,9 +143,6 @@ class NVFP4TensorAdapter(_BlockScaledAdapter):
     per-tensor scale (quantize-on-load uses the whole tensor's amax for it)."""
 
     cls_name = "NVFP4Tensor"
-
-    def _packing(self, t):
-        return 2
 
     def needs_global_amax(self, target):
         return target.per_tensor_scale is not None

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from qdcp.adapters.base import StoredEntry
-from qdcp.adapters.torchao.base import TorchAOAdapter, import_class
+from qdcp.adapters.torchao.base import TorchAOAdapter, import_class, removal
 from qdcp.layouts import Flat, Replicated
 
 
@@ -48,6 +48,7 @@ class NF4TensorAdapter(TorchAOAdapter):
         return cls.__tensor_unflatten__(dict(stored.components), ctx, shape, stride)
 
     def from_inner_buffers(self, t, buffers):
+        # not NF4's own unflatten: its context keeps t's device (and requires_grad), not the buffers'
         return self.rebuild(StoredEntry(self.type_names[0], self.attributes(t), tuple(t.shape), t.dtype, buffers))
 
     def add_op(self, cls, op, impl):
@@ -57,12 +58,7 @@ class NF4TensorAdapter(TorchAOAdapter):
         if not isinstance(table, dict) or op in table or not callable(getattr(module, "implements", None)):
             return None
         module.implements([op])(lambda func, args, kwargs: impl(func, args, kwargs or {}))
-        handler = table[op]
-
-        def remove() -> None:
-            if table.get(op) is handler:
-                del table[op]
-        return remove
+        return removal(table, op)
 
     def needs_global_amax(self, target):
         """NF4's scaler mean (and so every scaler's code) is the whole tensor's."""

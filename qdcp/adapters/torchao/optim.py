@@ -19,15 +19,10 @@ class _OptimStateAdapter(TorchAOAdapter):
     and such an entry is dequantized by putting each block's elements back in a row."""
 
     groups_per_shard = True
-
-    def component_names(self, t):
-        return list(type(t).tensor_attrs)
+    codes_per_byte = 1
 
     def _block_size(self, t) -> int:
-        return t.codes.numel() * self._codes_per_byte() // t.scale.numel()
-
-    def _codes_per_byte(self) -> int:
-        return 1
+        return t.codes.numel() * self.codes_per_byte // t.scale.numel()
 
     def attributes(self, t):
         attrs = {"block_size": self._block_size(t), "dtype": t.dtype}
@@ -36,7 +31,7 @@ class _OptimStateAdapter(TorchAOAdapter):
         return attrs
 
     def layouts(self, t):
-        codes = Flat(2) if self._codes_per_byte() == 2 else Blocked((1,) * t.ndim)
+        codes = Flat(2) if self.codes_per_byte == 2 else Blocked((1,) * t.ndim)
         out: dict[str, Layout] = {"codes": codes, "scale": Flat(self._block_size(t))}
         if "qmap" in type(t).tensor_attrs:
             out["qmap"] = Replicated(tuple(t.qmap.shape))
@@ -66,7 +61,7 @@ class _OptimStateAdapter(TorchAOAdapter):
         grid = self._grid(stored)
         if grid is None:
             return super().dequantize_stored(stored, dtype)
-        per_byte = self._codes_per_byte()
+        per_byte = self.codes_per_byte
         codes_block = grid[:-1] + (grid[-1] // per_byte,)  # 4-bit: two codes per byte along the row
         comps = dict(stored.components)
         comps["codes"] = blocks_as_groups(comps["codes"], codes_block)
@@ -81,10 +76,6 @@ class _OptimStateAdapter(TorchAOAdapter):
         if scale.ndim < 2 or scale.ndim != len(stored.shape):
             return None
         return tuple(n // s for n, s in zip(stored.shape, scale.shape))
-
-    def from_inner_buffers(self, t, buffers):
-        flat = t.__tensor_flatten__()[1]
-        return type(t).__tensor_unflatten__(dict(buffers), flat, t.shape, t.stride())
 
     def quantize_like(self, target, hp, global_amax=None):
         out = self._new(self.attributes(target), hp.shape, target.codes.device)
@@ -102,9 +93,7 @@ class OptimState4bitAdapter(_OptimStateAdapter):
     """``torchao.optim`` 4-bit state (AdamW4bit): two codes per byte, flattened."""
 
     cls_name = "OptimState4bit"
-
-    def _codes_per_byte(self):
-        return 2
+    codes_per_byte = 2
 
 
 class OptimStateFp8Adapter(_OptimStateAdapter):
