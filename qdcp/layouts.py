@@ -1,32 +1,26 @@
 """How a component (inner buffer) of a quantized tensor shards with its logical tensor.
 
-A layout maps a chunk of the logical tensor -- ``(offsets, sizes)`` in logical coordinates, the unit
-DCP and DTensor speak in -- to the chunk of one component that holds exactly that chunk's data:
+A layout maps a chunk of the logical tensor -- ``(offsets, sizes)``, the unit DCP and DTensor
+speak in -- to the chunk of one component that holds exactly that chunk's data:
 
-- :class:`Blocked`: the component has the logical tensor's rank and one item per block of
-  ``block[d]`` logical elements along each dim ``d`` (``ceil(L/b)`` items). Element data is
-  ``Blocked((1, ..., 1))``; two fp4 values packed per byte along the last dim is
-  ``Blocked((1, ..., 2))``; a per-row scale of a ``[M, N]`` tensor is ``Blocked((1, N))``. A block
-  of ``0`` makes the component *constant along that dim*: one item shared by every element of the
-  dim (a per-expert scale of a stacked ``[n, M, N]`` group is ``Blocked((1, 0, 0))``), to which any
-  extent of the dim maps; shards that cut such a dim hold copies that must agree.
-- :class:`Flat`: the component is 1-D over the row-major flattened logical tensor, one item per
-  ``group`` elements (torchao optimizer states, NF4). Where a library groups each shard's own
-  elements (torchao's optimizer states are made per local tensor) and a shard is no row range (a
-  tensor-parallel column cut), its groups form a :class:`Blocked` grid of the logical tensor
-  instead: :meth:`Flat.on_shard` and :func:`for_shard` give it, :func:`blocks_as_groups` and
-  :func:`groups_as_blocks` convert between the two orders of the elements.
+- :class:`Blocked`: one component item per block of ``block[d]`` logical elements along each dim
+  (element data ``(1, ..., 1)``; fp4 packed two per byte ``(1, ..., 2)``; a per-row scale of
+  ``[M, N]`` ``(1, N)``); a block of ``0`` is one item for the whole dim (a per-expert scale of a
+  stacked ``[n, M, N]`` group is ``(1, 0, 0)``), whose copies shards that cut the dim must agree on.
+- :class:`Flat`: 1-D over the row-major flattened tensor, one item per ``group`` elements
+  (torchao optimizer states, NF4). Where a library groups each shard's own elements and a shard is
+  no row range (a column cut), its groups form a :class:`Blocked` grid instead (:func:`for_shard`).
 - :class:`Replicated`: every chunk needs the whole component (lookup tables, per-tensor scales).
 
-A chunk *aligned* to a layout maps to a whole number of component items. ``expand`` gives the
-smallest aligned chunk that covers a chunk (read it, dequantize, slice: exact for any boundary).
+A chunk *aligned* to a layout maps to a whole number of component items; ``expand`` gives the
+smallest aligned chunk covering a chunk (read it, dequantize, slice: exact for any boundary).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -104,32 +98,23 @@ class Blocked(Layout):
 
     def map_chunk(self, logical_shape, chunk):
         self._check_rank(logical_shape)
-        offsets, sizes = chunk
         out_o, out_s = [], []
-        for d, (o, s, b, n) in enumerate(zip(offsets, sizes, self.block, logical_shape)):
-            end = o + s
+        for d, (o, s, b, n) in enumerate(zip(*chunk, self.block, logical_shape)):
             if b == 0:  # constant along this dim: every extent needs its one item
                 out_o.append(0)
                 out_s.append(1 if s > 0 else 0)
                 continue
-            if o % b or (end % b and end != n):
-                raise AlignmentError(
-                    f"logical rows/cols [{o}, {end}) of dim {d} do not fall on blocks of {b}")
+            if o % b or ((o + s) % b and o + s != n):
+                raise AlignmentError(f"logical rows/cols [{o}, {o + s}) of dim {d} do not fall on blocks of {b}")
             out_o.append(o // b)
-            out_s.append(ceil_div(end, b) - o // b)
+            out_s.append(ceil_div(o + s, b) - o // b)
         return tuple(out_o), tuple(out_s)
 
     def expand(self, logical_shape, chunk):
         self._check_rank(logical_shape)
-        offsets, sizes = chunk
         out_o, out_s = [], []
-        for o, s, b, n in zip(offsets, sizes, self.block, logical_shape):
-            if b == 0:  # constant along this dim: no alignment needed
-                out_o.append(o)
-                out_s.append(s)
-                continue
-            lo = (o // b) * b
-            hi = min(n, ceil_div(o + s, b) * b)
+        for o, s, b, n in zip(*chunk, self.block, logical_shape):
+            lo, hi = ((o // b) * b, min(n, ceil_div(o + s, b) * b)) if b else (o, o + s)  # b 0: constant, any extent
             out_o.append(lo)
             out_s.append(hi - lo)
         return tuple(out_o), tuple(out_s)
@@ -331,32 +316,8 @@ def _aligned_cut(d: int, n: int, b: int, s: int, what: str, row_block: int) -> s
     return f"Shard({d}) over {k} ranks ({ceil_div(n, k)} {what} each), or dim {d} whole on every rank ({how})"
 
 
-_parsed: dict[tuple, Layout] = {}
-
-
 def layout_from_json(data: dict, component_shape: Sequence[int]) -> Layout:
     """Rebuild a layout recorded in a spec (``component_shape`` fills in a replicated one)."""
-    key = _cache_key(data, component_shape)  # the layouts of a checkpoint are few: parse each once
-    layout = _parsed.get(key) if key is not None else None
-    if layout is None:
-        layout = _layout_from_json(data, component_shape)
-        if key is not None and len(_parsed) < 4096:
-            _parsed[key] = layout
-    return layout
-
-
-def _cache_key(data: Any, component_shape: Sequence[int]) -> tuple | None:
-    if type(data) is not dict or type(data.get("kind")) is not str:
-        return None
-    block, group = data.get("block", ()), data.get("group")
-    if type(block) not in (list, tuple) or any(type(b) is not int for b in block) \
-            or (group is not None and type(group) is not int):
-        return None
-    return (data["kind"], tuple(block), group, tuple(sorted(data)),
-            tuple(component_shape) if data["kind"] == "replicated" else None)
-
-
-def _layout_from_json(data: dict, component_shape: Sequence[int]) -> Layout:
     kind = data.get("kind") if isinstance(data, dict) else None
     if kind == "blocked":
         block = data.get("block")
