@@ -1,21 +1,14 @@
 """Save entries: what DCP writes for each quantized key of a state dict, and each item's data.
 
-:class:`EntryPlanner` is the save side of :mod:`~qdcp.planning.key_plans`: for each key whose value
-(bare, or the local tensor of a DTensor) an adapter takes, it plans a :class:`SaveEntry`:
+For each key whose value (bare, or the local tensor of a DTensor) an adapter takes,
+:class:`EntryPlanner` plans a :class:`SaveEntry`: raw, one DCP item per component named
+``<fqn>.__qdcp__.<component>``, its chunk mapped by the component's layout; or dequantized, one
+plain item under ``<fqn>``. Wrappers around a high-precision tensor (``Adapter.unwrap``), and
+quantized tensors whose inner tensors are DTensors (saved dequantized), are put back in the state
+dict as the plain value DCP writes. :func:`merge_specs` makes one spec document of every rank's.
 
-- raw: one DCP item per component, named ``<fqn>.__qdcp__.<component>``, its chunk mapped from the
-  logical chunk by the component's layout; entries of one structure share a :class:`RawTemplate`;
-- dequantized: one plain item under ``<fqn>``;
-- wrappers around a high-precision tensor (``Adapter.unwrap``), and quantized tensors whose inner
-  tensors are DTensors (saved dequantized): a plain value put back in the state dict for DCP.
-
-Each entry's JSON spec goes into the rank's spec document; :func:`merge_specs` makes one document
-of every rank's.
-
-Each entry's data is produced once: its components (computed at planning) or its dequantized values
-(computed when first asked for: hashed at planning, or written) are kept on the entry until the
-last of its items that needs them is given to the writer (or copied to the host), then dropped
-(:meth:`EntryPlanner.release`).
+Each entry's data (its components, or its dequantized values computed when first asked for) is
+kept until the last of its items is given to the writer, then dropped (:meth:`EntryPlanner.release`).
 """
 
 from __future__ import annotations
@@ -389,7 +382,7 @@ def fall_back(plans: list[SavePlan], per_rank: list[dict | None]) -> list[SavePl
         return plans
     swap: dict[str, list[int] | None] = {}
     for key, ranks in sums.diverged([part or {"hashes": {}, "shared": []} for part in per_rank], True).items():
-        fqn = key[0].rsplit(qspec.COMPONENT_SEPARATOR, 1)[0]
+        fqn = qspec.split_item(key[0])[0]
         if fqn in whole:
             swap.setdefault(fqn, ranks)
     for fqn in _described_differently(plans, whole):
@@ -418,12 +411,15 @@ def _described_differently(plans: list[SavePlan], fqns: set[str]) -> list[str]:
     texts = [(plan.planner_data or {}).get(qspec.PLANNER_DATA_KEY) for plan in plans]
     if all(text == texts[0] for text in texts):  # (the ranks' documents alike: nothing to parse)
         return []
-    seen: dict[str, qspec.EntrySpec] = {}
-    out = []
+    return [fqn for fqn, specs in _by_key(texts).items() if fqn in fqns and any(s != specs[0] for s in specs)]
+
+
+def _by_key(texts: list[str | None]) -> dict[str, list[qspec.EntrySpec]]:
+    """The specs of each entry, one per rank's document that holds it (None: a rank with none)."""
+    out: dict[str, list[qspec.EntrySpec]] = {}
     for text in texts:
         for fqn, spec in (qspec.loads(text).items() if text else ()):
-            if fqn in fqns and seen.setdefault(fqn, spec) != spec and fqn not in out:
-                out.append(fqn)
+            out.setdefault(fqn, []).append(spec)
     return out
 
 
@@ -432,7 +428,7 @@ def _swapped(plan: SavePlan, part: dict, fqn: str, spec: qspec.EntrySpec, replac
     for old, new in replaced.items():
         if old in part["hashes"]:
             part["hashes"][sums.item_key(new)] = part["hashes"].pop(old)
-    part["shared"] = [key for key in part["shared"] if key[0].rsplit(qspec.COMPONENT_SEPARATOR, 1)[0] != fqn]
+    part["shared"] = [key for key in part["shared"] if qspec.split_item(key[0])[0] != fqn]
     planner_data = dict(plan.planner_data or {})
     text = planner_data.get(qspec.PLANNER_DATA_KEY)
     if text is not None:
@@ -452,17 +448,16 @@ def merge_specs(rank_texts: list[str | None]) -> str:
     if all(t == texts[0] for t in texts):
         return texts[0]
     merged: dict[str, qspec.EntrySpec] = {}
-    for text in texts:
-        for fqn, entry in qspec.loads(text).items():
-            other = merged.setdefault(fqn, entry)
-            if other != entry:
-                both = _describing_both(other, entry)
-                if both is None:
-                    raise LoadMismatchError(
-                        f"key {fqn!r}: ranks disagree on how it is stored ({_differences(other, entry)}); "
-                        f"every rank must hold the same type, config and mode (shards quantized each "
-                        f"with its own configuration: quantize them alike, or {_DEQUANTIZED}).")
-                merged[fqn] = both
+    for fqn, (first, *others) in _by_key(texts).items():
+        for entry in others:
+            both = first if first == entry else _describing_both(first, entry)
+            if both is None:
+                raise LoadMismatchError(
+                    f"key {fqn!r}: ranks disagree on how it is stored ({_differences(first, entry)}); "
+                    f"every rank must hold the same type, config and mode (shards quantized each "
+                    f"with its own configuration: quantize them alike, or {_DEQUANTIZED}).")
+            first = both
+        merged[fqn] = first
     return qspec.dumps(merged)
 
 
