@@ -1,22 +1,14 @@
 """All-or-nothing loads: every target is loaded into a shadow, copied in once every read is in.
 
-``QuantizedLoadPlanner(atomic=True)`` hands DCP and its load actions a shadow of each target (a copy
-of the same kind: a plain tensor, the same quantized type over fresh inner buffers, a DTensor over a
-shadow of its local tensor) and keeps the objects it reads aside. Only once this rank's last read
-has arrived and been verified are the shadows copied into the targets' own buffers and the objects
-put in place, so a load that fails (a corrupt byte, a truncated file, a mismatched entry) leaves
-every target as it was. The copy-in is plain ``copy_`` of buffers of equal shape and dtype.
-
-A plain target that DCP's own reads fill whole from stored items of a narrower dtype (a bf16
-checkpoint into fp32 targets) gets a shadow of the stored dtype instead (:meth:`Shadows.in_stored_dtype`):
-the reads land in it unconverted and the copy-in converts, as ``copy_`` into the target would have.
-
-Shadows start empty; once the load's reads are planned, :meth:`Shadows.fill_unread` copies in the
-target's values wherever the reads will not write every byte of a shadow buffer, so a target the
-load fills only in part (a partial load, a component the checkpoint does not carry, a buffer a load
-action computes) keeps the rest of its values. Cost: one extra copy of the loaded state on each
-rank, on the targets' devices, for the duration of the load, and one more copy of its bytes (the
-copy-in; see docs/benchmarks.md, *All-or-nothing load*).
+``QuantizedLoadPlanner(atomic=True)`` hands DCP and its load actions a shadow of each target (a
+plain tensor, the same quantized type over fresh inner buffers, a DTensor over a shadow of its
+local tensor) and keeps the objects it reads aside. Only once this rank's last read has arrived
+and been verified are the shadows copied (``copy_``) into the targets' buffers and the objects put
+in place, so a failed load leaves every target as it was. A plain target that DCP fills whole from
+narrower stored items gets a shadow of the stored dtype (:meth:`Shadows.in_stored_dtype`); the
+copy-in converts. Where the reads do not write all of a shadow, :meth:`Shadows.fill_unread`
+copies the target's values in first. Cost: one extra copy of the loaded state for the load's
+duration, and one more copy of its bytes (docs/benchmarks.md, *All-or-nothing load*).
 """
 
 from __future__ import annotations
@@ -29,7 +21,7 @@ import torch
 from qdcp.adapters.base import find_adapter
 from qdcp.errors import LoadMismatchError
 from qdcp.planning.placement import place, with_local
-from qdcp.staging.chunked import ChunkCopies, chunk_buffers, names_own_chunks, shadow_of
+from qdcp.staging.chunked import ChunkCopies, names_own_chunks, shadow_of
 
 __all__ = ["Shadows"]
 
@@ -89,9 +81,6 @@ class Shadows:
         if index is None:
             return None
         target, local = self._pairs[index]
-        if local.dtype == dtype:
-            return local  # already remade for an earlier key naming the same target: that buffer again
-            # (not reached today: two keys whose reads both write one buffer count twice its bytes)
         storage = local.untyped_storage()
         if dtype.itemsize >= local.dtype.itemsize or not storage.nbytes() \
                 or written.get(storage.data_ptr()) != storage.nbytes():
@@ -124,7 +113,7 @@ def _shadow_local(fqn: str, local: torch.Tensor) -> tuple[dict[str, torch.Tensor
     (filled by :meth:`Shadows.fill_unread`)."""
     adapter = find_adapter(local)
     if adapter is None and names_own_chunks(local):  # DCP's _Checkpointable protocol: its chunks
-        return shadow_of(local, fqn, copy=False)
+        return shadow_of(local, fqn)
     if adapter is None:
         if type(local) not in (torch.Tensor, torch.nn.Parameter):
             raise LoadMismatchError(
@@ -145,6 +134,6 @@ def _shadow_local(fqn: str, local: torch.Tensor) -> tuple[dict[str, torch.Tensor
 def _buffers(shadow: torch.Tensor) -> dict[str, torch.Tensor]:
     """The shadow's buffers by name (a plain tensor's under "")."""
     if isinstance(shadow, ChunkCopies):
-        return chunk_buffers(shadow)
+        return {str(n): t for n, (_, t) in enumerate(shadow.chunks)}  # as shadow_of names them
     adapter = find_adapter(shadow)
     return {"": shadow} if adapter is None else adapter.inner_buffers(shadow)
