@@ -92,10 +92,6 @@ class Blocked(Layout):
             raise CheckpointFormatError(
                 f"block {self.block} does not match a logical tensor of rank {len(logical_shape)}")
 
-    def component_shape(self, logical_shape):
-        self._check_rank(logical_shape)
-        return tuple(ceil_div(int(n), b) if b else min(int(n), 1) for n, b in zip(logical_shape, self.block))
-
     def map_chunk(self, logical_shape, chunk):
         self._check_rank(logical_shape)
         out_o, out_s = [], []
@@ -131,9 +127,6 @@ class Flat(Layout):
     """A 1-D component over the flattened logical tensor, one item per ``group`` elements."""
 
     group: int
-
-    def component_shape(self, logical_shape):
-        return (ceil_div(math.prod(logical_shape), self.group),)
 
     def map_chunk(self, logical_shape, chunk):
         offsets, sizes = chunk
@@ -181,9 +174,6 @@ class Replicated(Layout):
 
     shape: tuple[int, ...]
 
-    def component_shape(self, logical_shape):
-        return self.shape
-
     def map_chunk(self, logical_shape, chunk):
         return full_chunk(self.shape)
 
@@ -202,21 +192,14 @@ def _linear_range(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[
     # Contiguous iff: leading dims of size 1, then one partial dim, then only full dims.
     if math.prod(sizes) == 0:
         return 0, 0
-    d = 0
-    while d < len(shape) and sizes[d] == 1:
-        d += 1
-    for k in range(d + 1, len(shape)):
-        if sizes[k] != shape[k]:
-            raise AlignmentError(
-                f"chunk at offsets {tuple(offsets)} sizes {tuple(sizes)} is not contiguous in a "
-                f"tensor of shape {tuple(shape)}: only row (dim-0) shards map to a flat buffer (the nearest "
-                f"layout that works: shard it by rows only, e.g. Shard(0) where the weight is Shard(1), or "
-                f"Replicate() on the tensor-parallel mesh dimension)")
-    start, stride = 0, 1
-    for k in reversed(range(len(shape))):
-        start += offsets[k] * stride
-        stride *= shape[k]
-    return start, math.prod(sizes)
+    d = next((k for k, s in enumerate(sizes) if s != 1), len(sizes))
+    if any(sizes[k] != shape[k] for k in range(d + 1, len(shape))):
+        raise AlignmentError(
+            f"chunk at offsets {tuple(offsets)} sizes {tuple(sizes)} is not contiguous in a "
+            f"tensor of shape {tuple(shape)}: only row (dim-0) shards map to a flat buffer (the nearest "
+            f"layout that works: shard it by rows only, e.g. Shard(0) where the weight is Shard(1), or "
+            f"Replicate() on the tensor-parallel mesh dimension)")
+    return sum(o * math.prod(shape[k + 1:]) for k, o in enumerate(offsets)), math.prod(sizes)
 
 
 def for_shard(layout: Layout, logical_shape: Sequence[int], chunk: Chunk, local_shape: Sequence[int]) -> Layout:
@@ -342,15 +325,9 @@ def held_exactly(source: torch.Tensor, source_layout: Layout, shape: Sequence[in
     """Component ``source`` (read over logical ``read_chunk`` of a tensor of ``shape``, by
     ``source_layout``) as the component of a target shard ``target_chunk`` whose own layout is
     ``target_layout`` (its blocks counted from the shard's first element), where the target holds
-    the source's bits exactly; None where it cannot.
-
-    The rule (docs/api.md, *When a target gets the source's bits*): element data (blocks of single
-    elements, or of two packed along the last dim) is copied where both layouts agree and the shard
-    falls on them; a block value (a scale, a zero point) is taken for each target block from the
-    source blocks it covers, which must all hold the same value, bit for bit: a target block inside
-    one source block repeats its value; a target block over several source blocks that share one
-    value (a row's tensor-parallel shards of a per-row weight) takes it once. Replicated values are
-    copied."""
+    the source's bits exactly; None where it cannot. The rule: docs/api.md, *When a target gets the
+    source's bits* (element data copied where both layouts agree; each target block's value taken
+    from the source blocks it covers, which must hold one value, bit for bit; replicated copied)."""
     if isinstance(source_layout, Replicated) and isinstance(target_layout, Replicated):
         return source if tuple(source.shape) == tuple(target_layout.shape) else None
     if not (isinstance(source_layout, Blocked) and isinstance(target_layout, Blocked)):
