@@ -184,7 +184,6 @@ class Reblock(Requantize):
     bits where the target's blocks hold them exactly (:func:`qdcp.layouts.held_exactly`, the rule
     of docs/api.md), else dequantized and quantized like the target."""
 
-    source_layouts: Mapping[str, Layout] = dataclasses.field(default_factory=dict)
     target_layouts: Mapping[str, Layout] = dataclasses.field(default_factory=dict)
 
     def finish(self) -> None:
@@ -199,7 +198,7 @@ class Reblock(Requantize):
         read, own = self.components(), self.adapter.components(self.placed.local)
         out = {}
         for name, layout in self.target_layouts.items():
-            held = held_exactly(read[name], self.source_layouts[name], self.placed.global_shape,
+            held = held_exactly(read[name], self.source.layouts[name], self.placed.global_shape,
                                 self.read_chunk, layout, self.placed.chunk)
             if held is None or held.dtype != own[name].dtype or tuple(held.shape) != tuple(own[name].shape):
                 return None

@@ -25,7 +25,7 @@ from qdcp.adapters.base import (
     raw_conversion,
 )
 from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorError
-from qdcp.layouts import Blocked, Chunk, Flat, Layout, Replicated, grid_view, nearest_aligned
+from qdcp.layouts import Blocked, Chunk, Flat, Layout, Replicated, full_chunk, grid_view, nearest_aligned
 from qdcp.planning.actions import (
     Destination,
     FromPlain,
@@ -41,15 +41,7 @@ from qdcp.planning.actions import (
 )
 from qdcp.planning.placement import Placed, expand, is_empty, place, shard_layouts, sharded_inside, with_local
 
-__all__ = ["KeyPlan", "KeyPlanner", "GroupTarget", "Decoded"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Decoded:
-    """A stored entry's attributes (decoded with its adapter's classes) and component layouts."""
-
-    attrs: dict[str, Any]
-    layouts: dict[str, Any]
+__all__ = ["KeyPlan", "KeyPlanner", "GroupTarget"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +73,7 @@ class KeyPlanner:
         self.specs = qspec.read_specs(metadata)
         self.allow_partial_load = allow_partial_load
         self._stored = qspec.stored_components(self.md)
-        self._structures: dict[tuple, Decoded] = {}  # structure -> decoded attrs and layouts
+        self._structures: dict[str, StoredSource] = {}  # structure -> decoded attrs and layouts
         self._configs: dict[tuple, bool] = {}      # (check, structure, target structure) -> its answer
         self._members: dict[str, tuple[str, int]] | None = None
         self.temporaries = Temporaries()  # shared by this load's actions
@@ -153,8 +145,8 @@ class KeyPlanner:
                 return action
         return self._dequantizing(fqn, placed, adapter, source, src_fqn=src_fqn, decoded=decoded)
 
-    def decoded(self, source: qspec.EntrySpec, source_adapter: Adapter, fqn: str) -> Decoded:
-        """A stored entry's decoded attributes and layouts, checked once per structure."""
+    def decoded(self, source: qspec.EntrySpec, source_adapter: Adapter, fqn: str) -> StoredSource:
+        """A stored entry with its attributes decoded and its layouts checked, once per structure."""
         structure = _structure_key(source)
         known = self._structures.get(structure)
         if known is None:
@@ -162,7 +154,8 @@ class KeyPlanner:
                      for k, v in source.attrs.items()}
             layouts = qspec.layouts_of(source)
             qspec.check_component_bytes(source)
-            known = self._structures[structure] = Decoded(attrs, layouts)
+            known = self._structures[structure] = StoredSource(source.type, attrs, source.dtype, source.shape,
+                                                               layouts)
         return known
 
     def _cached(self, check, adapter: Adapter, placed: Placed, source: qspec.EntrySpec, *args) -> bool:
@@ -242,7 +235,7 @@ class KeyPlanner:
         needs the global amax), dequantized; quantized like a quantized target, or with the
         target's own layouts given as ``exact``, its bits taken where its blocks hold them."""
         _check_can_quantize(fqn, adapter, placed.local, f"a {source.type} entry")
-        attrs, layouts = decoded.attrs, decoded.layouts
+        layouts = decoded.layouts
         read_chunk = _amax_chunk(adapter, placed) or expand(layouts, source.shape, placed.chunk)
         reads = []
         for c in source.components:
@@ -251,12 +244,11 @@ class KeyPlanner:
             except AlignmentError as e:
                 raise AlignmentError(f"key {fqn!r}: component {c.name!r}: {e}") from None
             reads.append(self._read(src_fqn, source, c.name, chunk, fqn=fqn))
-        stored = StoredSource(source.type, attrs, source.dtype, tuple(source.shape), layouts)
         if adapter is None:
-            return IntoPlain(fqn, placed, tuple(reads), stored, read_chunk)
+            return IntoPlain(fqn, placed, tuple(reads), decoded, read_chunk)
         if exact is not None:
-            return Reblock(fqn, placed, tuple(reads), adapter, stored, read_chunk, layouts, exact)
-        return Requantize(fqn, placed, tuple(reads), adapter, stored, read_chunk)
+            return Reblock(fqn, placed, tuple(reads), adapter, decoded, read_chunk, exact)
+        return Requantize(fqn, placed, tuple(reads), adapter, decoded, read_chunk)
 
     def _from_plain(self, fqn, placed, adapter, src_fqn) -> FromPlain | None:
         plain_md = self.md.get(src_fqn)
@@ -389,7 +381,7 @@ def _same_groups(target: Layout, stored: Layout, shape: tuple[int, ...]) -> bool
     return False
 
 
-def _reblockable(adapter: Adapter, placed: Placed, source: qspec.EntrySpec, decoded: Decoded, fqn: str) -> bool:
+def _reblockable(adapter: Adapter, placed: Placed, source: qspec.EntrySpec, decoded: StoredSource, fqn: str) -> bool:
     """Whether a target of the source's type has the source's attributes but for its blocks
     (``adapter.block_attributes``), the same components and dtypes, every layout blocked or
     replicated on both sides: then its blocks may hold the source's bits (docs/api.md)."""
@@ -422,5 +414,5 @@ def _amax_chunk(adapter: Adapter | None, placed: Placed) -> Chunk | None:
     every rank reads it all and computes the same amax, with no collective."""
     if adapter is None or not adapter.needs_global_amax(placed.local):
         return None
-    whole = placed.whole_chunk()
+    whole = placed.whole or full_chunk(placed.global_shape)  # (one member's, for a member of a group)
     return whole if placed.chunk != whole else None

@@ -32,10 +32,6 @@ class Placed:
     is_dtensor: bool
     whole: Chunk | None = None  # the target's whole logical tensor, where it is one member of a group
 
-    def whole_chunk(self) -> Chunk:
-        """The logical chunk of the whole target tensor (one member's, for a member of a group)."""
-        return self.whole if self.whole is not None else full_chunk(self.global_shape)
-
 
 def place(value: Any) -> Placed | None:
     """Where ``value``'s data sits in its global tensor; None for non-tensors and off-mesh DTensors."""
