@@ -38,16 +38,11 @@ MAX_DIMS = 16
 MAX_DIM_SIZE = 2**48
 MAX_NAME_LEN = 4096
 
-_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-        "float4_e2m1fn_x2",
-        "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
-        "int1", "int2", "int3", "int4", "int5", "int6", "int7",
-        "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
-    )
+_DTYPES: dict[str, torch.dtype] = {  # the dtypes a spec may name (those this torch has)
+    name: getattr(torch, name) for name in (
+        "float64 float32 float16 bfloat16 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz float8_e8m0fnu "
+        "float4_e2m1fn_x2 int64 int32 int16 int8 uint8 uint16 uint32 uint64 bool int1 int2 int3 int4 int5 int6 "
+        "int7 uint1 uint2 uint3 uint4 uint5 uint6 uint7").split()
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}

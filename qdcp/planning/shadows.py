@@ -30,12 +30,8 @@ class Shadows:
     """The shadows of one load's targets, and the objects read for them, until :meth:`apply`."""
 
     def __init__(self) -> None:
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a target's buffer, its shadow's)
-        self._made: dict[int, Any] = {}   # id(target value) -> its shadow value
-        self._keep: list[Any] = []        # the targets, so their ids stay theirs until apply
-        self._deferred: list[Callable[[], None]] = []
-        self._plain: dict[int, int] = {}  # id(shadow value) -> its pair, for a plain tensor's (or DTensor's) shadow
         self._lock = threading.Lock()
+        self.clear()
 
     def of_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A copy of a flat state dict with every tensor replaced by its shadow."""
@@ -105,7 +101,11 @@ class Shadows:
 
     def clear(self) -> None:
         """Drop the shadows (after :meth:`apply`, or when the load is abandoned)."""
-        self._pairs, self._made, self._keep, self._deferred, self._plain = [], {}, [], [], {}
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a target's buffer, its shadow's)
+        self._made: dict[int, Any] = {}   # id(target value) -> its shadow value
+        self._keep: list[Any] = []        # the targets, so their ids stay theirs until apply
+        self._deferred: list[Callable[[], None]] = []
+        self._plain: dict[int, int] = {}  # id(shadow value) -> its pair, for a plain tensor's (or DTensor's) shadow
 
 
 def _shadow_local(fqn: str, local: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

@@ -176,8 +176,7 @@ class QuantizedStager:
                 self._walk(state_dict, (), seen, {})
         finally:
             self._preparing = False
-        for key in [k for k in self._buffers if k not in seen]:
-            del self._buffers[key]
+        self._buffers = {k: b for k, b in self._buffers.items() if k in seen}  # entries gone: dropped
         return self.staged_nbytes
 
     # ------------------------------------------------------------------------- staging
@@ -217,8 +216,7 @@ class QuantizedStager:
             else:
                 staged = self._walk(state_dict, (), seen, memo)
         if self.reuse_buffers:
-            for key in [k for k in self._buffers if k not in seen]:
-                del self._buffers[key]  # entries gone from the state dict
+            self._buffers = {k: b for k, b in self._buffers.items() if k in seen}  # entries gone: dropped
         out = _StagedDict(staged)
         self._last_staged = weakref.ref(out)
         return out
