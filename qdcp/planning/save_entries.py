@@ -69,10 +69,8 @@ class RawTemplate:
 
 
 class EntryPlanner:
-    """Plans the quantized keys of one rank's state dict and gives each of their items' data.
-
-    ``dequantize`` and ``dequantize_dtype`` are :class:`~qdcp.QuantizedSavePlanner`'s.
-    """
+    """Plans the quantized keys of one rank's state dict and gives each of their items' data
+    (``dequantize`` and ``dequantize_dtype``: :class:`~qdcp.QuantizedSavePlanner`'s)."""
 
     def __init__(self, dequantize: DequantizeChoice, dequantize_dtype: torch.dtype | None) -> None:
         self.dequantize = dequantize
@@ -328,18 +326,12 @@ ONE_VALUE = "one value for the whole tensor"
 def _stored_whole(adapter: Adapter, placed: Placed, attrs: dict, layouts: dict[str, Layout]):
     """A shard whose one block value spans it where torchao's slicing cut ``block_size`` to the
     shard, described as the whole tensor's (each value written once, every rank's copy compared
-    before anything is written, :func:`qdcp.checksums.diverged`), uneven cuts included:
-
-    - one block the shard's shape (a per-tensor tensor cut by rows or columns, e.g. ``[4, 16]``
-      of a 10x16 tensor): one value for the whole tensor (``block_size`` the tensor's shape);
-    - blocks spanning its columns, ``[1, shard columns]`` (a per-row weight cut by columns): blocks
-      of whole rows, each row's value shared by the shards that cut it.
-
-    ``(attrs, spec layouts, item layouts, own_blocks)``, or None where the shard is neither.
-    Where the shards' values differ (each quantized on its own), the coordinator stores each
-    shard with its own blocks instead (:func:`fall_back`) if ``own_blocks``: blocks of single
-    rows (a per-row shard of one row holds one value too); else the save is refused naming
-    the key."""
+    before anything is written, :func:`qdcp.checksums.diverged`): one block the shard's shape (a
+    per-tensor tensor cut by rows or columns) is one value for the whole tensor; blocks spanning
+    its columns (a per-row weight cut by columns) are blocks of whole rows, shared by the shards
+    that cut them. ``(attrs, spec layouts, item layouts, own_blocks)``, or None where it is
+    neither. Where the shards' values differ, :func:`fall_back` stores each shard with its own
+    blocks if ``own_blocks`` (blocks of single rows); else the save is refused naming the key."""
     names = [a for a in adapter.block_attributes if a in attrs]
     if not placed.is_dtensor or len(names) != 1 or is_empty(placed.chunk):
         return None
@@ -368,14 +360,11 @@ def _stored_whole(adapter: Adapter, placed: Placed, attrs: dict, layouts: dict[s
 
 def fall_back(plans: list[SavePlan], per_rank: list[dict | None]) -> list[SavePlan]:
     """On the coordinator: entries stored whole (:func:`_stored_whole`) whose shards hold different
-    values for what they store once (each shard quantized on its own), or whose ranks describe
-    them differently (a shard of one row stored whole beside shards of several), are stored per
-    shard instead: each rank's items and spec of that entry replaced by the ones it sent for this
-    case (``per_rank[r]["per_shard"]``; its hashes and shared items follow). A per-tensor value the
-    shards do not share is left to :class:`~qdcp.checksums.SaveHashes`' check, which refuses it
-    naming the key; where a rank's shard cannot be stored per shard (uneven cuts: no one block
-    fits every shard), the save is refused naming the key. ``per_rank``: the ranks' riders
-    (:meth:`~qdcp.checksums.SaveHashes.local` plus ``per_shard``), updated in place."""
+    values for what they store once, or whose ranks describe them differently (a shard of one row
+    beside shards of several), are stored per shard instead: each rank's items and spec of that
+    entry replaced by the ones it sent (``per_rank[r]["per_shard"]``, the riders, updated in place;
+    its hashes and shared items follow). A per-tensor value is left to :class:`~qdcp.checksums.SaveHashes`'
+    check, which refuses it; a shard with no per-shard form (uneven cuts) is refused naming the key."""
     alts = [(part or {}).get("per_shard", {}) for part in per_rank]
     whole = {fqn for alt in alts for fqn in alt}
     if not whole:
@@ -472,11 +461,9 @@ def _differences(a: qspec.EntrySpec, b: qspec.EntrySpec) -> str:
 
 
 def _describing_both(a: qspec.EntrySpec, b: qspec.EntrySpec) -> qspec.EntrySpec | None:
-    """Two ranks' specs of an entry saved dequantized whose shards' configurations differ (each
-    quantized on its own, or blocks that torchao's slicing set per shard: what the advice to save
-    such an entry dequantized is for): one spec with the attributes and facts both shards share,
-    the stored values being the same plain tensor either way. None where the two differ in more
-    than what describes the shards (the mode, type, shape or dtypes)."""
+    """Two ranks' specs of an entry saved dequantized whose shards' configurations differ (what the
+    advice to save such an entry dequantized is for): one spec with the attributes and facts both
+    share (the stored values are one plain tensor either way); None where they differ in more."""
     if a.storage != qspec.DEQUANTIZED or b.storage != qspec.DEQUANTIZED:
         return None
     if dataclasses.replace(a, attrs={}, info={}) != dataclasses.replace(b, attrs={}, info={}):

@@ -66,13 +66,10 @@ class Shadows:
                     shadow.copy_(target)
 
     def in_stored_dtype(self, shadow: Any, dtype: torch.dtype, written: dict[int, int]) -> torch.Tensor | None:
-        """The local buffer of ``shadow`` (a plain tensor's shadow, or a DTensor's over a plain
-        local) remade in ``dtype``, the stored item's, where that is narrower than the target's: the
-        reads land in it unconverted and :meth:`apply`'s copy converts, as ``copy_`` into the target
-        would have (a bf16 checkpoint into fp32 targets holds half the memory and copies once).
-        Only for a shadow the planned reads write whole (``written`` as for :meth:`fill_unread`,
-        called before: nothing of the target's is kept in it). None where it is not such a shadow.
-        """
+        """The local buffer of plain ``shadow`` (or a DTensor's) remade in the stored item's narrower
+        ``dtype``, for a shadow the planned reads write whole (``written`` as for :meth:`fill_unread`):
+        :meth:`apply`'s copy converts, as ``copy_`` into the target would have (a bf16 checkpoint
+        into fp32 targets holds half the memory). None where it is not such a shadow."""
         index = self._plain.get(id(shadow))
         if index is None:
             return None

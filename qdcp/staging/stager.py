@@ -34,11 +34,8 @@ _Path = tuple  # keys from the state dict's root to a value, e.g. ("model", "lay
 
 
 class _StagedDict(dict):
-    """The staged state dict: a plain dict that can be weakly referenced.
-
-    While it is alive an upload may still read the stager's buffers; nothing else in DCP keeps it
-    (``save`` works on a shallow copy), so its death tells the stager its buffers are free again.
-    """
+    """The staged state dict, a plain dict that can be weakly referenced: while it is alive an upload
+    may still read the stager's buffers; nothing in DCP keeps it (``save`` works on a shallow copy)."""
 
     __slots__ = ("__weakref__",)
 
@@ -111,11 +108,9 @@ class QuantizedStager:
     # ------------------------------------------------------------------------- protocol
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future:
-        """A copy of ``state_dict`` that later in-place updates of the model do not change.
-
-        Returns the staged dict, or with ``async_staging`` a Future of it. Raises
-        :class:`~qdcp.StagingError` if the previous staged dict is still in use past ``busy_timeout``.
-        """
+        """A copy of ``state_dict`` that later in-place updates of the model do not change (with
+        ``async_staging``, a Future of it); :class:`~qdcp.StagingError` if the previous staged dict
+        is still in use past ``busy_timeout``."""
         if self._closed:
             raise StagingError("this QuantizedStager is closed; create a new one")
         with contextlib.suppress(Exception):  # the last stage's copies landed; its failure is that save's own
@@ -139,10 +134,8 @@ class QuantizedStager:
             future.result()
 
     def close(self) -> None:
-        """Wait for staging, stop the background thread and drop this stager's buffers.
-
-        Uploads in flight keep the buffers they read alive on their own.
-        """
+        """Wait for staging, stop the background thread and drop this stager's buffers (uploads in
+        flight keep the buffers they read alive on their own)."""
         if self._closed:
             return
         try:
@@ -156,13 +149,10 @@ class QuantizedStager:
 
     def prepare(self, state_dict: dict[str, Any]) -> int:
         """Allocate (pinned, where an accelerator is) and touch the buffers that :meth:`stage` of
-        ``state_dict`` will copy into, copying nothing: call it once before training starts, so
-        that the first checkpoint of a run blocks no longer than the later ones (allocating pinned
-        memory is what makes a cold save slow). The buffers are exactly those a stage of a state
-        dict of the same entries, shapes and dtypes reuses (the components' bytes, no more);
-        buffers of entries not in ``state_dict`` are dropped and buffers already allocated are
-        kept untouched (an upload may still read them). Returns :attr:`staged_nbytes`.
-        """
+        ``state_dict`` will copy into, copying nothing, so that the first checkpoint of a run blocks
+        no longer than the later ones (allocating pinned memory is what makes a cold save slow).
+        Buffers of entries not in ``state_dict`` are dropped; those already allocated are kept
+        untouched (an upload may still read them). Returns :attr:`staged_nbytes`."""
         if self._closed:
             raise StagingError("this QuantizedStager is closed; create a new one")
         if not self.reuse_buffers:
