@@ -1,17 +1,13 @@
-"""DCP's own logic, reproduced where DCP has no extension point for what qdcp needs.
-
-Each function says what it copies and why. The save planner's riders -- per-rank data sent beside
-a plan in ``SavePlan.planner_data`` -- live here too, with DCP's plan caching, which must not see
-them: DCP keeps the plans it is given and compares later ones with them. Elsewhere qdcp uses DCP
-through its planner and storage interfaces plus the private names docs/versions.md lists with why
-(among them the one hook the save planner overrides, ``DefaultSavePlanner._create_global_plan``,
-which DCP's plan caching calls); this module's are listed there too.
+"""DCP's own logic, reproduced where DCP has no extension point for what qdcp needs; each function
+says what it copies and why. The save planner's riders (per-rank data sent beside a plan in
+``SavePlan.planner_data``) live here with DCP's plan caching, which must not see them. The private
+names used are listed, with why, in docs/versions.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import _version
@@ -23,7 +19,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from qdcp.layouts import Chunk
 
-__all__ = ["pre_2_4_state_dict", "read_items", "local_save_plan", "take_riders", "global_save_plan_merging"]
+__all__ = ["pre_2_4_state_dict", "read_items", "local_save_plan", "take_riders"]
 
 
 def pre_2_4_state_dict(metadata: Metadata, state_dict: dict, original_state_dict: Any,
@@ -78,25 +74,3 @@ def take_riders(plans: list[SavePlan], key: str) -> list[Any]:
     """Each plan's rider under ``key`` (None where it has none), taken out of its ``planner_data``
     in place: DCP's plan caching keeps these plans and compares later ones with them."""
     return [(plan.planner_data or {}).pop(key, None) for plan in plans]
-
-
-def global_save_plan_merging(plans: list[SavePlan], key: str, merge: Callable[[list[Any]], Any],
-                             create: Callable[[list[SavePlan]], tuple[list[SavePlan], Metadata]]
-                             ) -> tuple[list[SavePlan], Metadata]:
-    """DCP's global save planning (``create``: ``DefaultSavePlanner._create_global_plan``), with the
-    ranks' riders under ``key`` merged by ``merge`` (called first, so it can name what the ranks
-    disagree on before DCP validates the plans) into the metadata's ``planner_data[key]``: DCP's
-    own merges every plan's planner_data into one dict, keeping one rank's. The riders are taken
-    out of the plans for the call and put back after it (no copy per rank; DCP's plan caching keeps
-    these plans and compares later ones with them)."""
-    riders = take_riders(plans, key)
-    try:
-        merged = merge(riders)
-        global_plan, metadata = create(plans)
-    finally:
-        for plan, rider in zip(plans, riders):
-            if rider is not None:
-                plan.planner_data[key] = rider
-    planner_data = dict(metadata.planner_data or {})
-    planner_data[key] = merged
-    return global_plan, dataclasses.replace(metadata, planner_data=planner_data)

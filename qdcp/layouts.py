@@ -1,32 +1,26 @@
 """How a component (inner buffer) of a quantized tensor shards with its logical tensor.
 
-A layout maps a chunk of the logical tensor -- ``(offsets, sizes)`` in logical coordinates, the unit
-DCP and DTensor speak in -- to the chunk of one component that holds exactly that chunk's data:
+A layout maps a chunk of the logical tensor -- ``(offsets, sizes)``, the unit DCP and DTensor
+speak in -- to the chunk of one component that holds exactly that chunk's data:
 
-- :class:`Blocked`: the component has the logical tensor's rank and one item per block of
-  ``block[d]`` logical elements along each dim ``d`` (``ceil(L/b)`` items). Element data is
-  ``Blocked((1, ..., 1))``; two fp4 values packed per byte along the last dim is
-  ``Blocked((1, ..., 2))``; a per-row scale of a ``[M, N]`` tensor is ``Blocked((1, N))``. A block
-  of ``0`` makes the component *constant along that dim*: one item shared by every element of the
-  dim (a per-expert scale of a stacked ``[n, M, N]`` group is ``Blocked((1, 0, 0))``), to which any
-  extent of the dim maps; shards that cut such a dim hold copies that must agree.
-- :class:`Flat`: the component is 1-D over the row-major flattened logical tensor, one item per
-  ``group`` elements (torchao optimizer states, NF4). Where a library groups each shard's own
-  elements (torchao's optimizer states are made per local tensor) and a shard is no row range (a
-  tensor-parallel column cut), its groups form a :class:`Blocked` grid of the logical tensor
-  instead: :meth:`Flat.on_shard` and :func:`for_shard` give it, :func:`blocks_as_groups` and
-  :func:`groups_as_blocks` convert between the two orders of the elements.
+- :class:`Blocked`: one component item per block of ``block[d]`` logical elements along each dim
+  (element data ``(1, ..., 1)``; fp4 packed two per byte ``(1, ..., 2)``; a per-row scale of
+  ``[M, N]`` ``(1, N)``); a block of ``0`` is one item for the whole dim (a per-expert scale of a
+  stacked ``[n, M, N]`` group is ``(1, 0, 0)``), whose copies shards that cut the dim must agree on.
+- :class:`Flat`: 1-D over the row-major flattened tensor, one item per ``group`` elements
+  (torchao optimizer states, NF4). Where a library groups each shard's own elements and a shard is
+  no row range (a column cut), its groups form a :class:`Blocked` grid instead (:func:`for_shard`).
 - :class:`Replicated`: every chunk needs the whole component (lookup tables, per-tensor scales).
 
-A chunk *aligned* to a layout maps to a whole number of component items. ``expand`` gives the
-smallest aligned chunk that covers a chunk (read it, dequantize, slice: exact for any boundary).
+A chunk *aligned* to a layout maps to a whole number of component items; ``expand`` gives the
+smallest aligned chunk covering a chunk (read it, dequantize, slice: exact for any boundary).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -98,38 +92,25 @@ class Blocked(Layout):
             raise CheckpointFormatError(
                 f"block {self.block} does not match a logical tensor of rank {len(logical_shape)}")
 
-    def component_shape(self, logical_shape):
-        self._check_rank(logical_shape)
-        return tuple(ceil_div(int(n), b) if b else min(int(n), 1) for n, b in zip(logical_shape, self.block))
-
     def map_chunk(self, logical_shape, chunk):
         self._check_rank(logical_shape)
-        offsets, sizes = chunk
         out_o, out_s = [], []
-        for d, (o, s, b, n) in enumerate(zip(offsets, sizes, self.block, logical_shape)):
-            end = o + s
+        for d, (o, s, b, n) in enumerate(zip(*chunk, self.block, logical_shape)):
             if b == 0:  # constant along this dim: every extent needs its one item
                 out_o.append(0)
                 out_s.append(1 if s > 0 else 0)
                 continue
-            if o % b or (end % b and end != n):
-                raise AlignmentError(
-                    f"logical rows/cols [{o}, {end}) of dim {d} do not fall on blocks of {b}")
+            if o % b or ((o + s) % b and o + s != n):
+                raise AlignmentError(f"logical rows/cols [{o}, {o + s}) of dim {d} do not fall on blocks of {b}")
             out_o.append(o // b)
-            out_s.append(ceil_div(end, b) - o // b)
+            out_s.append(ceil_div(o + s, b) - o // b)
         return tuple(out_o), tuple(out_s)
 
     def expand(self, logical_shape, chunk):
         self._check_rank(logical_shape)
-        offsets, sizes = chunk
         out_o, out_s = [], []
-        for o, s, b, n in zip(offsets, sizes, self.block, logical_shape):
-            if b == 0:  # constant along this dim: no alignment needed
-                out_o.append(o)
-                out_s.append(s)
-                continue
-            lo = (o // b) * b
-            hi = min(n, ceil_div(o + s, b) * b)
+        for o, s, b, n in zip(*chunk, self.block, logical_shape):
+            lo, hi = ((o // b) * b, min(n, ceil_div(o + s, b) * b)) if b else (o, o + s)  # b 0: constant, any extent
             out_o.append(lo)
             out_s.append(hi - lo)
         return tuple(out_o), tuple(out_s)
@@ -146,9 +127,6 @@ class Flat(Layout):
     """A 1-D component over the flattened logical tensor, one item per ``group`` elements."""
 
     group: int
-
-    def component_shape(self, logical_shape):
-        return (ceil_div(math.prod(logical_shape), self.group),)
 
     def map_chunk(self, logical_shape, chunk):
         offsets, sizes = chunk
@@ -196,9 +174,6 @@ class Replicated(Layout):
 
     shape: tuple[int, ...]
 
-    def component_shape(self, logical_shape):
-        return self.shape
-
     def map_chunk(self, logical_shape, chunk):
         return full_chunk(self.shape)
 
@@ -217,21 +192,14 @@ def _linear_range(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[
     # Contiguous iff: leading dims of size 1, then one partial dim, then only full dims.
     if math.prod(sizes) == 0:
         return 0, 0
-    d = 0
-    while d < len(shape) and sizes[d] == 1:
-        d += 1
-    for k in range(d + 1, len(shape)):
-        if sizes[k] != shape[k]:
-            raise AlignmentError(
-                f"chunk at offsets {tuple(offsets)} sizes {tuple(sizes)} is not contiguous in a "
-                f"tensor of shape {tuple(shape)}: only row (dim-0) shards map to a flat buffer (the nearest "
-                f"layout that works: shard it by rows only, e.g. Shard(0) where the weight is Shard(1), or "
-                f"Replicate() on the tensor-parallel mesh dimension)")
-    start, stride = 0, 1
-    for k in reversed(range(len(shape))):
-        start += offsets[k] * stride
-        stride *= shape[k]
-    return start, math.prod(sizes)
+    d = next((k for k, s in enumerate(sizes) if s != 1), len(sizes))
+    if any(sizes[k] != shape[k] for k in range(d + 1, len(shape))):
+        raise AlignmentError(
+            f"chunk at offsets {tuple(offsets)} sizes {tuple(sizes)} is not contiguous in a "
+            f"tensor of shape {tuple(shape)}: only row (dim-0) shards map to a flat buffer (the nearest "
+            f"layout that works: shard it by rows only, e.g. Shard(0) where the weight is Shard(1), or "
+            f"Replicate() on the tensor-parallel mesh dimension)")
+    return sum(o * math.prod(shape[k + 1:]) for k, o in enumerate(offsets)), math.prod(sizes)
 
 
 def for_shard(layout: Layout, logical_shape: Sequence[int], chunk: Chunk, local_shape: Sequence[int]) -> Layout:
@@ -331,32 +299,8 @@ def _aligned_cut(d: int, n: int, b: int, s: int, what: str, row_block: int) -> s
     return f"Shard({d}) over {k} ranks ({ceil_div(n, k)} {what} each), or dim {d} whole on every rank ({how})"
 
 
-_parsed: dict[tuple, Layout] = {}
-
-
 def layout_from_json(data: dict, component_shape: Sequence[int]) -> Layout:
     """Rebuild a layout recorded in a spec (``component_shape`` fills in a replicated one)."""
-    key = _cache_key(data, component_shape)  # the layouts of a checkpoint are few: parse each once
-    layout = _parsed.get(key) if key is not None else None
-    if layout is None:
-        layout = _layout_from_json(data, component_shape)
-        if key is not None and len(_parsed) < 4096:
-            _parsed[key] = layout
-    return layout
-
-
-def _cache_key(data: Any, component_shape: Sequence[int]) -> tuple | None:
-    if type(data) is not dict or type(data.get("kind")) is not str:
-        return None
-    block, group = data.get("block", ()), data.get("group")
-    if type(block) not in (list, tuple) or any(type(b) is not int for b in block) \
-            or (group is not None and type(group) is not int):
-        return None
-    return (data["kind"], tuple(block), group, tuple(sorted(data)),
-            tuple(component_shape) if data["kind"] == "replicated" else None)
-
-
-def _layout_from_json(data: dict, component_shape: Sequence[int]) -> Layout:
     kind = data.get("kind") if isinstance(data, dict) else None
     if kind == "blocked":
         block = data.get("block")
@@ -381,15 +325,9 @@ def held_exactly(source: torch.Tensor, source_layout: Layout, shape: Sequence[in
     """Component ``source`` (read over logical ``read_chunk`` of a tensor of ``shape``, by
     ``source_layout``) as the component of a target shard ``target_chunk`` whose own layout is
     ``target_layout`` (its blocks counted from the shard's first element), where the target holds
-    the source's bits exactly; None where it cannot.
-
-    The rule (docs/api.md, *When a target gets the source's bits*): element data (blocks of single
-    elements, or of two packed along the last dim) is copied where both layouts agree and the shard
-    falls on them; a block value (a scale, a zero point) is taken for each target block from the
-    source blocks it covers, which must all hold the same value, bit for bit: a target block inside
-    one source block repeats its value; a target block over several source blocks that share one
-    value (a row's tensor-parallel shards of a per-row weight) takes it once. Replicated values are
-    copied."""
+    the source's bits exactly; None where it cannot. The rule: docs/api.md, *When a target gets the
+    source's bits* (element data copied where both layouts agree; each target block's value taken
+    from the source blocks it covers, which must hold one value, bit for bit; replicated copied)."""
     if isinstance(source_layout, Replicated) and isinstance(target_layout, Replicated):
         return source if tuple(source.shape) == tuple(target_layout.shape) else None
     if not (isinstance(source_layout, Blocked) and isinstance(target_layout, Blocked)):

@@ -1,20 +1,8 @@
 """How one checkpoint entry is loaded into one target: a small frozen class per way.
 
-The load planner decides, for every target it handles, one action; the action says which items
-it reads (:class:`ItemRead`: checkpoint item, chunk, destination buffer) and how it finishes once
-they are all in (:meth:`LoadAction.finish`), updating the target in place.
-
-- :class:`InPlace`: raw, same type and config; components land in the target's native buffers
-  (temporaries, where the canonical form is not the native one, are copied in by the adapter).
-- :class:`RawCopy`: raw, another type holding the same bits; the adapters' raw conversion.
-- :class:`Requantize`: raw, another format or config; dequantized, then quantized like the target.
-- :class:`Reblock`: raw, the same type with other scale blocks (or a shard across the source's):
-  the source's bits where the target's blocks hold them, else as :class:`Requantize`.
-- :class:`IntoPlain`: raw into a plain tensor; dequantized (in the target's precision if wider).
-- :class:`FromPlain`: plain into a quantized tensor, quantized like it (or into a plain member of
-  a group stored under another key).
-
-A plain entry into a plain target is not an action: DCP's own path loads it.
+Each action says which items it reads (:class:`ItemRead`: checkpoint item, chunk, destination
+buffer) and how it finishes once they are all in (:meth:`LoadAction.finish`), updating the target
+in place. A plain entry into a plain target is no action: DCP's own path loads it.
 """
 
 from __future__ import annotations
@@ -68,8 +56,7 @@ class Destination:
     at its first use (the read, not the plan: only the entries being read hold temporaries) and
     given back when its action has finished."""
 
-    def __init__(self, shape, dtype: torch.dtype, own: torch.Tensor | None = None,
-                 pool: Temporaries | None = None) -> None:
+    def __init__(self, shape, dtype: torch.dtype, own: torch.Tensor | None, pool: Temporaries) -> None:
         self.shape, self.dtype, self._tensor, self.temporary = tuple(shape), dtype, own, own is None
         self._pool = pool
         self._lock = threading.Lock()
@@ -79,15 +66,14 @@ class Destination:
         if self._tensor is None:
             with self._lock:
                 if self._tensor is None:
-                    self._tensor = self._pool.take(self.shape, self.dtype) if self._pool is not None \
-                        else torch.empty(self.shape, dtype=self.dtype)
+                    self._tensor = self._pool.take(self.shape, self.dtype)
         return self._tensor
 
     def release(self, held: set[int] | None) -> None:
         """Drop a temporary; it goes back to the pool unless the target may hold its memory
         (``held``: the storages of the target's buffers, None if unknown)."""
         tensor, self._tensor = self._tensor, (None if self.temporary else self._tensor)
-        if self.temporary and tensor is not None and self._pool is not None and held is not None \
+        if self.temporary and tensor is not None and held is not None \
                 and tensor.untyped_storage().data_ptr() not in held:
             self._pool.give(tensor)
 
@@ -198,7 +184,6 @@ class Reblock(Requantize):
     bits where the target's blocks hold them exactly (:func:`qdcp.layouts.held_exactly`, the rule
     of docs/api.md), else dequantized and quantized like the target."""
 
-    source_layouts: Mapping[str, Layout] = dataclasses.field(default_factory=dict)
     target_layouts: Mapping[str, Layout] = dataclasses.field(default_factory=dict)
 
     def finish(self) -> None:
@@ -213,7 +198,7 @@ class Reblock(Requantize):
         read, own = self.components(), self.adapter.components(self.placed.local)
         out = {}
         for name, layout in self.target_layouts.items():
-            held = held_exactly(read[name], self.source_layouts[name], self.placed.global_shape,
+            held = held_exactly(read[name], self.source.layouts[name], self.placed.global_shape,
                                 self.read_chunk, layout, self.placed.chunk)
             if held is None or held.dtype != own[name].dtype or tuple(held.shape) != tuple(own[name].shape):
                 return None

@@ -8,6 +8,7 @@ to DCP's own path. Every check that metadata allows is made here, before anythin
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from qdcp.adapters.base import (
     raw_conversion,
 )
 from qdcp.errors import AlignmentError, LoadMismatchError, UnsupportedTensorError
-from qdcp.layouts import Blocked, Chunk, Flat, Layout, Replicated, grid_view, nearest_aligned
+from qdcp.layouts import Blocked, Chunk, Flat, Layout, Replicated, full_chunk, grid_view, nearest_aligned
 from qdcp.planning.actions import (
     Destination,
     FromPlain,
@@ -40,15 +41,7 @@ from qdcp.planning.actions import (
 )
 from qdcp.planning.placement import Placed, expand, is_empty, place, shard_layouts, sharded_inside, with_local
 
-__all__ = ["KeyPlan", "KeyPlanner", "GroupTarget", "Decoded"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Decoded:
-    """A stored entry's attributes (decoded with its adapter's classes) and component layouts."""
-
-    attrs: dict[str, Any]
-    layouts: dict[str, Any]
+__all__ = ["KeyPlan", "KeyPlanner", "GroupTarget"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +73,8 @@ class KeyPlanner:
         self.specs = qspec.read_specs(metadata)
         self.allow_partial_load = allow_partial_load
         self._stored = qspec.stored_components(self.md)
-        self._structures: dict[tuple, Decoded] = {}  # structure -> decoded attrs and layouts
-        self._configs: dict[tuple, bool] = {}      # (structure, target structure) -> same config?
+        self._structures: dict[str, StoredSource] = {}  # structure -> decoded attrs and layouts
+        self._configs: dict[tuple, bool] = {}      # (check, structure, target structure) -> its answer
         self._members: dict[str, tuple[str, int]] | None = None
         self.temporaries = Temporaries()  # shared by this load's actions
 
@@ -133,13 +126,14 @@ class KeyPlanner:
         qspec.check_items(source, self.md, self._stored.get(src_fqn, set()), key=fqn)
         if is_empty(placed.chunk):
             return None
-        if adapter is not None and self._same_config(adapter, placed, source, fqn):
+        if adapter is not None and self._cached(_same_config, adapter, placed, source, fqn):
             try:
                 return self._in_place(fqn, placed, adapter, source, src_fqn=src_fqn, layouts=decoded.layouts)
             except AlignmentError:  # the shard cuts the source's blocks: quantized like it, where it can be
                 if adapter.quantize_unsupported(placed.local):
                     raise
-        if adapter is not None and self._reblockable(adapter, placed, source, decoded, fqn):
+        if adapter is not None and adapter.block_attributes and adapter.type_name(placed.local) == source.type \
+                and self._cached(_reblockable, adapter, placed, source, decoded, fqn):
             return self._dequantizing(fqn, placed, adapter, source, src_fqn=src_fqn, decoded=decoded,
                                       exact=adapter.layouts(placed.local))
         if adapter is not None:
@@ -151,8 +145,8 @@ class KeyPlanner:
                 return action
         return self._dequantizing(fqn, placed, adapter, source, src_fqn=src_fqn, decoded=decoded)
 
-    def decoded(self, source: qspec.EntrySpec, source_adapter: Adapter, fqn: str) -> Decoded:
-        """A stored entry's decoded attributes and layouts, checked once per structure."""
+    def decoded(self, source: qspec.EntrySpec, source_adapter: Adapter, fqn: str) -> StoredSource:
+        """A stored entry with its attributes decoded and its layouts checked, once per structure."""
         structure = _structure_key(source)
         known = self._structures.get(structure)
         if known is None:
@@ -160,30 +154,19 @@ class KeyPlanner:
                      for k, v in source.attrs.items()}
             layouts = qspec.layouts_of(source)
             qspec.check_component_bytes(source)
-            known = self._structures[structure] = Decoded(attrs, layouts)
+            known = self._structures[structure] = StoredSource(source.type, attrs, source.dtype, source.shape,
+                                                               layouts)
         return known
 
-    def _same_config(self, adapter: Adapter, placed: Placed, source: qspec.EntrySpec, fqn: str) -> bool:
+    def _cached(self, check, adapter: Adapter, placed: Placed, source: qspec.EntrySpec, *args) -> bool:
+        """``check(adapter, placed, source, *args)``, once per source and target structure."""
         t = placed.local
-        key = (_structure_key(source), type(t), repr(adapter.attributes(t)),
+        key = (check, _structure_key(source), type(t), repr(adapter.attributes(t)),
                tuple((n, tuple(v.shape), v.dtype) for n, v in adapter.components(t).items()),
                placed.chunk[1] if adapter.groups_per_shard else None)  # a column cut regroups (for_shard)
-        same = self._configs.get(key)
-        if same is None:
-            same = self._configs[key] = _same_config(adapter, placed, source, fqn)
-        return same
-
-    def _reblockable(self, adapter: Adapter, placed: Placed, source: qspec.EntrySpec, decoded: Decoded,
-                     fqn: str) -> bool:
-        """Whether the target may hold the source's bits in other blocks (cached per structure)."""
-        if not adapter.block_attributes or adapter.type_name(placed.local) != source.type:
-            return False
-        t = placed.local
-        key = ("reblock", _structure_key(source), type(t), repr(adapter.attributes(t)),
-               tuple((n, tuple(v.shape), v.dtype) for n, v in adapter.components(t).items()))
         known = self._configs.get(key)
         if known is None:
-            known = self._configs[key] = _reblockable(adapter, t, source, decoded, fqn)
+            known = self._configs[key] = check(adapter, placed, source, *args)
         return known
 
     def _read(self, src_fqn: str, source: qspec.EntrySpec, name: str, chunk: Chunk, *, fqn: str,
@@ -252,7 +235,7 @@ class KeyPlanner:
         needs the global amax), dequantized; quantized like a quantized target, or with the
         target's own layouts given as ``exact``, its bits taken where its blocks hold them."""
         _check_can_quantize(fqn, adapter, placed.local, f"a {source.type} entry")
-        attrs, layouts = decoded.attrs, decoded.layouts
+        layouts = decoded.layouts
         read_chunk = _amax_chunk(adapter, placed) or expand(layouts, source.shape, placed.chunk)
         reads = []
         for c in source.components:
@@ -261,12 +244,11 @@ class KeyPlanner:
             except AlignmentError as e:
                 raise AlignmentError(f"key {fqn!r}: component {c.name!r}: {e}") from None
             reads.append(self._read(src_fqn, source, c.name, chunk, fqn=fqn))
-        stored = StoredSource(source.type, attrs, source.dtype, tuple(source.shape), layouts)
         if adapter is None:
-            return IntoPlain(fqn, placed, tuple(reads), stored, read_chunk)
+            return IntoPlain(fqn, placed, tuple(reads), decoded, read_chunk)
         if exact is not None:
-            return Reblock(fqn, placed, tuple(reads), adapter, stored, read_chunk, layouts, exact)
-        return Requantize(fqn, placed, tuple(reads), adapter, stored, read_chunk)
+            return Reblock(fqn, placed, tuple(reads), adapter, decoded, read_chunk, exact)
+        return Requantize(fqn, placed, tuple(reads), adapter, decoded, read_chunk)
 
     def _from_plain(self, fqn, placed, adapter, src_fqn) -> FromPlain | None:
         plain_md = self.md.get(src_fqn)
@@ -281,7 +263,7 @@ class KeyPlanner:
                 f"key {fqn!r}: checkpoint shape {tuple(plain_md.size)} != target shape {placed.global_shape}")
         _check_can_quantize(fqn, adapter, placed.local, "a plain tensor")
         read_chunk = _amax_chunk(adapter, placed) or placed.chunk
-        temp = Destination(read_chunk[1], plain_md.properties.dtype, pool=self.temporaries)
+        temp = Destination(read_chunk[1], plain_md.properties.dtype, None, self.temporaries)
         return FromPlain(fqn, placed, (ItemRead(fqn, src_fqn, plain_md, read_chunk, temp),), adapter, read_chunk)
 
     # ------------------------------------------------------------------ groups
@@ -330,21 +312,22 @@ class KeyPlanner:
         members = group_adapter.members(placed.local) if group_adapter is not None else None
         if adapter is None and placed.local.ndim >= 2:
             members = list(placed.local.unbind(0))  # a plain [n, ...] stack
-        naming = group_adapter if group_adapter is not None else _PLAIN_STACK
+        # a plain [n, ...] stack names its members as GroupAdapter.member_key does by default
+        member_key = group_adapter.member_key if group_adapter is not None else partial(GroupAdapter.member_key, None)
         first = placed.chunk[0][0] if placed.chunk[0] else 0
-        first_key = naming.member_key(fqn, first)
+        first_key = member_key(fqn, first)
         if members is None or (first_key not in self.md and first_key not in self.specs):
             return None
         if placed.is_dtensor and (any(placed.chunk[0][1:]) or placed.chunk[1][1:] != placed.global_shape[1:]
                                   or len(members) != placed.chunk[1][0]):
             raise LoadMismatchError(
-                f"key {fqn!r}: the checkpoint stores this group by member ({naming.member_key(fqn, 0)}, "
-                f"{naming.member_key(fqn, 1)}, ...); a "
+                f"key {fqn!r}: the checkpoint stores this group by member ({member_key(fqn, 0)}, "
+                f"{member_key(fqn, 1)}, ...); a "
                 f"sharded target must split whole members (Shard(0) of a stacked [n, ...] tensor), "
                 f"but this rank holds the chunk {placed.chunk} of {placed.global_shape}")
         actions, to_dcp, handled = [], {}, []
         for j, member in enumerate(members):
-            key = naming.member_key(fqn, first + j)
+            key = member_key(fqn, first + j)
             source = self.specs.get(key)
             if source is not None and source.storage == qspec.DEQUANTIZED:
                 source = None
@@ -360,22 +343,10 @@ class KeyPlanner:
         return KeyPlan(tuple(actions), to_dcp, tuple(handled), group)
 
 
-class _PlainStack:
-    """How a plain ``[n, ...]`` stack names its members: :meth:`GroupAdapter.member_key`'s default."""
-
-    member_key = GroupAdapter.member_key
-
-
-_PLAIN_STACK = _PlainStack()
-
-
-def _structure_key(entry: qspec.EntrySpec) -> tuple:
-    """A hashable summary of everything in an entry's spec but its key (entries of one model's
-    layers share it, and so the planning work done for it)."""
-    if entry.structure:  # parsed from JSON: its text already is that summary
-        return (entry.structure,)
-    return (entry.storage, entry.type, entry.shape, entry.dtype, repr(entry.attrs),
-            tuple((c.name, c.shape, c.dtype, repr(c.layout)) for c in entry.components))
+def _structure_key(entry: qspec.EntrySpec) -> str:
+    """Everything in an entry's spec but its key (entries of one model's layers share it, and so
+    the planning work done for it): the JSON it was parsed from."""
+    return entry.structure or repr(entry)
 
 
 def _same_config(adapter: Adapter, placed: Placed, source: qspec.EntrySpec, fqn: str) -> bool:
@@ -410,10 +381,11 @@ def _same_groups(target: Layout, stored: Layout, shape: tuple[int, ...]) -> bool
     return False
 
 
-def _reblockable(adapter: Adapter, t: torch.Tensor, source: qspec.EntrySpec, decoded: Decoded, fqn: str) -> bool:
-    """Whether target ``t`` is the source's type with the source's attributes but for its blocks
+def _reblockable(adapter: Adapter, placed: Placed, source: qspec.EntrySpec, decoded: StoredSource, fqn: str) -> bool:
+    """Whether a target of the source's type has the source's attributes but for its blocks
     (``adapter.block_attributes``), the same components and dtypes, every layout blocked or
     replicated on both sides: then its blocks may hold the source's bits (docs/api.md)."""
+    t = placed.local
     attrs, layouts = describe_tensor(t, adapter, fqn)
     blocks = adapter.block_attributes
     if not qspec.same_attrs({k: v for k, v in attrs.items() if k not in blocks},
@@ -442,5 +414,5 @@ def _amax_chunk(adapter: Adapter | None, placed: Placed) -> Chunk | None:
     every rank reads it all and computes the same amax, with no collective."""
     if adapter is None or not adapter.needs_global_amax(placed.local):
         return None
-    whole = placed.whole_chunk()
+    whole = placed.whole or full_chunk(placed.global_shape)  # (one member's, for a member of a group)
     return whole if placed.chunk != whole else None

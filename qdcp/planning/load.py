@@ -31,31 +31,22 @@ from qdcp.storage.metadata import load_object
 __all__ = ["QuantizedLoadPlanner"]
 
 
-# Objects whose unpickling runs no code, allowed beside torch's weights-only types: what trainers
-# checkpoint as non-tensor state (torchtitan's TrainState keeps its losses in a BytesIO).
 class QuantizedLoadPlanner(DefaultLoadPlanner):
-    """A :class:`~torch.distributed.checkpoint.DefaultLoadPlanner` that fills whatever the target holds.
+    """A :class:`~torch.distributed.checkpoint.DefaultLoadPlanner` that fills whatever the target holds
+    (docs/api.md, *QuantizedLoadPlanner*): quantized or plain targets, from raw, dequantized or
+    plain entries, at any sharding, updated in place. ``weights_only`` (default True) loads objects
+    with ``torch.load(weights_only=True)``. ``checksums``: every item read whole is checked against
+    the save's record, unless the storage reader verifies every item itself. ``atomic``: a failed
+    load leaves every target as it was (:mod:`qdcp.planning.shadows`). ``loaded_keys`` and
+    ``missing_keys`` say which target keys the checkpoint had; a partial load matching none warns.
 
-    Quantized or plain targets, from raw, dequantized or plain checkpoint entries, at any sharding,
-    updated in place (their objects are kept). ``weights_only`` (default True) loads non-tensor
-    objects with ``torch.load(weights_only=True)``, so a checkpoint cannot run code; pass False only
-    for checkpoints you trust. ``checksums`` (default True): every item read whole is checked
-    against the checksum the save recorded (:class:`~qdcp.ChecksumError`); items read in part are
-    checked by :class:`~qdcp.CheckpointReader`. ``atomic`` (default False, DCP's in-place load):
-    True loads into copies of the targets and copies them in only once every read of this rank has
-    arrived and been verified, so a failed load leaves every target as it was (:mod:`qdcp.planning.shadows`;
-    costs one copy of the loaded state). With ``allow_partial_load``, ``loaded_keys`` and
-    ``missing_keys`` say which target keys the checkpoint had; a load that matches none warns.
-
-    DCP calls, in order, on every rank: ``set_up_planner`` (plans every target key against the
-    checkpoint's metadata: ``_actions`` holds the :mod:`qdcp.planning.actions` by target key, ``_by_item``
-    the action each planned item name feeds, ``_handled`` the checkpoint keys they account for;
-    keys left in ``state_dict`` go DCP's own way); ``create_local_plan`` (DCP's reads, plus each
-    action's); ``finish_plan`` (``_pending`` counts the reads each action still waits for); then,
-    per read, ``resolve_tensor`` (the action's buffer; a temporary is taken here) and
-    ``commit_tensor`` (checksum; the action's ``finish`` once its last read is in, its temporaries
-    handed on, and a group's ``members_loaded`` after its last member), or ``load_bytes`` for
-    objects. The idle temporaries are dropped when the last action has finished.
+    DCP calls, in order, on every rank: ``set_up_planner`` (every target key planned against the
+    metadata: ``_actions`` by target key, ``_by_item`` the action each planned item name feeds,
+    ``_handled`` the checkpoint keys they account for; keys left in ``state_dict`` go DCP's own
+    way); ``create_local_plan`` (DCP's reads plus each action's); ``finish_plan`` (``_pending``
+    counts each action's reads); then per read ``resolve_tensor`` and ``commit_tensor`` (checksum;
+    the action's ``finish`` after its last read, and a group's ``members_loaded`` after its last
+    member), or ``load_bytes`` for objects. Idle temporaries are dropped after the last read.
     """
 
     def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
@@ -66,10 +57,17 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self.weights_only = weights_only
         self.checksums = bool(checksums)
         self.atomic = bool(atomic)
-        self._shadows: Shadows | None = None
-        self._narrowed: dict[str, torch.Tensor] = {}
-        self._reads_left = 0
+        self._lock = threading.Lock()
+        self._temporaries = Temporaries()
+        self._start(sums.ReadVerifier(None))
+
+    def _start(self, verify: sums.ReadVerifier) -> None:
+        """A load's state, empty (made again by each ``set_up_planner``)."""
+        self._verify = verify
+        self._shadows = Shadows() if self.atomic else None
+        self._narrowed: dict[str, torch.Tensor] = {}  # plain shadows remade in the stored dtype
         self._streams: set = set()  # CUDA streams with copies from pinned buffers left running
+        self._reads_left = 0
         self.loaded_keys: list[str] = []   #: target keys the checkpoint holds (after planning)
         self.missing_keys: list[str] = []  #: target keys it lacks (a partial load skips them)
         #: checkpoint entries no rank's target asked for (after global planning, on the coordinator only)
@@ -78,12 +76,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self._actions: dict[str, LoadAction] = {}
         self._by_item: dict[str, _Dest] = {}
         self._handled: set[str] = set()
-        self._pending: dict[str, int] = {}
-        self._actions_open = 0  # actions with reads yet to come
-        self._temporaries = Temporaries()
-        self._groups: dict[str, _Group] = {}  # action key -> its group, where filled member by member
-        self._lock = threading.Lock()
-        self._verify = sums.ReadVerifier(None)
+        self._pending: dict[str, int] = {}  # action key -> its reads yet to come
+        self._groups: dict[str, GroupTarget] = {}  # action key -> its group, where filled member by member
+        self._group_left: dict[int, int] = {}  # id(group) -> its member actions yet to finish
 
     @property
     def hashed_items(self) -> int:
@@ -111,13 +106,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         super().set_up_planner(state_dict, metadata, is_coordinator)
         # the one rule: a reader that verifies every item says so (qdcp's); with any other, this planner does
         reader_verifies = getattr(metadata.storage_meta, "verifies_items", False)
-        self._verify = sums.ReadVerifier(sums.record(metadata) if self.checksums and not reader_verifies else None,
-                                         atomic=self.atomic)
-        self._actions, self._by_item, self._handled, self._groups = {}, {}, set(), {}
-        self._shadows = Shadows() if self.atomic else None
-        self._narrowed, self._streams = {}, set()
+        self._start(sums.ReadVerifier(sums.record(metadata) if self.checksums and not reader_verifies else None,
+                                      atomic=self.atomic))
         keys = KeyPlanner(metadata, allow_partial_load=self.allow_partial_load)
-        self.loaded_keys, self.missing_keys, self.unread_keys, self.read_bytes = [], [], [], 0
         self._target_keys = list(self.state_dict)
         with planning(), _missing_key_hint(self._target_keys, metadata, keys.specs):
             if self._shadows is not None:
@@ -140,12 +131,13 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self._handled.update(plan.handled)
         if fqn not in plan.to_dcp:
             self._handled.add(fqn)
-        group = _Group(plan.group, len(plan.actions)) if plan.group is not None else None
+        if plan.group is not None:
+            self._group_left[id(plan.group)] = len(plan.actions)
         for action in plan.actions:
             self._actions[action.fqn] = action
             self._by_item.update({r.item: _Dest(action, r) for r in action.reads})
-            if group is not None:
-                self._groups[action.fqn] = group
+            if plan.group is not None:
+                self._groups[action.fqn] = plan.group
 
     def create_local_plan(self) -> LoadPlan:
         with planning():
@@ -180,7 +172,6 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             hit = self._by_item.get(item.dest_index.fqn)
             if hit is not None:
                 self._pending[hit.action.fqn] += 1
-        self._actions_open = sum(1 for n in self._pending.values() if n)
         self._reads_left = len(new_plan.items)
         with planning():
             self._verify.plan(new_plan.items)
@@ -253,6 +244,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         streams, self._streams = self._streams, set()
         for stream in streams:
             stream.synchronize()
+        self._temporaries.clear()  # every action has finished: no idle temporary is kept past the load
         if self._shadows is not None:
             self._shadows.apply()
 
@@ -283,14 +275,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             action.finish()
             self._verify.finished(action.fqn)
             action.release()
-            with self._lock:
-                self._actions_open -= 1
-                last = self._actions_open == 0
-            if last:
-                self._temporaries.clear()  # the last one: nothing is kept past the load
             group = self._groups.get(action.fqn)
-            if group is not None and group.one_done(self._lock):
-                group.target.adapter.members_loaded(group.target.target)
+            if group is not None and self._count_down(self._group_left, id(group)):
+                group.adapter.members_loaded(group.target)
 
     def _count_down(self, counts: dict[str, int], key: str) -> bool:
         with self._lock:
@@ -320,19 +307,6 @@ class _Dest:
 
     action: LoadAction
     read: ItemRead
-
-
-@dataclasses.dataclass
-class _Group:
-    """A group target filled member by member, and how many member actions are still to finish."""
-
-    target: GroupTarget
-    pending: int
-
-    def one_done(self, lock: threading.Lock) -> bool:
-        with lock:
-            self.pending -= 1
-            return self.pending == 0
 
 
 def _check_is_load(metadata) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import math
 from typing import Any
 
@@ -17,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from qdcp.errors import AlignmentError
 from qdcp.layouts import Chunk, Layout, for_shard, full_chunk, relative
+from qdcp.spec import no_gc
 
 __all__ = ["Placed", "place", "sharded_inside", "with_local", "planning", "is_empty", "relative", "expand",
            "shard_layouts"]
@@ -31,10 +31,6 @@ class Placed:
     global_shape: tuple[int, ...]
     is_dtensor: bool
     whole: Chunk | None = None  # the target's whole logical tensor, where it is one member of a group
-
-    def whole_chunk(self) -> Chunk:
-        """The logical chunk of the whole target tensor (one member's, for a member of a group)."""
-        return self.whole if self.whole is not None else full_chunk(self.global_shape)
 
 
 def place(value: Any) -> Placed | None:
@@ -67,16 +63,9 @@ def with_local(value: Any, local: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def planning():
     """Plan without routing every ``.shape``/``.dtype`` of a tensor subclass through its
-    ``__torch_function__`` (planning reads metadata only), and without cyclic GC passes over the
-    model's live objects every few hundred small allocations; both made planning 2-4x slower."""
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with torch._C.DisableTorchFunctionSubclass():
-            yield
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    ``__torch_function__`` (planning reads metadata only; it made planning 2-4x slower), nor GC."""
+    with no_gc(), torch._C.DisableTorchFunctionSubclass():
+        yield
 
 
 def is_empty(chunk: Chunk) -> bool:

@@ -1,16 +1,9 @@
-"""The save planner: DCP's save call order, with quantized entries planned by an :class:`EntryPlanner`.
-
-:class:`QuantizedSavePlanner` subclasses DCP's default save planner and behaves exactly like it on
-plain tensors and non-tensor objects. Quantized entries (found through the adapter registry, bare or
-as the local tensor of a DTensor) are planned by :mod:`~qdcp.planning.save_entries`: raw, one DCP
-item per component plus the entry's JSON spec in ``Metadata.planner_data["__qdcp__"]``, or
-dequantized, one plain item. Items are hashed and ranks compared by :class:`qdcp.checksums.SaveHashes`;
-the per-save data sent beside the plans is handled as DCP's plan caching needs
-(:mod:`qdcp.dcp_copies`).
-"""
+"""The save planner: DCP's save call order, with quantized entries planned by an :class:`EntryPlanner`
+(:mod:`~qdcp.planning.save_entries`) and items hashed and ranks compared by :class:`qdcp.checksums.SaveHashes`."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from typing import Any
 
@@ -33,40 +26,29 @@ _SUMS_KEY = "__qdcp_sums__"  # per-rank item hashes and shared component items; 
 
 
 class QuantizedSavePlanner(DefaultSavePlanner):
-    """A :class:`~torch.distributed.checkpoint.DefaultSavePlanner` that also saves quantized tensors.
+    """A :class:`~torch.distributed.checkpoint.DefaultSavePlanner` that also saves quantized tensors
+    (docs/api.md, *QuantizedSavePlanner*).
 
     Args:
         dequantize: False (default) stores quantized entries raw; True stores them as plain tensors
             of their logical dtype; a callable ``(fqn, tensor) -> bool`` chooses per entry.
         dequantize_dtype: dtype of dequantized entries (default: each entry's logical dtype).
         checksums: with a storage writer that does not hash what it writes (DCP's own), hash every
-            item here (XXH3-64 of the data the writer is given, the staged copy in an async save),
-            at planning, device tensors copied to the host then (the one copy the writer would
-            make) and kept until written, into the checkpoint's metadata (default True). qdcp's
-            writers hash each item as they write it and make the record themselves (they say so
-            in the ``StorageMeta`` they give DCP: ``QdcpStorageMeta.hashes_items``).
-        overwrite: with a storage writer of DCP's own (``checkpoint_id=path``), a checkpoint already
-            at that local path is refused (``FileExistsError``, before anything is written) unless
-            True; DCP itself writes over it in place. qdcp's writers (``qdcp.save``,
-            :class:`CheckpointWriter`) decide this themselves, by their own ``overwrite``.
-        check_replicas: every rank's copy of a replicated chunk (HSDP's replicate dimension, a
-            tensor-parallel-replicated scale, a ``Replicate()`` DTensor) is hashed and compared
-            before anything is written; diverged replicas raise :class:`~qdcp.ReplicaMismatchError`
-            naming the keys, chunks and ranks, instead of DCP silently writing one rank's copy.
-            Costs a hash of every item at planning on its rank (besides the one qdcp's writers take
-            as they write; with another writer and ``checksums`` the same hash serves both).
+            item here, device tensors copied to the host then and kept until written (default
+            True). qdcp's writers hash as they write (``QdcpStorageMeta.hashes_items``).
+        overwrite: with a storage writer of DCP's own, a checkpoint already at that local path is
+            refused (``FileExistsError``, before anything is written) unless True. qdcp's writers
+            decide this by their own ``overwrite``.
+        check_replicas: every rank's copy of a replicated chunk is hashed and compared before
+            anything is written; diverged replicas raise :class:`~qdcp.ReplicaMismatchError`.
         **kwargs: passed to ``DefaultSavePlanner`` (``flatten_state_dict``, ``enable_plan_caching``...).
 
-    DCP calls, in order: ``set_up_planner`` on every rank (the quantized entries planned and taken
-    out of ``state_dict``); ``create_local_plan`` (DCP's items plus the entries', the rank's spec
-    document in ``planner_data``, and this save's item hashes riding beside it); on the coordinator
-    ``create_global_plan`` (entries stored whole -- per tensor, or whole rows of a column cut --
-    whose shared values differ between shards put back per shard where a per-shard form exists,
-    :func:`~qdcp.planning.save_entries.fall_back`; the ranks' hashes
-    compared, DCP's global plan with the specs merged by
-    :func:`~qdcp.planning.save_entries.merge_specs`, the checksum record made); ``finish_plan`` (the
-    record joins the metadata; the data kept for hashing is narrowed to the final plan's items);
-    then ``resolve_data`` for each item the writer writes (each entry's data, computed once, is
+    DCP calls, in order: ``set_up_planner`` (the quantized entries planned and taken out of
+    ``state_dict``); ``create_local_plan`` (DCP's items plus the entries', the spec document in
+    ``planner_data``, this save's hashes riding beside it); on the coordinator
+    ``create_global_plan`` (:func:`~qdcp.planning.save_entries.fall_back`, the hashes compared, the
+    specs merged by :func:`~qdcp.planning.save_entries.merge_specs`); ``finish_plan`` (the checksum
+    record joins the metadata); then ``resolve_data`` per item (each entry's data, computed once,
     dropped once its last item is given).
     """
 
@@ -82,10 +64,6 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         self.checksums = bool(checksums)
         self.overwrite = bool(overwrite)
         self.check_replicas = bool(check_replicas)
-        self._entries = EntryPlanner(dequantize, dequantize_dtype)
-        self._hashes = sums.SaveHashes(self.checksums, self.check_replicas)
-        self._ready: dict[MetadataIndex, torch.Tensor | bytes] = {}  # host copies, object bytes: as hashed, to write
-        self._sums_record: dict | None = None  # the checksum record (coordinator), added by finish_plan
 
     # ``self=None``: DCP calls this by keyword, so ``planner=QuantizedSavePlanner`` (the class, no
     # ``()``) arrives here without a planner and is told so, not with Python's "missing 'self'"
@@ -99,7 +77,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         # qdcp's writers hash each item as they write it (no pass over the data, no device copy, here)
         by_writer = getattr(storage_meta, "hashes_items", False)
         self._hashes = sums.SaveHashes(self.checksums, self.check_replicas, by_writer)
-        self._ready, self._sums_record = {}, None
+        self._ready: dict[MetadataIndex, torch.Tensor | bytes] = {}  # host copies, object bytes: as hashed, to write
+        self._sums_record: dict | None = None  # the checksum record (coordinator), added by finish_plan
         with planning():
             self._entries.plan(self.state_dict)
 
@@ -126,9 +105,20 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             return plans, metadata
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        # DCP's hook (its plan caching calls it too): the ranks' spec documents merged into one
-        return dcp_copies.global_save_plan_merging(all_plans, qspec.PLANNER_DATA_KEY, merge_specs,
-                                                   super()._create_global_plan)
+        """DCP's hook (its plan caching calls it too), with the ranks' spec documents merged into one
+        (first, so that what the ranks disagree on is named before DCP validates the plans): DCP's
+        own keeps one rank's planner_data. The documents are taken out of the plans for DCP's call
+        and put back after it (DCP's plan caching keeps these plans and compares later ones)."""
+        texts = dcp_copies.take_riders(all_plans, qspec.PLANNER_DATA_KEY)
+        try:
+            merged = merge_specs(texts)
+            plans, metadata = super()._create_global_plan(all_plans)
+        finally:
+            for plan, text in zip(all_plans, texts):
+                if text is not None:
+                    plan.planner_data[qspec.PLANNER_DATA_KEY] = text
+        planner_data = {**(metadata.planner_data or {}), qspec.PLANNER_DATA_KEY: merged}
+        return plans, dataclasses.replace(metadata, planner_data=planner_data)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         # On the coordinator: the checksums join the Metadata that finish() writes. Added here, not

@@ -1,21 +1,14 @@
 """Save entries: what DCP writes for each quantized key of a state dict, and each item's data.
 
-:class:`EntryPlanner` is the save side of :mod:`~qdcp.planning.key_plans`: for each key whose value
-(bare, or the local tensor of a DTensor) an adapter takes, it plans a :class:`SaveEntry`:
+For each key whose value (bare, or the local tensor of a DTensor) an adapter takes,
+:class:`EntryPlanner` plans a :class:`SaveEntry`: raw, one DCP item per component named
+``<fqn>.__qdcp__.<component>``, its chunk mapped by the component's layout; or dequantized, one
+plain item under ``<fqn>``. Wrappers around a high-precision tensor (``Adapter.unwrap``), and
+quantized tensors whose inner tensors are DTensors (saved dequantized), are put back in the state
+dict as the plain value DCP writes. :func:`merge_specs` makes one spec document of every rank's.
 
-- raw: one DCP item per component, named ``<fqn>.__qdcp__.<component>``, its chunk mapped from the
-  logical chunk by the component's layout; entries of one structure share a :class:`RawTemplate`;
-- dequantized: one plain item under ``<fqn>``;
-- wrappers around a high-precision tensor (``Adapter.unwrap``), and quantized tensors whose inner
-  tensors are DTensors (saved dequantized): a plain value put back in the state dict for DCP.
-
-Each entry's JSON spec goes into the rank's spec document; :func:`merge_specs` makes one document
-of every rank's.
-
-Each entry's data is produced once: its components (computed at planning) or its dequantized values
-(computed when first asked for: hashed at planning, or written) are kept on the entry until the
-last of its items that needs them is given to the writer (or copied to the host), then dropped
-(:meth:`EntryPlanner.release`).
+Each entry's data (its components, or its dequantized values computed when first asked for) is
+kept until the last of its items is given to the writer, then dropped (:meth:`EntryPlanner.release`).
 """
 
 from __future__ import annotations
@@ -76,10 +69,8 @@ class RawTemplate:
 
 
 class EntryPlanner:
-    """Plans the quantized keys of one rank's state dict and gives each of their items' data.
-
-    ``dequantize`` and ``dequantize_dtype`` are :class:`~qdcp.QuantizedSavePlanner`'s.
-    """
+    """Plans the quantized keys of one rank's state dict and gives each of their items' data
+    (``dequantize`` and ``dequantize_dtype``: :class:`~qdcp.QuantizedSavePlanner`'s)."""
 
     def __init__(self, dequantize: DequantizeChoice, dequantize_dtype: torch.dtype | None) -> None:
         self.dequantize = dequantize
@@ -335,18 +326,12 @@ ONE_VALUE = "one value for the whole tensor"
 def _stored_whole(adapter: Adapter, placed: Placed, attrs: dict, layouts: dict[str, Layout]):
     """A shard whose one block value spans it where torchao's slicing cut ``block_size`` to the
     shard, described as the whole tensor's (each value written once, every rank's copy compared
-    before anything is written, :func:`qdcp.checksums.diverged`), uneven cuts included:
-
-    - one block the shard's shape (a per-tensor tensor cut by rows or columns, e.g. ``[4, 16]``
-      of a 10x16 tensor): one value for the whole tensor (``block_size`` the tensor's shape);
-    - blocks spanning its columns, ``[1, shard columns]`` (a per-row weight cut by columns): blocks
-      of whole rows, each row's value shared by the shards that cut it.
-
-    ``(attrs, spec layouts, item layouts, own_blocks)``, or None where the shard is neither.
-    Where the shards' values differ (each quantized on its own), the coordinator stores each
-    shard with its own blocks instead (:func:`fall_back`) if ``own_blocks``: blocks of single
-    rows (a per-row shard of one row holds one value too); else the save is refused naming
-    the key."""
+    before anything is written, :func:`qdcp.checksums.diverged`): one block the shard's shape (a
+    per-tensor tensor cut by rows or columns) is one value for the whole tensor; blocks spanning
+    its columns (a per-row weight cut by columns) are blocks of whole rows, shared by the shards
+    that cut them. ``(attrs, spec layouts, item layouts, own_blocks)``, or None where it is
+    neither. Where the shards' values differ, :func:`fall_back` stores each shard with its own
+    blocks if ``own_blocks`` (blocks of single rows); else the save is refused naming the key."""
     names = [a for a in adapter.block_attributes if a in attrs]
     if not placed.is_dtensor or len(names) != 1 or is_empty(placed.chunk):
         return None
@@ -375,21 +360,18 @@ def _stored_whole(adapter: Adapter, placed: Placed, attrs: dict, layouts: dict[s
 
 def fall_back(plans: list[SavePlan], per_rank: list[dict | None]) -> list[SavePlan]:
     """On the coordinator: entries stored whole (:func:`_stored_whole`) whose shards hold different
-    values for what they store once (each shard quantized on its own), or whose ranks describe
-    them differently (a shard of one row stored whole beside shards of several), are stored per
-    shard instead: each rank's items and spec of that entry replaced by the ones it sent for this
-    case (``per_rank[r]["per_shard"]``; its hashes and shared items follow). A per-tensor value the
-    shards do not share is left to :class:`~qdcp.checksums.SaveHashes`' check, which refuses it
-    naming the key; where a rank's shard cannot be stored per shard (uneven cuts: no one block
-    fits every shard), the save is refused naming the key. ``per_rank``: the ranks' riders
-    (:meth:`~qdcp.checksums.SaveHashes.local` plus ``per_shard``), updated in place."""
+    values for what they store once, or whose ranks describe them differently (a shard of one row
+    beside shards of several), are stored per shard instead: each rank's items and spec of that
+    entry replaced by the ones it sent (``per_rank[r]["per_shard"]``, the riders, updated in place;
+    its hashes and shared items follow). A per-tensor value is left to :class:`~qdcp.checksums.SaveHashes`'
+    check, which refuses it; a shard with no per-shard form (uneven cuts) is refused naming the key."""
     alts = [(part or {}).get("per_shard", {}) for part in per_rank]
     whole = {fqn for alt in alts for fqn in alt}
     if not whole:
         return plans
     swap: dict[str, list[int] | None] = {}
     for key, ranks in sums.diverged([part or {"hashes": {}, "shared": []} for part in per_rank], True).items():
-        fqn = key[0].rsplit(qspec.COMPONENT_SEPARATOR, 1)[0]
+        fqn = qspec.split_item(key[0])[0]
         if fqn in whole:
             swap.setdefault(fqn, ranks)
     for fqn in _described_differently(plans, whole):
@@ -418,12 +400,15 @@ def _described_differently(plans: list[SavePlan], fqns: set[str]) -> list[str]:
     texts = [(plan.planner_data or {}).get(qspec.PLANNER_DATA_KEY) for plan in plans]
     if all(text == texts[0] for text in texts):  # (the ranks' documents alike: nothing to parse)
         return []
-    seen: dict[str, qspec.EntrySpec] = {}
-    out = []
+    return [fqn for fqn, specs in _by_key(texts).items() if fqn in fqns and any(s != specs[0] for s in specs)]
+
+
+def _by_key(texts: list[str | None]) -> dict[str, list[qspec.EntrySpec]]:
+    """The specs of each entry, one per rank's document that holds it (None: a rank with none)."""
+    out: dict[str, list[qspec.EntrySpec]] = {}
     for text in texts:
         for fqn, spec in (qspec.loads(text).items() if text else ()):
-            if fqn in fqns and seen.setdefault(fqn, spec) != spec and fqn not in out:
-                out.append(fqn)
+            out.setdefault(fqn, []).append(spec)
     return out
 
 
@@ -432,7 +417,7 @@ def _swapped(plan: SavePlan, part: dict, fqn: str, spec: qspec.EntrySpec, replac
     for old, new in replaced.items():
         if old in part["hashes"]:
             part["hashes"][sums.item_key(new)] = part["hashes"].pop(old)
-    part["shared"] = [key for key in part["shared"] if key[0].rsplit(qspec.COMPONENT_SEPARATOR, 1)[0] != fqn]
+    part["shared"] = [key for key in part["shared"] if qspec.split_item(key[0])[0] != fqn]
     planner_data = dict(plan.planner_data or {})
     text = planner_data.get(qspec.PLANNER_DATA_KEY)
     if text is not None:
@@ -452,17 +437,16 @@ def merge_specs(rank_texts: list[str | None]) -> str:
     if all(t == texts[0] for t in texts):
         return texts[0]
     merged: dict[str, qspec.EntrySpec] = {}
-    for text in texts:
-        for fqn, entry in qspec.loads(text).items():
-            other = merged.setdefault(fqn, entry)
-            if other != entry:
-                both = _describing_both(other, entry)
-                if both is None:
-                    raise LoadMismatchError(
-                        f"key {fqn!r}: ranks disagree on how it is stored ({_differences(other, entry)}); "
-                        f"every rank must hold the same type, config and mode (shards quantized each "
-                        f"with its own configuration: quantize them alike, or {_DEQUANTIZED}).")
-                merged[fqn] = both
+    for fqn, (first, *others) in _by_key(texts).items():
+        for entry in others:
+            both = first if first == entry else _describing_both(first, entry)
+            if both is None:
+                raise LoadMismatchError(
+                    f"key {fqn!r}: ranks disagree on how it is stored ({_differences(first, entry)}); "
+                    f"every rank must hold the same type, config and mode (shards quantized each "
+                    f"with its own configuration: quantize them alike, or {_DEQUANTIZED}).")
+            first = both
+        merged[fqn] = first
     return qspec.dumps(merged)
 
 
@@ -477,11 +461,9 @@ def _differences(a: qspec.EntrySpec, b: qspec.EntrySpec) -> str:
 
 
 def _describing_both(a: qspec.EntrySpec, b: qspec.EntrySpec) -> qspec.EntrySpec | None:
-    """Two ranks' specs of an entry saved dequantized whose shards' configurations differ (each
-    quantized on its own, or blocks that torchao's slicing set per shard: what the advice to save
-    such an entry dequantized is for): one spec with the attributes and facts both shards share,
-    the stored values being the same plain tensor either way. None where the two differ in more
-    than what describes the shards (the mode, type, shape or dtypes)."""
+    """Two ranks' specs of an entry saved dequantized whose shards' configurations differ (what the
+    advice to save such an entry dequantized is for): one spec with the attributes and facts both
+    share (the stored values are one plain tensor either way); None where they differ in more."""
     if a.storage != qspec.DEQUANTIZED or b.storage != qspec.DEQUANTIZED:
         return None
     if dataclasses.replace(a, attrs={}, info={}) != dataclasses.replace(b, attrs={}, info={}):

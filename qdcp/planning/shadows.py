@@ -1,22 +1,14 @@
 """All-or-nothing loads: every target is loaded into a shadow, copied in once every read is in.
 
-``QuantizedLoadPlanner(atomic=True)`` hands DCP and its load actions a shadow of each target (a copy
-of the same kind: a plain tensor, the same quantized type over fresh inner buffers, a DTensor over a
-shadow of its local tensor) and keeps the objects it reads aside. Only once this rank's last read
-has arrived and been verified are the shadows copied into the targets' own buffers and the objects
-put in place, so a load that fails (a corrupt byte, a truncated file, a mismatched entry) leaves
-every target as it was. The copy-in is plain ``copy_`` of buffers of equal shape and dtype.
-
-A plain target that DCP's own reads fill whole from stored items of a narrower dtype (a bf16
-checkpoint into fp32 targets) gets a shadow of the stored dtype instead (:meth:`Shadows.in_stored_dtype`):
-the reads land in it unconverted and the copy-in converts, as ``copy_`` into the target would have.
-
-Shadows start empty; once the load's reads are planned, :meth:`Shadows.fill_unread` copies in the
-target's values wherever the reads will not write every byte of a shadow buffer, so a target the
-load fills only in part (a partial load, a component the checkpoint does not carry, a buffer a load
-action computes) keeps the rest of its values. Cost: one extra copy of the loaded state on each
-rank, on the targets' devices, for the duration of the load, and one more copy of its bytes (the
-copy-in; see docs/benchmarks.md, *All-or-nothing load*).
+``QuantizedLoadPlanner(atomic=True)`` hands DCP and its load actions a shadow of each target (a
+plain tensor, the same quantized type over fresh inner buffers, a DTensor over a shadow of its
+local tensor) and keeps the objects it reads aside. Only once this rank's last read has arrived
+and been verified are the shadows copied (``copy_``) into the targets' buffers and the objects put
+in place, so a failed load leaves every target as it was. A plain target that DCP fills whole from
+narrower stored items gets a shadow of the stored dtype (:meth:`Shadows.in_stored_dtype`); the
+copy-in converts. Where the reads do not write all of a shadow, :meth:`Shadows.fill_unread`
+copies the target's values in first. Cost: one extra copy of the loaded state for the load's
+duration, and one more copy of its bytes (docs/benchmarks.md, *All-or-nothing load*).
 """
 
 from __future__ import annotations
@@ -29,7 +21,7 @@ import torch
 from qdcp.adapters.base import find_adapter
 from qdcp.errors import LoadMismatchError
 from qdcp.planning.placement import place, with_local
-from qdcp.staging.chunked import ChunkCopies, chunk_buffers, names_own_chunks, shadow_of
+from qdcp.staging.chunked import ChunkCopies, names_own_chunks, shadow_of
 
 __all__ = ["Shadows"]
 
@@ -38,12 +30,8 @@ class Shadows:
     """The shadows of one load's targets, and the objects read for them, until :meth:`apply`."""
 
     def __init__(self) -> None:
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a target's buffer, its shadow's)
-        self._made: dict[int, Any] = {}   # id(target value) -> its shadow value
-        self._keep: list[Any] = []        # the targets, so their ids stay theirs until apply
-        self._deferred: list[Callable[[], None]] = []
-        self._plain: dict[int, int] = {}  # id(shadow value) -> its pair, for a plain tensor's (or DTensor's) shadow
         self._lock = threading.Lock()
+        self.clear()
 
     def of_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A copy of a flat state dict with every tensor replaced by its shadow."""
@@ -78,20 +66,14 @@ class Shadows:
                     shadow.copy_(target)
 
     def in_stored_dtype(self, shadow: Any, dtype: torch.dtype, written: dict[int, int]) -> torch.Tensor | None:
-        """The local buffer of ``shadow`` (a plain tensor's shadow, or a DTensor's over a plain
-        local) remade in ``dtype``, the stored item's, where that is narrower than the target's: the
-        reads land in it unconverted and :meth:`apply`'s copy converts, as ``copy_`` into the target
-        would have (a bf16 checkpoint into fp32 targets holds half the memory and copies once).
-        Only for a shadow the planned reads write whole (``written`` as for :meth:`fill_unread`,
-        called before: nothing of the target's is kept in it). None where it is not such a shadow.
-        """
+        """The local buffer of plain ``shadow`` (or a DTensor's) remade in the stored item's narrower
+        ``dtype``, for a shadow the planned reads write whole (``written`` as for :meth:`fill_unread`):
+        :meth:`apply`'s copy converts, as ``copy_`` into the target would have (a bf16 checkpoint
+        into fp32 targets holds half the memory). None where it is not such a shadow."""
         index = self._plain.get(id(shadow))
         if index is None:
             return None
         target, local = self._pairs[index]
-        if local.dtype == dtype:
-            return local  # already remade for an earlier key naming the same target: that buffer again
-            # (not reached today: two keys whose reads both write one buffer count twice its bytes)
         storage = local.untyped_storage()
         if dtype.itemsize >= local.dtype.itemsize or not storage.nbytes() \
                 or written.get(storage.data_ptr()) != storage.nbytes():
@@ -116,7 +98,11 @@ class Shadows:
 
     def clear(self) -> None:
         """Drop the shadows (after :meth:`apply`, or when the load is abandoned)."""
-        self._pairs, self._made, self._keep, self._deferred, self._plain = [], {}, [], [], {}
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a target's buffer, its shadow's)
+        self._made: dict[int, Any] = {}   # id(target value) -> its shadow value
+        self._keep: list[Any] = []        # the targets, so their ids stay theirs until apply
+        self._deferred: list[Callable[[], None]] = []
+        self._plain: dict[int, int] = {}  # id(shadow value) -> its pair, for a plain tensor's (or DTensor's) shadow
 
 
 def _shadow_local(fqn: str, local: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -124,7 +110,7 @@ def _shadow_local(fqn: str, local: torch.Tensor) -> tuple[dict[str, torch.Tensor
     (filled by :meth:`Shadows.fill_unread`)."""
     adapter = find_adapter(local)
     if adapter is None and names_own_chunks(local):  # DCP's _Checkpointable protocol: its chunks
-        return shadow_of(local, fqn, copy=False)
+        return shadow_of(local, fqn)
     if adapter is None:
         if type(local) not in (torch.Tensor, torch.nn.Parameter):
             raise LoadMismatchError(
@@ -145,6 +131,6 @@ def _shadow_local(fqn: str, local: torch.Tensor) -> tuple[dict[str, torch.Tensor
 def _buffers(shadow: torch.Tensor) -> dict[str, torch.Tensor]:
     """The shadow's buffers by name (a plain tensor's under "")."""
     if isinstance(shadow, ChunkCopies):
-        return chunk_buffers(shadow)
+        return {str(n): t for n, (_, t) in enumerate(shadow.chunks)}  # as shadow_of names them
     adapter = find_adapter(shadow)
     return {"": shadow} if adapter is None else adapter.inner_buffers(shadow)

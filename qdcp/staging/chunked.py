@@ -76,17 +76,10 @@ def staged_copy(value: torch.Tensor, fqn: str, copy: Callable[[torch.Tensor, int
     return ChunkCopies(value, chunks, items)
 
 
-def shadow_of(value: torch.Tensor, fqn: str, copy: bool = True) -> tuple[dict[str, torch.Tensor], ChunkCopies]:
-    """``(value's chunks by name, a copy of them)``: the shadow of an all-or-nothing load's target
-    (``copy=False``: new chunks like them, their values left to the caller)."""
-    real = {}
-    for n, chunk in enumerate(value.__create_chunk_list__()):
-        real[str(n)] = (chunk.offsets, value.__get_tensor_shard__(MetadataIndex(fqn, chunk.offsets, n)))
-    copies = ChunkCopies(value, [(offsets, t.detach().clone() if copy else torch.empty_like(t.detach()))
-                                 for offsets, t in real.values()])
+def shadow_of(value: torch.Tensor, fqn: str) -> tuple[dict[str, torch.Tensor], ChunkCopies]:
+    """``(value's chunks by name, new chunks like them)``: the shadow of an all-or-nothing load's
+    target (their values left to the caller; ``ChunkCopies.chunks`` in the same order)."""
+    real = {str(n): (c.offsets, value.__get_tensor_shard__(MetadataIndex(fqn, c.offsets, n)))
+            for n, c in enumerate(value.__create_chunk_list__())}
+    copies = ChunkCopies(value, [(offsets, torch.empty_like(t.detach())) for offsets, t in real.values()])
     return {k: t for k, (_, t) in real.items()}, copies
-
-
-def chunk_buffers(copies: ChunkCopies) -> dict[str, torch.Tensor]:
-    """The chunks of ``copies`` by the names :func:`shadow_of` gave them."""
-    return {str(n): t for n, (_, t) in enumerate(copies.chunks)}

@@ -1,21 +1,13 @@
-"""Same-size ``new_empty`` for quantized tensor classes whose library has none.
+"""Same-size ``new_empty`` for quantized tensor classes whose library has none (docs/api.md).
 
-DCP's default async stager (``dcp.async_save`` without ``async_stager``) copies a tensor that owns
-no storage -- every wrapper subclass -- as ``y = x.new_empty(x.size(), device="cpu")`` followed by
-a deep copy of ``x.__dict__`` onto ``y``, where torchao keeps ``qdata``, ``scale``, ...  torchao's
-classes implement no ``new_empty``, so that call fails before anything is written.
-
-:func:`register_new_empty` fills exactly that gap: for each class a registered adapter handles
-whose library lacks ``aten.new_empty``, it adds one through the library's own op registry
-(``TorchAOBaseTensor.implements``, NF4's op table). It answers only a request for the tensor's
-own size and dtype, with an instance of the same class whose inner buffers are new, uninitialised
-tensors on the requested device (DCP's stager then overwrites them with its copies); any other
-request raises ``NotImplementedError`` as before. An implementation the library already has is
-never replaced.
-
-qdcp registers it at import and again whenever a :class:`qdcp.QuantizedSavePlanner` is created
-(for classes imported since). Set ``QDCP_FILL_NEW_EMPTY=0`` before importing qdcp to turn that
-off, or call :func:`unregister_new_empty`.
+DCP's default async stager copies a tensor that owns no storage as ``x.new_empty(x.size(),
+device="cpu")`` plus a deep copy of ``x.__dict__``; torchao's classes implement no ``new_empty``,
+so that fails before anything is written. :func:`register_new_empty` adds one, through the
+library's own op registry, for each class a registered adapter handles that lacks it: only the
+tensor's own size and dtype, an instance over new uninitialised inner buffers (any other request
+raises ``NotImplementedError`` as before); an implementation the library has is never replaced.
+Registered at import and by each :class:`qdcp.QuantizedSavePlanner` (for classes imported since);
+``QDCP_FILL_NEW_EMPTY=0`` before importing qdcp, or :func:`unregister_new_empty`, turns it off.
 """
 
 from __future__ import annotations

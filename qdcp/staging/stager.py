@@ -1,20 +1,19 @@
 """An async-checkpoint stager that copies what really holds a quantized tensor's data.
 
-:class:`QuantizedStager` implements DCP's ``AsyncStager`` protocol for ``dcp.async_save``. DCP's own
-stagers copy a tensor through ``new_empty``/``zeros_like`` and fail (or copy nothing) on wrapper
-subclasses. This one asks each tensor's adapter for its inner buffers, copies them into CPU buffers
-that it keeps and reuses across checkpoints, and rebuilds an instance of the same type over them::
+DCP's own stagers copy a tensor through ``new_empty``/``zeros_like`` and fail (or copy nothing) on
+wrapper subclasses; :class:`QuantizedStager` copies each tensor's inner buffers, as its adapter
+reports them, into CPU buffers it reuses across checkpoints, and rebuilds the same type over them::
 
     stager = QuantizedStager()
     stager.prepare(state)   # optional, before training: the first save then blocks as the later ones
     fut = dcp.async_save(state, checkpoint_id=path, planner=QuantizedSavePlanner(), async_stager=stager)
-    ...                     # training continues
     fut.result()            # before the next async_save
     stager.close()          # after the last one
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import time
@@ -35,11 +34,8 @@ _Path = tuple  # keys from the state dict's root to a value, e.g. ("model", "lay
 
 
 class _StagedDict(dict):
-    """The staged state dict: a plain dict that can be weakly referenced.
-
-    While it is alive an upload may still read the stager's buffers; nothing else in DCP keeps it
-    (``save`` works on a shallow copy), so its death tells the stager its buffers are free again.
-    """
+    """The staged state dict, a plain dict that can be weakly referenced: while it is alive an upload
+    may still read the stager's buffers; nothing in DCP keeps it (``save`` works on a shallow copy)."""
 
     __slots__ = ("__weakref__",)
 
@@ -47,51 +43,42 @@ class _StagedDict(dict):
         return dict, (dict(self),)
 
 
-def _accelerator_available() -> bool:
-    return torch.accelerator.is_available()
-
-
 def _path_str(path: _Path) -> str:
     return ".".join(str(p) for p in path)
 
 
 class QuantizedStager:
-    """Stages a state dict holding quantized tensors for ``dcp.async_save``.
+    """Stages a state dict holding quantized tensors for ``dcp.async_save`` (docs/api.md).
 
-    Every quantized tensor (bare, or the local tensor of a DTensor) is staged as the inner buffers
-    its adapter reports, so staging memory is exactly the components' bytes; plain tensors are
-    staged as they are and other objects are deep-copied. Buffers are CPU tensors kept across calls,
-    keyed by the entry's path and component, and reallocated only when a shape, stride or dtype
-    changes.
+    Quantized tensors (bare, or a DTensor's local tensor) are staged as their inner buffers, so
+    staging memory is exactly the components' bytes; plain tensors as they are, other objects
+    deep-copied. Buffers are kept by entry path and component, reallocated only when a shape,
+    stride or dtype changes.
 
     Args:
-        pin_memory: pin the buffers (faster, non-blocking device-to-host copies). Default: True when
-            an accelerator is available. Ignored, silently, where none is.
-        reuse_buffers: keep buffers for the next ``stage()`` (False: allocate new ones every time).
-        non_blocking: copy from an accelerator with ``non_blocking=True`` on a side stream and wait
-            once at the end (no effect on CPU, where copies are plain ``copy_``).
-        async_staging: ``stage()`` returns a :class:`~concurrent.futures.Future` at once and copies
-            in a background thread; call :meth:`synchronize_staging` (or wait on
-            ``AsyncSaveResponse.staging_completion``) before the next in-place update of the model.
-        share_memory: allocate buffers in shared memory. Only useful with
-            ``AsyncCheckpointerType.PROCESS``, which otherwise moves them there on its first send.
-        busy_timeout: seconds ``stage()`` waits for the previous checkpoint's staged data to be
-            released (its upload finished) before raising :class:`~qdcp.StagingError`. Reused
-            buffers are never overwritten while an upload may still read them.
+        pin_memory: pin the buffers (default: where an accelerator is; ignored where none is).
+        reuse_buffers: keep buffers for the next ``stage()`` (False: new ones every time).
+        non_blocking: copy from an accelerator on a side stream, waited for once at the end.
+        async_staging: ``stage()`` returns a Future and copies in a background thread; call
+            :meth:`synchronize_staging` before the next in-place update of the model.
+        share_memory: buffers in shared memory (for ``AsyncCheckpointerType.PROCESS``).
+        busy_timeout: seconds ``stage()`` waits for the previous staged dict to be released (its
+            upload finished) before raising :class:`~qdcp.StagingError`: reused buffers are
+            never overwritten while an upload may still read them.
     """
+
+    _synchronize_after_execute = True  # DCP's AsyncStager protocol: synchronize_staging() after the upload starts
 
     def __init__(self, pin_memory: bool | None = None, reuse_buffers: bool = True,
                  non_blocking: bool = True, async_staging: bool = False,
                  share_memory: bool = False, busy_timeout: float = 60.0) -> None:
-        accel = _accelerator_available()
+        accel = torch.accelerator.is_available()
         self.pin_memory = accel if pin_memory is None else (bool(pin_memory) and accel)
         self.reuse_buffers = reuse_buffers
         self.non_blocking = non_blocking and accel
         self.async_staging = async_staging
         self.share_memory = share_memory
         self.busy_timeout = busy_timeout
-        # async_save calls synchronize_staging() after starting the upload when this is True.
-        self._synchronize_after_execute = True
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._last_staged: weakref.ref | None = None
         self._staging_future: Future | None = None
@@ -121,14 +108,13 @@ class QuantizedStager:
     # ------------------------------------------------------------------------- protocol
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future:
-        """A copy of ``state_dict`` that later in-place updates of the model do not change.
-
-        Returns the staged dict, or with ``async_staging`` a Future of it. Raises
-        :class:`~qdcp.StagingError` if the previous staged dict is still in use past ``busy_timeout``.
-        """
+        """A copy of ``state_dict`` that later in-place updates of the model do not change (with
+        ``async_staging``, a Future of it); :class:`~qdcp.StagingError` if the previous staged dict
+        is still in use past ``busy_timeout``."""
         if self._closed:
             raise StagingError("this QuantizedStager is closed; create a new one")
-        self._previous_landed()
+        with contextlib.suppress(Exception):  # the last stage's copies landed; its failure is that save's own
+            self.synchronize_staging()       # (raised by its future and its upload), not the next save's
         if self.reuse_buffers:
             self._wait_until_released()
         ready = None
@@ -141,16 +127,6 @@ class QuantizedStager:
         self._staging_future = future
         return future
 
-    def _previous_landed(self) -> None:
-        """Wait for the last stage()'s copies to land before its buffers are reused. Its failure is
-        that save's own, raised by its future (and its upload), not the next save's."""
-        future, self._staging_future = self._staging_future, None  # never keep the staged dict alive
-        if future is not None:
-            try:
-                future.result()
-            except Exception:  # noqa: BLE001
-                pass
-
     def synchronize_staging(self) -> None:
         """Wait until every copy of the last :meth:`stage` call has landed (re-raises its error)."""
         future, self._staging_future = self._staging_future, None  # never keep the staged dict alive
@@ -158,10 +134,8 @@ class QuantizedStager:
             future.result()
 
     def close(self) -> None:
-        """Wait for staging, stop the background thread and drop this stager's buffers.
-
-        Uploads in flight keep the buffers they read alive on their own.
-        """
+        """Wait for staging, stop the background thread and drop this stager's buffers (uploads in
+        flight keep the buffers they read alive on their own)."""
         if self._closed:
             return
         try:
@@ -175,13 +149,10 @@ class QuantizedStager:
 
     def prepare(self, state_dict: dict[str, Any]) -> int:
         """Allocate (pinned, where an accelerator is) and touch the buffers that :meth:`stage` of
-        ``state_dict`` will copy into, copying nothing: call it once before training starts, so
-        that the first checkpoint of a run blocks no longer than the later ones (allocating pinned
-        memory is what makes a cold save slow). The buffers are exactly those a stage of a state
-        dict of the same entries, shapes and dtypes reuses (the components' bytes, no more);
-        buffers of entries not in ``state_dict`` are dropped and buffers already allocated are
-        kept untouched (an upload may still read them). Returns :attr:`staged_nbytes`.
-        """
+        ``state_dict`` will copy into, copying nothing, so that the first checkpoint of a run blocks
+        no longer than the later ones (allocating pinned memory is what makes a cold save slow).
+        Buffers of entries not in ``state_dict`` are dropped; those already allocated are kept
+        untouched (an upload may still read them). Returns :attr:`staged_nbytes`."""
         if self._closed:
             raise StagingError("this QuantizedStager is closed; create a new one")
         if not self.reuse_buffers:
@@ -195,8 +166,7 @@ class QuantizedStager:
                 self._walk(state_dict, (), seen, {})
         finally:
             self._preparing = False
-        for key in [k for k in self._buffers if k not in seen]:
-            del self._buffers[key]
+        self._buffers = {k: b for k, b in self._buffers.items() if k in seen}  # entries gone: dropped
         return self.staged_nbytes
 
     # ------------------------------------------------------------------------- staging
@@ -236,8 +206,7 @@ class QuantizedStager:
             else:
                 staged = self._walk(state_dict, (), seen, memo)
         if self.reuse_buffers:
-            for key in [k for k in self._buffers if k not in seen]:
-                del self._buffers[key]  # entries gone from the state dict
+            self._buffers = {k: b for k, b in self._buffers.items() if k in seen}  # entries gone: dropped
         out = _StagedDict(staged)
         self._last_staged = weakref.ref(out)
         return out
