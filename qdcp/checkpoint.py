@@ -182,19 +182,15 @@ def _metadata_found(path: str | os.PathLike) -> Iterator[None]:
                                                        "before its commit leaves none")) from e
 
 
-class _MissingMetadataNoise(logging.Filter):
-    """Drops DCP's warnings (with tracebacks) that a checkpoint's ``.metadata`` is missing: the
-    load raises :class:`CheckpointNotFoundError` saying so."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        err = record.exc_info[1] if record.exc_info else None
-        return not isinstance(err, NoMetadataError)
-
-
 @contextlib.contextmanager
 def _no_missing_metadata_tracebacks() -> Iterator[None]:
-    noise = _MissingMetadataNoise()
-    root = logging.getLogger()  # the logger DCP's loader warns on
+    """Drop DCP's warnings (with tracebacks, on the root logger) that a checkpoint's ``.metadata``
+    is missing: the load raises :class:`CheckpointNotFoundError` saying so."""
+
+    def noise(record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], NoMetadataError))
+
+    root = logging.getLogger()
     root.addFilter(noise)
     try:
         yield

@@ -31,7 +31,6 @@ import warnings
 from typing import Any, Iterator, Sequence
 
 import torch
-from tqdm import tqdm
 
 from qdcp import checksums, outputs, runs
 from qdcp.checkpoint import save
@@ -95,9 +94,7 @@ class _Entries:
 
     def __iter__(self) -> Iterator[str]:
         total = sum(self._nbytes(k) for k in self.keys)
-        disable = True if self.quiet else None  # None: tqdm shows a bar on a terminal only
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self.what, disable=disable,
-                  file=sys.stderr, leave=False) as bar:
+        with outputs.progress_bar(total, self.what, False if self.quiet else None) as bar:
             for i, key in enumerate(self.keys):
                 bar.set_postfix_str(f"entry {i + 1}/{len(self.keys)}", refresh=False)
                 yield key

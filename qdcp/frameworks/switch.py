@@ -80,7 +80,7 @@ def install(*, weights_only: bool = True) -> None:
                     setattr(module, name, wrapped[name])
         for module in _empty_planner_modules():
             _originals[(id(module), _EMPTY)] = getattr(module, _EMPTY)
-            setattr(module, _EMPTY, _switched_empty_planner())
+            setattr(module, _EMPTY, SwitchedEmptyStateDictLoadPlanner)
 
 
 def uninstall() -> None:
@@ -118,22 +118,15 @@ def _empty_planner_modules() -> tuple:
     return tuple(m for m in (format_utils, state_dict_loader) if hasattr(m, _EMPTY))
 
 
-_switched: list[type] = []
+class SwitchedEmptyStateDictLoadPlanner(ConsolidatingLoadPlanner):
+    """What ``qdcp.install()`` puts in place of DCP's ``_EmptyStateDictLoadPlanner``: qdcp's
+    ``ConsolidatingLoadPlanner``, unpickling objects as :func:`install` was told."""
 
+    __qdcp_switch__ = True
 
-def _switched_empty_planner() -> type:
-    """qdcp's ``ConsolidatingLoadPlanner``, unpickling objects as :func:`install` was told."""
-    if not _switched:
-        class SwitchedEmptyStateDictLoadPlanner(ConsolidatingLoadPlanner):
-            """What ``qdcp.install()`` puts in place of DCP's ``_EmptyStateDictLoadPlanner``."""
-
-            def __init__(self, keys: Any = None, *args: Any, **kwargs: Any) -> None:
-                kwargs.setdefault("weights_only", _options.get("weights_only", True))
-                super().__init__(keys, *args, **kwargs)
-
-        SwitchedEmptyStateDictLoadPlanner.__qdcp_switch__ = True
-        _switched.append(SwitchedEmptyStateDictLoadPlanner)
-    return _switched[0]
+    def __init__(self, keys: Any = None, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("weights_only", _options.get("weights_only", True))
+        super().__init__(keys, *args, **kwargs)
 
 
 def _wrap(original: Callable, adjust: Callable[[dict[str, Any]], None], storage: str) -> Callable:

@@ -1,33 +1,11 @@
 """The ``compressed-tensors`` layout (what vLLM and transformers load as ``quant_method:
 "compressed-tensors"``), written from raw bits: nothing is requantized.
 
-Per quantized ``<module>.weight`` (see docs/export_compressed_tensors.md for the full table):
-
-==========================  =====================  =======================================================
-stored bits (neutral form)  format                 tensors of ``<module>``
-==========================  =====================  =======================================================
-``nvfp4_row16``             nvfp4-pack-quantized   ``weight_packed`` u8 (N, K/2), ``weight_scale`` e4m3
-                                                   (N, K/16), ``weight_global_scale`` f32 (1,)
-``mxfp8_e4m3_row32``        mxfp8-quantized        ``weight`` e4m3 (N, K), ``weight_scale`` u8 (N, K/32)
-``affine_float8_b..`` e4m3  naive-quantized        ``weight`` e4m3 (N, K), ``weight_scale`` (1,) / (N, 1) /
-                            (float-quantized with  (N/bn, K/bk): tensor, channel or block strategy
-                            dynamic activations)
-``affine_int8_b..``         pack-quantized (8)     ``weight_packed`` i32 (N, K/4), ``weight_scale``,
-``affine_int4_b..``         pack-quantized (4)     ``weight_packed`` i32 (N, K/8), ``weight_scale``,
-                                                   ``weight_shape`` i64 (2,), asymmetric also
-                                                   ``weight_zero_point`` i32 (N*bits/32, groups)
-``affine_int*`` with        int-quantized          ``weight`` i8 (N, K), ``weight_scale``, asymmetric
-dynamic activations                                also ``weight_zero_point`` i8 like the scale
-==========================  =====================  =======================================================
-
-The library's conventions: two E2M1 codes a byte, element 2k in the low nibble (as torchao and
-TE); NVFP4's ``weight_global_scale`` is ``448 * 6 / amax`` (decode: ``scale / global_scale``), written as
-the fp32 reciprocal of the source's decode scale ``amax / (448 * 6)``;
-MXFP8 scales are biased E8M0 exponents as uint8; integers are packed ``value + 2**(bits-1)``
-from the least significant bit of int32 words along K. Integer entries with a non-zero zero point
-(read when the entry is planned) are written asymmetric (``symmetric: false``), their zero points
-packed the same way along N (``weight_zero_point`` int32 ``(N / (32 / bits), groups)``), channel
-and group strategies only. Dynamic activation quantization the source states (torchao's
+Per quantized ``<module>.weight``, the format and tensors of docs/export_compressed_tensors.md
+("Mapping"; its "Conventions" are the library's: E2M1 nibble order, E8M0 scale bytes, offset
+integers packed along K, ``weight_global_scale = 1 / decode scale``). Integer entries with a
+non-zero zero point (read when the entry is planned) are written asymmetric, channel and group
+strategies only. Dynamic activation quantization the source states (torchao's
 ``act_quant_kwargs``) becomes the scheme's ``input_activations`` where the library has its args
 (:func:`input_activations`); other activation settings are not carried (weight-only).
 
@@ -534,9 +512,9 @@ def _packed(d: HFDirectory, key: str, t: Mapping[str, str], weights: Mapping, as
     block = block_of(weights, shape, tuple(scale.shape))
     packed, zero, layout = t["weight_packed"], t["weight_zero_point"], _scale_layout(block, shape, scale)
     per_word = 32 // bits
-    _check_packed(d, key, "weight_packed", packed, (shape[0], -(-shape[1] // per_word)), bits, shape)
+    _check_packed(d, key, "weight_packed", packed, (shape[0], ceil_div(shape[1], per_word)), bits, shape)
     if asymmetric:
-        _check_packed(d, key, "weight_zero_point", zero, (-(-shape[0] // per_word), tuple(scale.shape)[-1]), bits,
+        _check_packed(d, key, "weight_zero_point", zero, (ceil_div(shape[0], per_word), tuple(scale.shape)[-1]), bits,
                       tuple(scale.shape))
     comps = {"weight": (Blocked((1, 1)), lambda get, out: unpack_int32(get(packed), bits, shape[1], out)),
              "weight_scale": (layout, t["weight_scale"])}

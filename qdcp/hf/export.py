@@ -17,13 +17,10 @@ import functools
 import json
 import os
 import re
-import shutil
-import sys
 from typing import Any, Callable, Mapping
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from tqdm import tqdm
 
 from qdcp import outputs
 from qdcp import spec as qspec
@@ -85,8 +82,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
         config_json.pop("quantization_config", None)
     shards = stf.plan_shards([p.nbytes for p in plans], stf.parse_size(max_shard_size))
     files = stf.shard_file_names(len(shards))
-    tmp = outputs.new_dir(_SCRATCH, out_dir)
-    try:
+    with outputs.writing_dir(_SCRATCH, out_dir) as tmp:
         weight_map = _write_files(layout, [[plans[i] for i in s] for s in shards], files,
                                   _Reading(entries, sources, names), tmp, progress)
         if len(files) > 1:
@@ -94,10 +90,6 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
         with open(os.path.join(tmp, stf.CONFIG_FILE), "w") as f:
             json.dump(config_json, f, indent=2)
             f.write("\n")
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return ExportResult(out_dir, tuple(files), sum(len(p.tensors) for p in plans), sum(p.nbytes for p in plans),
                         tuple(p.key for p in plans if p.dequantized), tuple(skipped), tuple(left_out))
 
@@ -115,7 +107,6 @@ def _check_output(checkpoint: str, out_dir: str, overwrite: bool) -> None:
     export to ``out_dir`` left is removed first, and an export it had moved aside put back."""
     try:
         outputs.check_separate([checkpoint], out_dir)
-        outputs.recover(out_dir)
         outputs.clean(out_dir, _SCRATCH)
         outputs.check_replaceable(out_dir, overwrite, directory=True, ours=_OURS,
                                   what="an export (model*.safetensors, its index, config.json)")
@@ -247,9 +238,7 @@ def _write_files(layout: HFLayout, shards: list[list[EntryPlan]], files: list[st
                  out: str, progress: bool | None) -> dict[str, str]:
     weight_map: dict[str, str] = {}
     total = sum(p.nbytes for s in shards for p in s)
-    disable = None if progress is None else not progress
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=disable,
-              file=sys.stderr, leave=False) as bar:
+    with outputs.progress_bar(total, "export", progress) as bar:
         for file_plans, name in zip(shards, files):
             with stf.ShardWriter(os.path.join(out, name), [t for p in file_plans for t in p.tensors],
                                  layout.file_metadata(file_plans, [p for s in shards for p in s])) as writer:
@@ -261,16 +250,3 @@ def _write_files(layout: HFLayout, shards: list[list[EntryPlan]], files: list[st
                     del values
                     bar.update(plan.nbytes)
     return weight_map
-
-
-def _replace_dir(tmp: str, out_dir: str) -> None:
-    """Move the finished ``tmp`` to ``out_dir``; an existing ``out_dir`` is moved aside first (into a
-    scratch directory the next export to ``out_dir`` puts back if this one is killed before its
-    second rename) and removed only after."""
-    old = None
-    if os.path.exists(out_dir):
-        old = outputs.new_dir(outputs.REPLACED, out_dir)
-        os.rename(out_dir, os.path.join(old, "dir"))
-    os.rename(tmp, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
