@@ -9,8 +9,9 @@ Each directory directly under the run's directory is one checkpoint; its step is
 in its name (``step_300``: 300). Its state is one of :data:`STATES`:
 
 - ``complete``: a committed ``.metadata`` that qdcp's metadata reader accepts (no code run, its
-  chunks tiling every item), every data file it references present with at least the bytes it
-  references. Cheap: no data is read, so a flipped byte is ``qdcp verify``'s to find.
+  chunks tiling every item), whose storage records pass ``qdcp verify``'s check of them
+  (:func:`qdcp.reading.verify.check_storage`: every data file present with the bytes it is said
+  to hold). Cheap: no data is read, so a flipped byte is ``qdcp verify``'s to find.
 - ``writing``: a claim file held by a save that may still run (:mod:`qdcp.storage.claims`; one
   taken on another host is never judged), or, without ``.metadata``, a file written in the last
   :data:`ACTIVE_GRACE_S` seconds (DCP's own writer takes no claim).
@@ -35,6 +36,7 @@ import time
 
 from qdcp import checksums, spec
 from qdcp.errors import CheckpointFormatError, ConcurrentSaveError
+from qdcp.reading.verify import check_storage
 from qdcp.storage import claims, commit
 from qdcp.storage.local_files import open_inside
 from qdcp.storage.metadata import METADATA_FILE, check_chunk_geometry, safe_load_metadata
@@ -131,7 +133,7 @@ def _inspect(path: str) -> CheckpointInfo | None:
     info = dict(path=path, step=step, nbytes=sum(sizes.values()), age_s=max(0.0, time.time() - newest))
     if METADATA_FILE in names:
         info["age_s"] = max(0.0, time.time() - os.stat(os.path.join(path, METADATA_FILE)).st_mtime)
-        problem, by_qdcp = _problem(path, sizes)
+        problem, by_qdcp = _problem(path)
         if held:
             return CheckpointInfo(**info, state="writing", why=held, by_qdcp=by_qdcp)
         return CheckpointInfo(**info, state="damaged" if problem else "complete", why=problem, by_qdcp=by_qdcp)
@@ -168,7 +170,7 @@ def _held(path: str) -> str | None:
     return None
 
 
-def _problem(path: str, sizes: dict[str, int]) -> tuple[str | None, bool]:
+def _problem(path: str) -> tuple[str | None, bool]:
     """``(why the checkpoint is not complete or None, whether qdcp wrote its .metadata)``."""
     try:
         with open_inside(path, METADATA_FILE, "the checkpoint's .metadata") as f:  # never a file outside it
@@ -178,18 +180,8 @@ def _problem(path: str, sizes: dict[str, int]) -> tuple[str | None, bool]:
         return f"its .metadata is not usable: {e}", False
     data = md.planner_data if isinstance(md.planner_data, dict) else {}
     by_qdcp = spec.PLANNER_DATA_KEY in data or checksums.PLANNER_DATA_KEY in data
-    need: dict[str, int] = {}
-    for info in (md.storage_data or {}).values():
-        name, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
-        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-            return f"its .metadata references {name!r}, not a file of the directory", by_qdcp
-        need[name] = max(need.get(name, 0), end)
-    for name, end in sorted(need.items()):
-        if name not in sizes:
-            return f"{name} is missing (its .metadata references it)", by_qdcp
-        if sizes[name] < end:
-            return f"{name} holds {sizes[name]} bytes; its .metadata references {end}", by_qdcp
-    return None, by_qdcp
+    problems = check_storage(md, path)
+    return (f"its .metadata's storage records: {problems[0]}" if problems else None), by_qdcp
 
 
 def _removed(c: CheckpointInfo) -> bool:
