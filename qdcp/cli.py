@@ -77,32 +77,22 @@ def _short_attrs(attrs: dict) -> str:
 
 # ----------------------------------------------------------------------------- the entries of a checkpoint
 
-class _Entries:
-    """A checkpoint's entries (:class:`qdcp.reading.CheckpointEntries`), iterated in key order
-    under a progress bar of the bytes each stores."""
+def _in_order(reading: CheckpointEntries, what: str, quiet: bool) -> Iterator[str]:
+    """The checkpoint's keys in order, under a progress bar of the bytes each stores."""
+    keys = reading.keys()
+    sizes = {key: _nbytes(reading, key) for key in keys}
+    with outputs.progress_bar(sum(sizes.values()), what, False if quiet else None) as bar:
+        for i, key in enumerate(keys):
+            bar.set_postfix_str(f"entry {i + 1}/{len(keys)}", refresh=False)
+            yield key
+            bar.update(sizes[key])
 
-    def __init__(self, path: str, quiet: bool, what: str) -> None:
-        self.quiet, self.what = quiet, what
-        self.reading = CheckpointEntries(path)  #: reads each entry (metadata and specs parsed once)
-        self.keys = self.reading.keys()
 
-    def _nbytes(self, key: str) -> int:
-        try:
-            return self.reading.nbytes(key)
-        except KeyError:  # a spec entry with no item stored (a damaged checkpoint): reading it says so
-            return 0
-
-    def __iter__(self) -> Iterator[str]:
-        total = sum(self._nbytes(k) for k in self.keys)
-        with outputs.progress_bar(total, self.what, False if self.quiet else None) as bar:
-            for i, key in enumerate(self.keys):
-                bar.set_postfix_str(f"entry {i + 1}/{len(self.keys)}", refresh=False)
-                yield key
-                bar.update(self._nbytes(key))
-
-    def values(self, key: str, dtype: torch.dtype | None) -> torch.Tensor | Any:
-        """The entry as plain values (raw entries dequantized, in ``dtype`` if given), or an object."""
-        return self.reading.entry(key, dequantize=True, dtype=dtype)
+def _nbytes(reading: CheckpointEntries, key: str) -> int:
+    try:
+        return reading.nbytes(key)
+    except KeyError:  # a spec entry with no item stored (a damaged checkpoint): reading it says so
+        return 0
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -136,12 +126,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """``qdcp verify``: read and rebuild every entry, list every problem; exit 1 if any."""
-    entries = _Entries(args.path, args.quiet, "verify")
-    md = entries.reading.metadata
-    problems = check_chunks(md) + check_storage(md, args.path) + check_components(entries.reading)
-    for key in entries:
+    reading = CheckpointEntries(args.path)
+    md = reading.metadata
+    problems = check_chunks(md) + check_storage(md, args.path) + check_components(reading)
+    for key in _in_order(reading, "verify", args.quiet):
         try:
-            problems += check_entry(entries.reading, key)
+            problems += check_entry(reading, key)
         except BaseException as e:  # CheckpointException is a BaseException
             if isinstance(e, KeyboardInterrupt):
                 raise
@@ -150,7 +140,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"FAIL {p}")
     checked = "every item checked against its recorded checksum" if checksums.record(md) is not None \
         else "no checksums recorded (items checked only for their structure)"
-    print(f"{'OK' if not problems else 'FAILED'}: {_count(len(entries.keys), 'entry', 'entries')}, "
+    print(f"{'OK' if not problems else 'FAILED'}: {_count(len(reading.keys()), 'entry', 'entries')}, "
           f"{_count(len(problems), 'problem', 'problems')}; {checked}")
     return EXIT_OK if not problems else EXIT_FAILED
 
@@ -182,13 +172,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return _to_safetensors(args, dtype)
     outputs.check_replaceable(args.out, args.overwrite, directory=True, ours=_DCP_FILES, required=".metadata",
                               what="a DCP checkpoint (.metadata and *.distcp files)")
-    return _to_dcp_dequantized(_Entries(args.path, args.quiet, "convert"), args.out, dtype, args.overwrite)
+    return _to_dcp_dequantized(args, dtype)
 
 
 def _to_torch(args: argparse.Namespace) -> int:
-    """``--to torch``: the whole checkpoint in one ``torch.save`` file (:func:`qdcp.dcp_to_torch_save`),
-    written under a fresh scratch name (:mod:`qdcp.outputs`) and renamed into place; never
-    over an existing file."""
+    """``--to torch``: :func:`qdcp.dcp_to_torch_save`, never over an existing file (a torch.save
+    file does not say who wrote it)."""
     if args.dtype or args.overwrite:
         why = "(it writes each entry in its own dtype)" if args.dtype else \
             "(it never replaces a file: a torch.save file does not say who wrote it)"
@@ -197,19 +186,9 @@ def _to_torch(args: argparse.Namespace) -> int:
     if os.path.lexists(args.out):
         raise outputs.OutputError(f"{args.out!r} exists; --to torch writes a new file only (a torch.save file "
                                   f"does not say who wrote it). Move it away or choose another path")
-    state = dcp_to_torch_save(args.path, args.out, dequantize=args.dequantize)
-    print(f"wrote {_count(_leaves(state), 'entry', 'entries')} to {args.out}")
+    dcp_to_torch_save(args.path, args.out, dequantize=args.dequantize)
+    print(f"wrote {_count(len(describe(args.path)), 'entry', 'entries')} to {args.out}")
     return EXIT_OK
-
-
-def _leaves(state: Any) -> int:
-    """How many entries a nested state dict holds (its values but dicts and lists, which DCP
-    flattens: a list of plain values it keeps whole counts once)."""
-    if isinstance(state, dict):
-        return sum(_leaves(v) for v in state.values())
-    if isinstance(state, list) and any(isinstance(v, (torch.Tensor, dict, list)) for v in state):
-        return sum(_leaves(v) for v in state)
-    return 1
 
 
 #: what a DCP checkpoint directory holds (``.metadata.<token>.tmp``: qdcp's writer, stopped before its
@@ -232,17 +211,18 @@ def _to_safetensors(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
     return EXIT_OK
 
 
-def _to_dcp_dequantized(entries: _Entries, out: str, dtype: torch.dtype | None, overwrite: bool) -> int:
+def _to_dcp_dequantized(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
     """A portable DCP checkpoint: every tensor entry plain (raw entries dequantized, in ``dtype``
     if given), objects as they are, nested as the input's state dict was (its keys the same);
     readable by stock DCP. Written by qdcp's writer: a previous output is replaced atomically (it
     stays whole until the new one is)."""
-    flat = {key: entries.values(key, dtype) for key in entries}
+    reading = CheckpointEntries(args.path)
+    flat = {key: reading.entry(key, dequantize=True, dtype=dtype) for key in _in_order(reading, "convert", args.quiet)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         # errors raised as they are, not in DCP's CheckpointException
-        save(nest(flat, entries.reading.metadata), out, overwrite=overwrite)
-    print(f"wrote {out}: {_count(len(flat), 'entry', 'entries')}, dequantized")
+        save(nest(flat, reading.metadata), args.out, overwrite=args.overwrite)
+    print(f"wrote {args.out}: {_count(len(flat), 'entry', 'entries')}, dequantized")
     return EXIT_OK
 
 
@@ -250,7 +230,7 @@ def _to_dcp_dequantized(entries: _Entries, out: str, dtype: torch.dtype | None, 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``qdcp export``: a Hugging Face directory through :func:`qdcp.export`."""
-    result = export(args.path, args.out, format=args.format, config=_config(args.config),
+    result = export(args.path, args.out, format=args.format, config=args.config,
                     max_shard_size=args.max_shard_size, dequantize_unsupported=args.dequantize_unsupported,
                     overwrite=args.overwrite, progress=False if args.quiet else None, prefix=args.prefix,
                     include_optimizer=args.include_optimizer)
@@ -265,22 +245,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"wrote {result.out_dir} ({args.format}): {_count(len(result.files), 'file', 'files')}, "
           f"{_count(result.tensors, 'tensor', 'tensors')}, {result.nbytes} bytes")
     return EXIT_OK
-
-
-def _config(path: str | None) -> dict | None:
-    """The JSON object in ``--config`` (errors name the file)."""
-    if path is None:
-        return None
-    try:
-        with open(path) as f:
-            loaded = json.load(f)
-    except OSError as e:
-        raise ValueError(f"--config {path}: {e.strerror or e}") from None
-    except ValueError as e:  # UnicodeDecodeError too
-        raise ValueError(f"--config {path}: not a JSON file ({e})") from None
-    if not isinstance(loaded, dict):
-        raise ValueError(f"--config {path}: holds a JSON {type(loaded).__name__}, not an object")
-    return loaded
 
 
 # ----------------------------------------------------------------------------- a run's checkpoints
