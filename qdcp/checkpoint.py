@@ -73,11 +73,9 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     ``stager``: a :class:`qdcp.QuantizedStager` kept for the whole run (its buffers are reused
     from save to save; ``stager.prepare(state_dict)`` before training makes the first save as fast as
     the later ones); without one the writer stages through a ``QuantizedStager`` shared by this
-    process's qdcp writers (its buffers reused too). On a host where this process may use fewer
-    than 8 cores the upload writes the staged buffers' large items straight to the disk (direct
-    writes, :mod:`qdcp.io.direct`), taking little CPU from training; with more it writes
-    through the page cache, which finishes sooner there (``storage_options={"direct_io": True}`` /
-    ``False`` chooses either on any host). ``no_dist``: as in :func:`save`. Errors, raised by the
+    process's qdcp writers (its buffers reused too). ``storage_options``: the writer's
+    (:class:`qdcp.CheckpointWriter`; ``direct_io`` chooses how the upload writes, docs/api.md).
+    ``no_dist``: as in :func:`save`. Errors, raised by the
     call or by the Future's ``result()``, are this rank's own, as :func:`save` raises them.
     Wait for the previous save's future before the next save.
 
@@ -255,12 +253,11 @@ def _own_errors(fut: Future, writer: Any, where: str) -> Future:
 
 
 def _add_note(e: BaseException, note: str) -> None:
-    if note in getattr(e, "__notes__", ()):
-        return  # (one error relayed by both of an AsyncSaveResponse's futures)
-    if hasattr(e, "add_note"):
-        e.add_note(note)
-    else:  # Python 3.10: the attribute alone (3.11 shows it in tracebacks)
-        e.__notes__ = [*getattr(e, "__notes__", []), note]
+    """``e.add_note(note)`` once (one error is relayed by both of an AsyncSaveResponse's futures), as
+    the attribute itself: Python 3.10 has no ``add_note`` (3.11+ shows ``__notes__`` in tracebacks)."""
+    notes = getattr(e, "__notes__", [])
+    if note not in notes:
+        e.__notes__ = [*notes, note]
 
 
 def _short(e: BaseException, limit: int = 2000) -> str:

@@ -30,7 +30,7 @@ import torch
 from qdcp.adapters import compressed_tensors as ct
 from qdcp.adapters.base import RawInterchangeAdapter, StoredEntry, adapter_for_type
 from qdcp.adapters.formats import MXFP8_FORMS, NVFP4_ROW16, nvfp4_decode_scale, parse_affine_form
-from qdcp.errors import CheckpointFormatError, QdcpError
+from qdcp.errors import CheckpointFormatError
 from qdcp.hf.directory import HFDirectory
 from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Item, Presented, Source, UnsupportedEntry, presented
 from qdcp.hf.safetensors_files import RowBlocks, TensorOut
@@ -60,10 +60,6 @@ def _args(**given) -> str:
     base = {"dynamic": False, "symmetric": True, "group_size": None, "block_structure": None,
             "actorder": None, "observer": None, "observer_kwargs": {}, "scale_dtype": None, "zp_dtype": None}
     return json.dumps({**base, **given}, sort_keys=True)
-
-
-def _scheme(fmt: str, **weights) -> Scheme:
-    return Scheme(fmt, _args(**weights))  # weight-only
 
 
 _ACT_STRATEGIES = {"PerRow": "token", "PerToken": "token", "PerTensor": "tensor"}
@@ -241,7 +237,7 @@ class CompressedTensorsLayout(HFLayout):
         dtypes are codes), else left as the dense tensors they are. A module whose stored dtypes
         contradict the status, or codes no group targets, are refused."""
         d = directory
-        qc = read_quantization_config(d.config)
+        qc = _quantization_config(d.config)  # what layout_of chose this layout by
         status = qc.get("quantization_status")
         if status is not None and status not in _STATUSES:
             raise CheckpointFormatError(f"{d.path}: compressed-tensors quantization_status {status!r} is not one "
@@ -264,8 +260,8 @@ def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape, inputs: str) -> 
     activations, FP8 is ``float-quantized`` and integers ``int-quantized`` (unpacked int8)."""
     n, k = shape
     if form == NVFP4_ROW16:
-        return (_scheme("nvfp4-pack-quantized", num_bits=4, type="float", strategy="tensor_group", group_size=16,
-                        scale_dtype="torch.float8_e4m3fn"),
+        return (Scheme("nvfp4-pack-quantized", _args(num_bits=4, type="float", strategy="tensor_group", group_size=16,
+                                                     scale_dtype="torch.float8_e4m3fn")),  # weight-only
                 [("weight_packed", (n, k // 2), torch.uint8), ("weight_scale", (n, k // 16), torch.float8_e4m3fn),
                  ("weight_global_scale", (1,), torch.float32)])
     if form == _MXFP8:
@@ -339,15 +335,6 @@ def _quantization_config(config: Mapping) -> dict | None:
     """The config's compressed-tensors ``quantization_config`` (or ``compression_config``), or None."""
     qc = config.get("quantization_config") or config.get("compression_config")
     return qc if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors" else None
-
-
-def read_quantization_config(config: Mapping) -> dict:
-    """The ``quantization_config`` of a compressed-tensors ``config.json`` (checked to be one)."""
-    qc = _quantization_config(config)
-    if qc is None:
-        found = config.get("quantization_config") or config.get("compression_config")
-        raise QdcpError(f"not a compressed-tensors config: {json.dumps(found)[:200]}")
-    return qc
 
 
 # ----------------------------------------------------------------------------- reading a directory
