@@ -300,11 +300,60 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- main
 
-def _add_export(sub) -> None:
-    """``qdcp export``."""
-    p = sub.add_parser("export", help="write a Hugging Face safetensors directory an inference engine loads "
-                                      "(torchao or compressed-tensors layout), raw bits carried over")
-    p.add_argument("path", help="the qdcp/DCP checkpoint")
+_DESCRIPTION = "Inspect, verify, convert, export, list and prune qdcp/DCP checkpoints."
+_CHECKPOINT = "the qdcp/DCP checkpoint (a directory)"
+_RUN = "the directory holding a run's checkpoints (step_100, ...)"
+
+
+def _verb(sub, name: str, func, help: str, path: str, *flags: str) -> argparse.ArgumentParser:
+    """The parser of ``qdcp NAME PATH`` (``flags``: ``--quiet`` / ``--json``, which every verb means alike)."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("path", help=path, metavar="DIR" if path == _RUN else None)
+    p.set_defaults(func=func)
+    for flag in flags:
+        p.add_argument(flag, action="store_true", help={"--quiet": "no progress bar",
+                                                        "--json": "machine-readable output"}[flag])
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``qdcp`` argument parser (every argument has help text)."""
+    parser = argparse.ArgumentParser(prog="qdcp", description=_DESCRIPTION)
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="import MODULE first, to register adapters of your own (repeatable); "
+                             "nothing is ever imported because a checkpoint names it")
+    sub = parser.add_subparsers(dest="command", required=True, help="what to do (qdcp VERB --help for more)")
+    _verb(sub, "inspect", cmd_inspect, "table of entries: storage, type, shape, bytes", _CHECKPOINT, "--json")
+    _verb(sub, "verify", cmd_verify, "read every entry (checksums checked) and compute its values; check chunks",
+          _CHECKPOINT, "--quiet")
+    p = _verb(sub, "convert", cmd_convert, "export to safetensors or a dequantized DCP checkpoint", _CHECKPOINT,
+              "--quiet")
+    p.add_argument("out", help="the file (--to safetensors, --to torch) or directory (--to dcp) to write; "
+                               "never inside or around PATH")
+    p.add_argument("--to", choices=["safetensors", "dcp", "torch"], required=True,
+                   help="safetensors: one file (raw components, or values with --dequantize); "
+                        "dcp: a plain DCP checkpoint (needs --dequantize); torch: one torch.save file "
+                        "of whole entries, as DCP's dcp_to_torch_save (quantized entries as their "
+                        "type, or values with --dequantize)")
+    p.add_argument("--dequantize", action="store_true", help="write plain high-precision tensors")
+    p.add_argument("--dtype", choices=sorted(_DTYPE_ARGS),
+                   help="dtype of floating outputs (dequantized values are computed in it)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if qdcp wrote it (a qdcp safetensors file, a DCP checkpoint)")
+    _add_export(_verb(sub, "export", cmd_export, "write a Hugging Face safetensors directory an inference engine "
+                      "loads (torchao or compressed-tensors layout), raw bits carried over", _CHECKPOINT, "--quiet"))
+    _verb(sub, "list", cmd_list, "a run's checkpoints (the directories in DIR): step, state, size, age", _RUN,
+          "--json")
+    p = _verb(sub, "prune", cmd_prune, "remove a run's complete checkpoints but the last K, and what failed saves "
+              "left (prints what it would remove unless --yes)", _RUN)
+    p.add_argument("--keep", type=int, required=True, metavar="K",
+                   help="complete checkpoints to keep (at least 1: the latest is never removed)")
+    p.add_argument("--yes", action="store_true", help="remove them (default: only print what would be removed)")
+    return parser
+
+
+def _add_export(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``qdcp export`` after PATH."""
     p.add_argument("out", help="the directory to write; never inside or around PATH")
     p.add_argument("--format", choices=["torchao", "compressed-tensors"], required=True,
                    help="the layout: torchao's (transformers + torchao load it) or compressed-tensors' "
@@ -318,66 +367,10 @@ def _add_export(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace OUT if it holds only what an export writes (model*.safetensors, the index, "
                         "config.json)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_export)
     p.add_argument("--prefix", help="export the subtree under PREFIX only, its keys written without it "
                                     "(--prefix model for a checkpoint of {'model': ..., 'optim': ...})")
     p.add_argument("--include-optimizer", action="store_true",
                    help="also export optimizer states (default: left out, and listed)")
-
-
-_DESCRIPTION = "Inspect, verify, convert, export, list and prune qdcp/DCP checkpoints."
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``qdcp`` argument parser (every argument has help text)."""
-    parser = argparse.ArgumentParser(prog="qdcp", description=_DESCRIPTION)
-    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                        help="import MODULE first, to register adapters of your own (repeatable); "
-                             "nothing is ever imported because a checkpoint names it")
-    sub = parser.add_subparsers(dest="command", required=True, help="what to do (qdcp VERB --help for more)")
-    p = sub.add_parser("inspect", help="table of entries: storage, type, shape, bytes")
-    p.add_argument("path", help="the qdcp/DCP checkpoint (a directory)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_inspect)
-    p = sub.add_parser("verify", help="read every entry (checksums checked) and compute its values; check chunks")
-    p.add_argument("path", help="the qdcp/DCP checkpoint (a directory)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_verify)
-    p = sub.add_parser("convert", help="export to safetensors or a dequantized DCP checkpoint")
-    p.add_argument("path", help="the qdcp/DCP checkpoint (a directory)")
-    p.add_argument("out", help="the file (--to safetensors, --to torch) or directory (--to dcp) to write; "
-                               "never inside or around PATH")
-    p.add_argument("--to", choices=["safetensors", "dcp", "torch"], required=True,
-                   help="safetensors: one file (raw components, or values with --dequantize); "
-                        "dcp: a plain DCP checkpoint (needs --dequantize); torch: one torch.save file "
-                        "of whole entries, as DCP's dcp_to_torch_save (quantized entries as their "
-                        "type, or values with --dequantize)")
-    p.add_argument("--dequantize", action="store_true", help="write plain high-precision tensors")
-    p.add_argument("--dtype", choices=sorted(_DTYPE_ARGS),
-                   help="dtype of floating outputs (dequantized values are computed in it)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace OUT if qdcp wrote it (a qdcp safetensors file, a DCP checkpoint)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_convert)
-    _add_export(sub)
-    return _with_run_commands(parser, sub)
-
-
-def _with_run_commands(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
-    """``parser`` with ``qdcp list`` and ``qdcp prune`` (a run's checkpoints: :mod:`qdcp.runs`)."""
-    p = sub.add_parser("list", help="a run's checkpoints (the directories in DIR): step, state, size, age")
-    p.add_argument("path", metavar="DIR", help="the directory holding a run's checkpoints (step_100, ...)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_list)
-    p = sub.add_parser("prune", help="remove a run's complete checkpoints but the last K, and what failed "
-                                     "saves left (prints what it would remove unless --yes)")
-    p.add_argument("path", metavar="DIR", help="the directory holding a run's checkpoints")
-    p.add_argument("--keep", type=int, required=True, metavar="K",
-                   help="complete checkpoints to keep (at least 1: the latest is never removed)")
-    p.add_argument("--yes", action="store_true", help="remove them (default: only print what would be removed)")
-    p.set_defaults(func=cmd_prune)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -394,14 +387,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
     try:
         return args.func(args)
-    except (outputs.OutputError, OSError) as e:  # a path that cannot be used as given
-        print(f"qdcp: {_one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
-    except QdcpError as e:
-        print(f"qdcp: {args.path}: {_one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
-    except ValueError as e:  # an argument's value (a size, a format) qdcp cannot use
-        print(f"qdcp: {_one_line(e)}", file=sys.stderr)
+    except (QdcpError, OSError, ValueError) as e:  # ValueError: an argument's value (a size...) qdcp cannot use
+        # a checkpoint's problem says which one; a path that cannot be used as given names itself
+        where = "" if isinstance(e, (outputs.OutputError, OSError)) or not isinstance(e, QdcpError) else \
+            f"{args.path}: "
+        print(f"qdcp: {where}{_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
 
 

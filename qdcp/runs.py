@@ -27,12 +27,14 @@ is removed once empty; anything else in it is left, and named.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
 import stat
 import time
+from typing import Any
 
 from qdcp import checksums, spec
 from qdcp.errors import CheckpointFormatError, ConcurrentSaveError
@@ -131,15 +133,14 @@ def _inspect(path: str) -> CheckpointInfo | None:
         return None
     held = _held(path) if claims.CLAIM_FILE in names else None
     info = dict(path=path, step=step, nbytes=sum(sizes.values()), age_s=max(0.0, time.time() - newest))
+    problem, by_qdcp = None, bool(ours) or claims.CLAIM_FILE in names
     if METADATA_FILE in names:
         info["age_s"] = max(0.0, time.time() - os.stat(os.path.join(path, METADATA_FILE)).st_mtime)
         problem, by_qdcp = _problem(path)
-        if held:
-            return CheckpointInfo(**info, state="writing", why=held, by_qdcp=by_qdcp)
-        return CheckpointInfo(**info, state="damaged" if problem else "complete", why=problem, by_qdcp=by_qdcp)
-    by_qdcp = bool(ours) or claims.CLAIM_FILE in names
     if held:
         return CheckpointInfo(**info, state="writing", why=held, by_qdcp=by_qdcp)
+    if METADATA_FILE in names:
+        return CheckpointInfo(**info, state="damaged" if problem else "complete", why=problem, by_qdcp=by_qdcp)
     if not by_qdcp and time.time() - newest < ACTIVE_GRACE_S:  # no claim to tell: DCP's writer, or just made
         why = f"no .metadata yet; written to {time.time() - newest:.0f} s ago (a save may be running)"
         return CheckpointInfo(**info, state="writing", why=why, by_qdcp=by_qdcp)
@@ -173,8 +174,7 @@ def _held(path: str) -> str | None:
 def _problem(path: str) -> tuple[str | None, bool]:
     """``(why the checkpoint is not complete or None, whether qdcp wrote its .metadata)``."""
     try:
-        with open_inside(path, METADATA_FILE, "the checkpoint's .metadata") as f:  # never a file outside it
-            md = safe_load_metadata(f)
+        md = _metadata(path)
         check_chunk_geometry(md)
     except (CheckpointFormatError, OSError) as e:
         return f"its .metadata is not usable: {e}", False
@@ -185,10 +185,9 @@ def _problem(path: str) -> tuple[str | None, bool]:
 
 
 def _removed(c: CheckpointInfo) -> bool:
-    try:
+    with contextlib.suppress(FileNotFoundError):  # another pruner (another rank) removed it meanwhile
         return _remove(c)
-    except FileNotFoundError:  # another pruner (another rank) removed it meanwhile
-        return False
+    return False
 
 
 def _remove(c: CheckpointInfo) -> bool:
@@ -208,27 +207,23 @@ def _remove(c: CheckpointInfo) -> bool:
         return False  # a save claimed the path meanwhile: left alone
     if METADATA_FILE in names:
         try:
-            ours |= names & _referenced(c.path)
+            ours |= names & commit.referenced(_metadata(c.path))
             os.remove(os.path.join(c.path, METADATA_FILE))  # first: no longer complete, whatever follows
-        except FileNotFoundError:
-            return False  # another pruner took it
+        except (FileNotFoundError, CheckpointFormatError):
+            return False  # another pruner took it, or it was swapped since
     for name in sorted(ours):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(c.path, name))
-        except FileNotFoundError:
-            pass
     if data is not None:  # a claim no save holds (a killed save's): removed if it is still that one
         store.remove_if_same(claims.CLAIM_FILE, data, f"{claims.CLAIM_FILE}.{_PRUNE_ASIDE}")
-    try:
+    with contextlib.suppress(OSError):  # what others wrote stays (left_behind names it)
         os.rmdir(c.path)
-    except OSError:
-        pass  # what others wrote stays (left_behind names it)
     return True
 
 
-def _referenced(path: str) -> set[str]:
-    with open(os.path.join(path, METADATA_FILE), "rb") as f:
-        return commit.referenced(safe_load_metadata(f))
+def _metadata(path: str) -> Any:
+    with open_inside(path, METADATA_FILE, "the checkpoint's .metadata") as f:  # never a file outside it
+        return safe_load_metadata(f)
 
 
 def format_bytes(n: int) -> str:
