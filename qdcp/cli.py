@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import warnings
 from typing import Any, Iterator, Sequence
@@ -58,20 +59,16 @@ def _quiet() -> None:
     logging.disable(logging.WARNING)
 
 
+#: the field an encoded attribute (qdcp.spec's JSON forms) is shown by, by its keys
+_SHOWN_BY = {("dtype",): "dtype", ("tuple",): "tuple", ("enum", "value"): "value", ("fields", "object"): "object"}
+
+
 def _short_attrs(attrs: dict) -> str:
+    """``k=v,...`` for the inspect table: encoded values by their name or value, dims joined by x."""
     def fmt(v: Any) -> str:
-        if isinstance(v, dict):
-            if set(v) == {"dtype"}:
-                return v["dtype"]
-            if set(v) == {"tuple"}:
-                return "x".join(fmt(x) for x in v["tuple"])
-            if set(v) == {"enum", "value"}:
-                return str(v["value"])
-            if set(v) == {"object", "fields"}:
-                return v["object"]
-        if isinstance(v, list):
-            return "x".join(fmt(x) for x in v)
-        return str(v)
+        if isinstance(v, dict) and tuple(sorted(v)) in _SHOWN_BY:
+            v = v[_SHOWN_BY[tuple(sorted(v))]]
+        return "x".join(fmt(x) for x in v) if isinstance(v, list) else str(v)
     return ",".join(f"{k}={fmt(v)}" for k, v in attrs.items() if v is not None and k != "dtype")
 
 
@@ -193,8 +190,8 @@ def _to_torch(args: argparse.Namespace) -> int:
 
 #: what a DCP checkpoint directory holds (``.metadata.<token>.tmp``: qdcp's writer, stopped before its
 #: commit; ``.qdcp-save.claim``: a save's claim on the directory)
-_DCP_FILES = outputs.name_matcher(r"\.metadata", r"\.metadata(\.[0-9a-f]+)?\.tmp", r"[^/]*\.distcp",
-                                  r"\.qdcp-save\.claim", r"\.qdcp-save\.[0-9a-f]+\.beat")
+_DCP_FILES = re.compile(r"\.metadata|\.metadata(\.[0-9a-f]+)?\.tmp|[^/]*\.distcp|\.qdcp-save\.claim"
+                        r"|\.qdcp-save\.[0-9a-f]+\.beat").fullmatch
 
 
 def _to_safetensors(args: argparse.Namespace, dtype: torch.dtype | None) -> int:

@@ -24,14 +24,14 @@ import re
 import shutil
 import sys
 import uuid
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from tqdm import tqdm
 
 from qdcp.errors import QdcpError
 from qdcp.storage.owners import Owner
 
-__all__ = ["OutputError", "check_separate", "check_replaceable", "name_matcher", "new_file", "clean",
+__all__ = ["OutputError", "check_separate", "check_replaceable", "new_file", "clean",
            "writing_file", "writing_dir",
            "progress_bar"]
 
@@ -56,10 +56,10 @@ def check_separate(inputs: Iterable[str | os.PathLike], out: str | os.PathLike) 
 
 
 def check_replaceable(out: str | os.PathLike, overwrite: bool, *, directory: bool,
-                      ours: Callable[[str], bool], what: str, required: str | None = None) -> None:
+                      ours: Callable[[str], Any], what: str, required: str | None = None) -> None:
     """Refuse an existing ``out`` unless ``overwrite`` and qdcp wrote all of it: ``ours(name)``
-    for every file of a directory (``directory=True``; ``required``: a file it must hold),
-    ``ours(path)`` for a file. An empty directory counts as absent."""
+    true (a regex's ``fullmatch``...) for every file of a directory (``directory=True``;
+    ``required``: a file it must hold), ``ours(path)`` for a file. An empty directory counts as absent."""
     out = os.fspath(out)
     if not os.path.lexists(out):
         return
@@ -85,12 +85,6 @@ def check_replaceable(out: str | os.PathLike, overwrite: bool, *, directory: boo
     if required is not None and required not in names:
         raise OutputError(f"{out!r} has no {required}, so it is not {what}; --overwrite replaces only qdcp's own "
                           f"output. Remove its files or choose another path")
-
-
-def name_matcher(*patterns: str) -> Callable[[str], bool]:
-    """``ours`` for :func:`check_replaceable`: a file name matching one of the regex ``patterns``."""
-    compiled = [re.compile(p) for p in patterns]
-    return lambda name: any(c.fullmatch(name) for c in compiled)
 
 
 # ----------------------------------------------------------------------------- scratch

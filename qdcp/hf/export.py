@@ -96,8 +96,8 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
 _SCRATCH = "export"  #: the scratch directory's kind (:mod:`qdcp.outputs`)
 
 #: what export writes in its directory (all that ``overwrite`` may replace)
-_OURS = outputs.name_matcher(re.escape(stf.SINGLE_FILE), r"model-\d{5,}-of-\d{5,}\.safetensors",
-                             re.escape(stf.INDEX_FILE), re.escape(stf.CONFIG_FILE))
+_OURS = re.compile("|".join([re.escape(stf.SINGLE_FILE), r"model-\d{5,}-of-\d{5,}\.safetensors",
+                              re.escape(stf.INDEX_FILE), re.escape(stf.CONFIG_FILE)])).fullmatch
 
 
 def _check_output(checkpoint: str, out_dir: str, overwrite: bool) -> None:
