@@ -200,9 +200,11 @@ class CompressedTensorsLayout(HFLayout):
         if stored.components.keys() & {"act_pre_scale", "act_quant_scale"}:
             raise UnsupportedEntry("its activation pre-scale / static activation scale has no compressed-tensors "
                                    "form (the layer's output depends on it)")
-        module = src.key[: -len(".weight")]
-        scheme, tensors = _plan_form(form, t, src.shape, input_activations(stored.attrs))
-        return EntryPlan(src.key, tuple(TensorOut(f"{module}.{n}", s, d) for n, s, d in tensors), scheme=scheme)
+        module, inputs = src.key[: -len(".weight")], input_activations(stored.attrs)
+        scheme = _scheme_of(form, t, src.shape, inputs)
+        tensors = _tensors(form, t, src.shape, inputs)  # on the meta device but the small zero points
+        return EntryPlan(src.key, tuple(TensorOut(f"{module}.{n}", tuple(v.shape), v.dtype)
+                                        for n, v in tensors.items()), scheme=scheme)
 
     def produce(self, plan: EntryPlan, stored: StoredEntry) -> dict[str, torch.Tensor | RowBlocks]:
         form, t = self._form(stored, plan.key)
@@ -254,50 +256,33 @@ class CompressedTensorsLayout(HFLayout):
         return out
 
 
-def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape, inputs: str) -> tuple[Scheme, list]:
-    """The scheme and ``(name, shape, dtype)`` of each tensor of a form's entry (shapes only). The
-    format is the one the library picks for the scheme (``infer_module_format``): with quantized
+def _scheme_of(form: str, t: Mapping[str, torch.Tensor], shape, inputs: str) -> Scheme:
+    """The entry's scheme (raises :class:`UnsupportedEntry` where the format has none). The format
+    is the one the library picks for the scheme (``infer_module_format``): with quantized
     activations, FP8 is ``float-quantized`` and integers ``int-quantized`` (unpacked int8)."""
-    n, k = shape
-    if form == NVFP4_ROW16:
-        return (Scheme("nvfp4-pack-quantized", _args(num_bits=4, type="float", strategy="tensor_group", group_size=16,
-                                                     scale_dtype="torch.float8_e4m3fn")),  # weight-only
-                [("weight_packed", (n, k // 2), torch.uint8), ("weight_scale", (n, k // 16), torch.float8_e4m3fn),
-                 ("weight_global_scale", (1,), torch.float32)])
+    if form == NVFP4_ROW16:  # weight-only
+        return Scheme("nvfp4-pack-quantized", _args(num_bits=4, type="float", strategy="tensor_group", group_size=16,
+                                                     scale_dtype="torch.float8_e4m3fn"))
     if form == _MXFP8:
-        return (Scheme("mxfp8-quantized", _args(num_bits=8, type="float", strategy="group", group_size=32,
-                                                scale_dtype="torch.uint8"), inputs),
-                [("weight", (n, k), torch.float8_e4m3fn), ("weight_scale", (n, k // 32), torch.uint8)])
+        return Scheme("mxfp8-quantized", _args(num_bits=8, type="float", strategy="group", group_size=32,
+                                               scale_dtype="torch.uint8"), inputs)
     kind, block = parse_affine_form(form)
-    scale = t["scale"]
     strategy = strategy_of(block, shape)
-    scale_shape = (1,) if strategy["strategy"] == "tensor" else tuple(scale.shape)
     if kind == "float8":
         if t["data"].dtype != torch.float8_e4m3fn:
             raise UnsupportedEntry(f"compressed-tensors FP8 is E4M3; this entry holds {t['data'].dtype}")
         fmt = "naive-quantized" if inputs == "null" else "float-quantized"
-        return (Scheme(fmt, _args(num_bits=8, type="float", **strategy), inputs),
-                [("weight", (n, k), torch.float8_e4m3fn), ("weight_scale", scale_shape, scale.dtype)])
+        return Scheme(fmt, _args(num_bits=8, type="float", **strategy), inputs)
     bits = {"int8": 8, "int4": 4}.get(kind)
     if bits is None or strategy["strategy"] == "block":
         raise UnsupportedEntry(f"compressed-tensors packs int8 and int4 per tensor, channel or group; "
                                f"this entry is {kind} with blocks of {block}")
     zero = _zero_points(t)
+    if zero is not None and inputs == "null" and strategy["strategy"] == "tensor":
+        raise UnsupportedEntry("compressed-tensors packs the zero points of channel and group ints; this "
+                               "entry is asymmetric per tensor")
     weights = _args(num_bits=bits, type="int", symmetric=zero is None, **strategy)
-    if inputs != "null":  # int-quantized: the int8 values as they are
-        tensors = [("weight", (n, k), torch.int8), ("weight_scale", scale_shape, scale.dtype)]
-        if zero is not None:
-            tensors.append(("weight_zero_point", scale_shape, zero.dtype))
-        return Scheme("int-quantized", weights, inputs), tensors
-    per = 32 // bits
-    tensors = [("weight_packed", (n, ceil_div(k, per)), torch.int32), ("weight_scale", scale_shape, scale.dtype),
-               ("weight_shape", (2,), torch.int64)]
-    if zero is not None:
-        if strategy["strategy"] == "tensor":
-            raise UnsupportedEntry("compressed-tensors packs the zero points of channel and group ints; this "
-                                   "entry is asymmetric per tensor")
-        tensors.append(("weight_zero_point", (ceil_div(zero.shape[0], per), zero.shape[1]), torch.int32))
-    return Scheme("pack-quantized", weights), tensors
+    return Scheme("pack-quantized" if inputs == "null" else "int-quantized", weights, inputs)
 
 
 def _zero_points(t: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
@@ -307,7 +292,7 @@ def _zero_points(t: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
 
 
 def _tensors(form: str, t: Mapping[str, torch.Tensor], shape, inputs: str) -> dict[str, torch.Tensor | RowBlocks]:
-    """The entry's tensors from its form, bits carried over (as :func:`_plan_form` plans them)."""
+    """The entry's tensors from its form, bits carried over (of meta components: what a plan lists)."""
     if form == NVFP4_ROW16:
         return {"weight_packed": t["data"], "weight_scale": t["scale"].view(torch.float8_e4m3fn),
                 "weight_global_scale": (1.0 / nvfp4_decode_scale(t["amax"])).reshape(1)}
@@ -359,7 +344,7 @@ _UNPACKED = ("naive-quantized", "float-quantized", "int-quantized")
 _E4M3, _INTEGERS = (torch.float8_e4m3fn,), (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 _DENSE = "a 16-bit or wider floating dtype"
 #: per format, the stored dtype of each parameter (``_DENSE``: any of those), required ones first:
-#: what :func:`_plan_form` writes, and what others write (fp8 / e8m0 scales, wider shapes)
+#: what :func:`_tensors` writes, and what others write (fp8 / e8m0 scales, wider shapes)
 _READ_DTYPES = {
     "nvfp4-pack-quantized": {"weight_packed": (torch.uint8,), "weight_scale": _E4M3, "weight_global_scale": _DENSE},
     "mxfp8-quantized": {"weight": _E4M3, "weight_scale": (torch.uint8, torch.float8_e8m0fnu)},
