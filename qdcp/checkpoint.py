@@ -157,7 +157,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = 
     except FileNotFoundError as e:
         raise CheckpointNotFoundError(_not_found(path, "no such directory")) from e
     planner = QuantizedLoadPlanner(atomic=atomic, allow_partial_load=allow_partial_load, weights_only=weights_only)
-    with _metadata_found(path), _own_error(), _no_missing_metadata_tracebacks():
+    with _metadata_found(path), _own_error():
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
                  **_alone(no_dist))
     if planner.unread_keys and not allow_partial_load:
@@ -172,18 +172,8 @@ def _not_found(path: str | os.PathLike, why: str) -> str:
 @contextlib.contextmanager
 def _metadata_found(path: str | os.PathLike) -> Iterator[None]:
     """A load of a directory without ``.metadata`` raises :class:`CheckpointNotFoundError` (the
-    reader's :class:`~qdcp.storage.reader.NoMetadataError` its cause)."""
-    try:
-        yield
-    except NoMetadataError as e:
-        raise CheckpointNotFoundError(_not_found(path, "a directory without .metadata; a save stopped "
-                                                       "before its commit leaves none")) from e
-
-
-@contextlib.contextmanager
-def _no_missing_metadata_tracebacks() -> Iterator[None]:
-    """Drop DCP's warnings (with tracebacks, on the root logger) that a checkpoint's ``.metadata``
-    is missing: the load raises :class:`CheckpointNotFoundError` saying so."""
+    reader's :class:`~qdcp.storage.reader.NoMetadataError` its cause); DCP's warnings of it (with
+    tracebacks, on the root logger) are dropped meanwhile."""
 
     def noise(record: logging.LogRecord) -> bool:
         return not (record.exc_info and isinstance(record.exc_info[1], NoMetadataError))
@@ -192,6 +182,9 @@ def _no_missing_metadata_tracebacks() -> Iterator[None]:
     root.addFilter(noise)
     try:
         yield
+    except NoMetadataError as e:
+        raise CheckpointNotFoundError(_not_found(path, "a directory without .metadata; a save stopped "
+                                                       "before its commit leaves none")) from e
     finally:
         root.removeFilter(noise)
 
