@@ -15,6 +15,7 @@ removed by the next conversion to the same ``out``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from typing import NamedTuple, Sequence
 
@@ -146,25 +147,18 @@ def _file_metadata(entries: CheckpointEntries, dequantize: bool) -> dict[str, st
 def _write(entries: CheckpointEntries, keys: Sequence[str], rows: Sequence[TensorRow], out: str,
            metadata: dict[str, str], progress: bool | None) -> None:
     """Stream every entry's rows into ``out`` (one entry in memory), under a progress bar."""
-    by_key: dict[str, list[TensorRow]] = {}
-    for row in rows:
-        by_key.setdefault(row.key, []).append(row)
+    by_key = {key: list(group) for key, group in itertools.groupby(rows, key=lambda r: r.key)}  # rows in key order
     outs = [TensorOut(r.name, r.shape, r.dtype) for r in rows]
     with outputs.writing_file(_SCRATCH, out, ".safetensors.tmp") as tmp, ShardWriter(tmp, outs, metadata) as writer, \
             outputs.progress_bar(sum(r.nbytes for r in rows), "convert", progress) as bar:
         for i, key in enumerate(keys):
             bar.set_postfix_str(f"entry {i + 1}/{len(keys)}", refresh=False)
             key_rows = by_key.get(key, [])
-            for row, value in zip(key_rows, _values(entries, key, key_rows)):
+            if key_rows and key_rows[0].component is not None:  # its components as stored
+                stored = entries.stored(key).components
+                values = [stored[row.component] for row in key_rows]
+            else:  # its values
+                values = [entries.entry(key, dequantize=True, dtype=row.dtype) for row in key_rows]
+            for row, value in zip(key_rows, values):
                 writer.write(row.name, value.to(row.dtype))
             bar.update(sum(r.nbytes for r in key_rows))
-
-
-def _values(entries: CheckpointEntries, key: str, rows: Sequence[TensorRow]) -> list[torch.Tensor]:
-    """The tensors of ``rows`` (one entry's): its components as stored, or its values."""
-    if not rows:
-        return []
-    if rows[0].component is not None:
-        stored = entries.stored(key).components
-        return [stored[row.component] for row in rows]
-    return [entries.entry(key, dequantize=True, dtype=rows[0].dtype)]
