@@ -115,10 +115,9 @@ def left_behind(path: str | os.PathLike) -> list[str]:
 
 
 def _inspect_if_there(path: str) -> CheckpointInfo | None:
-    try:
+    with contextlib.suppress(FileNotFoundError):  # removed meanwhile (another pruner)
         return _inspect(path)
-    except FileNotFoundError:  # removed meanwhile (another pruner)
-        return None
+    return None
 
 
 def _inspect(path: str) -> CheckpointInfo | None:
