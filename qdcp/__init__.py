@@ -71,12 +71,10 @@ from qdcp.storage import (
     storage_writer,
 )
 
-for _adapter in _torchao.builtin_adapters() + _torchao_training.builtin_adapters():
-    register_adapter(_adapter)
-for _adapter in (_transformer_engine.builtin_adapters() + _te_grouped.builtin_adapters()
-                 + _compressed_tensors.builtin_adapters()):
-    register_adapter(_adapter)
-del _adapter
+for _family in (_torchao, _torchao_training, _transformer_engine, _te_grouped, _compressed_tensors):
+    for _adapter in _family.builtin_adapters():
+        register_adapter(_adapter)
+del _family, _adapter
 set_default_stager(QuantizedStager)  # what qdcp's writers stage through when DCP uses them as stager
 register_new_empty()  # for torchao classes already imported; QuantizedSavePlanner() adds later ones
 

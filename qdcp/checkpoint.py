@@ -73,11 +73,9 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     ``stager``: a :class:`qdcp.QuantizedStager` kept for the whole run (its buffers are reused
     from save to save; ``stager.prepare(state_dict)`` before training makes the first save as fast as
     the later ones); without one the writer stages through a ``QuantizedStager`` shared by this
-    process's qdcp writers (its buffers reused too). On a host where this process may use fewer
-    than 8 cores the upload writes the staged buffers' large items straight to the disk (direct
-    writes, :mod:`qdcp.io.direct`), taking little CPU from training; with more it writes
-    through the page cache, which finishes sooner there (``storage_options={"direct_io": True}`` /
-    ``False`` chooses either on any host). ``no_dist``: as in :func:`save`. Errors, raised by the
+    process's qdcp writers (its buffers reused too). ``storage_options``: the writer's
+    (:class:`qdcp.CheckpointWriter`; ``direct_io`` chooses how the upload writes, docs/api.md).
+    ``no_dist``: as in :func:`save`. Errors, raised by the
     call or by the Future's ``result()``, are this rank's own, as :func:`save` raises them.
     Wait for the previous save's future before the next save.
 
@@ -159,7 +157,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = 
     except FileNotFoundError as e:
         raise CheckpointNotFoundError(_not_found(path, "no such directory")) from e
     planner = QuantizedLoadPlanner(atomic=atomic, allow_partial_load=allow_partial_load, weights_only=weights_only)
-    with _metadata_found(path), _own_error(), _no_missing_metadata_tracebacks():
+    with _metadata_found(path), _own_error():
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
                  **_alone(no_dist))
     if planner.unread_keys and not allow_partial_load:
@@ -174,30 +172,19 @@ def _not_found(path: str | os.PathLike, why: str) -> str:
 @contextlib.contextmanager
 def _metadata_found(path: str | os.PathLike) -> Iterator[None]:
     """A load of a directory without ``.metadata`` raises :class:`CheckpointNotFoundError` (the
-    reader's :class:`~qdcp.storage.reader.NoMetadataError` its cause)."""
+    reader's :class:`~qdcp.storage.reader.NoMetadataError` its cause); DCP's warnings of it (with
+    tracebacks, on the root logger) are dropped meanwhile."""
+
+    def noise(record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], NoMetadataError))
+
+    root = logging.getLogger()
+    root.addFilter(noise)
     try:
         yield
     except NoMetadataError as e:
         raise CheckpointNotFoundError(_not_found(path, "a directory without .metadata; a save stopped "
                                                        "before its commit leaves none")) from e
-
-
-class _MissingMetadataNoise(logging.Filter):
-    """Drops DCP's warnings (with tracebacks) that a checkpoint's ``.metadata`` is missing: the
-    load raises :class:`CheckpointNotFoundError` saying so."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        err = record.exc_info[1] if record.exc_info else None
-        return not isinstance(err, NoMetadataError)
-
-
-@contextlib.contextmanager
-def _no_missing_metadata_tracebacks() -> Iterator[None]:
-    noise = _MissingMetadataNoise()
-    root = logging.getLogger()  # the logger DCP's loader warns on
-    root.addFilter(noise)
-    try:
-        yield
     finally:
         root.removeFilter(noise)
 
@@ -259,12 +246,11 @@ def _own_errors(fut: Future, writer: Any, where: str) -> Future:
 
 
 def _add_note(e: BaseException, note: str) -> None:
-    if note in getattr(e, "__notes__", ()):
-        return  # (one error relayed by both of an AsyncSaveResponse's futures)
-    if hasattr(e, "add_note"):
-        e.add_note(note)
-    else:  # Python 3.10: the attribute alone (3.11 shows it in tracebacks)
-        e.__notes__ = [*getattr(e, "__notes__", []), note]
+    """``e.add_note(note)`` once (one error is relayed by both of an AsyncSaveResponse's futures), as
+    the attribute itself: Python 3.10 has no ``add_note`` (3.11+ shows ``__notes__`` in tracebacks)."""
+    notes = getattr(e, "__notes__", [])
+    if note not in notes:
+        e.__notes__ = [*notes, note]
 
 
 def _short(e: BaseException, limit: int = 2000) -> str:

@@ -26,12 +26,12 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import warnings
 from typing import Any, Iterator, Sequence
 
 import torch
-from tqdm import tqdm
 
 from qdcp import checksums, outputs, runs
 from qdcp.checkpoint import save
@@ -59,53 +59,37 @@ def _quiet() -> None:
     logging.disable(logging.WARNING)
 
 
+#: the field an encoded attribute (qdcp.spec's JSON forms) is shown by, by its keys
+_SHOWN_BY = {("dtype",): "dtype", ("tuple",): "tuple", ("enum", "value"): "value", ("fields", "object"): "object"}
+
+
 def _short_attrs(attrs: dict) -> str:
+    """``k=v,...`` for the inspect table: encoded values by their name or value, dims joined by x."""
     def fmt(v: Any) -> str:
-        if isinstance(v, dict):
-            if set(v) == {"dtype"}:
-                return v["dtype"]
-            if set(v) == {"tuple"}:
-                return "x".join(fmt(x) for x in v["tuple"])
-            if set(v) == {"enum", "value"}:
-                return str(v["value"])
-            if set(v) == {"object", "fields"}:
-                return v["object"]
-        if isinstance(v, list):
-            return "x".join(fmt(x) for x in v)
-        return str(v)
+        if isinstance(v, dict) and tuple(sorted(v)) in _SHOWN_BY:
+            v = v[_SHOWN_BY[tuple(sorted(v))]]
+        return "x".join(fmt(x) for x in v) if isinstance(v, list) else str(v)
     return ",".join(f"{k}={fmt(v)}" for k, v in attrs.items() if v is not None and k != "dtype")
 
 
 # ----------------------------------------------------------------------------- the entries of a checkpoint
 
-class _Entries:
-    """A checkpoint's entries (:class:`qdcp.reading.CheckpointEntries`), iterated in key order
-    under a progress bar of the bytes each stores."""
+def _in_order(reading: CheckpointEntries, what: str, quiet: bool) -> Iterator[str]:
+    """The checkpoint's keys in order, under a progress bar of the bytes each stores."""
+    keys = reading.keys()
+    sizes = {key: _nbytes(reading, key) for key in keys}
+    with outputs.progress_bar(sum(sizes.values()), what, False if quiet else None) as bar:
+        for i, key in enumerate(keys):
+            bar.set_postfix_str(f"entry {i + 1}/{len(keys)}", refresh=False)
+            yield key
+            bar.update(sizes[key])
 
-    def __init__(self, path: str, quiet: bool, what: str) -> None:
-        self.quiet, self.what = quiet, what
-        self.reading = CheckpointEntries(path)  #: reads each entry (metadata and specs parsed once)
-        self.keys = self.reading.keys()
 
-    def _nbytes(self, key: str) -> int:
-        try:
-            return self.reading.nbytes(key)
-        except KeyError:  # a spec entry with no item stored (a damaged checkpoint): reading it says so
-            return 0
-
-    def __iter__(self) -> Iterator[str]:
-        total = sum(self._nbytes(k) for k in self.keys)
-        disable = True if self.quiet else None  # None: tqdm shows a bar on a terminal only
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self.what, disable=disable,
-                  file=sys.stderr, leave=False) as bar:
-            for i, key in enumerate(self.keys):
-                bar.set_postfix_str(f"entry {i + 1}/{len(self.keys)}", refresh=False)
-                yield key
-                bar.update(self._nbytes(key))
-
-    def values(self, key: str, dtype: torch.dtype | None) -> torch.Tensor | Any:
-        """The entry as plain values (raw entries dequantized, in ``dtype`` if given), or an object."""
-        return self.reading.entry(key, dequantize=True, dtype=dtype)
+def _nbytes(reading: CheckpointEntries, key: str) -> int:
+    try:
+        return reading.nbytes(key)
+    except KeyError:  # a spec entry with no item stored (a damaged checkpoint): reading it says so
+        return 0
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -139,12 +123,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """``qdcp verify``: read and rebuild every entry, list every problem; exit 1 if any."""
-    entries = _Entries(args.path, args.quiet, "verify")
-    md = entries.reading.metadata
-    problems = check_chunks(md) + check_storage(md, args.path) + check_components(entries.reading)
-    for key in entries:
+    reading = CheckpointEntries(args.path)
+    md = reading.metadata
+    problems = check_chunks(md) + check_storage(md, args.path) + check_components(reading)
+    for key in _in_order(reading, "verify", args.quiet):
         try:
-            problems += check_entry(entries.reading, key)
+            problems += check_entry(reading, key)
         except BaseException as e:  # CheckpointException is a BaseException
             if isinstance(e, KeyboardInterrupt):
                 raise
@@ -153,7 +137,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"FAIL {p}")
     checked = "every item checked against its recorded checksum" if checksums.record(md) is not None \
         else "no checksums recorded (items checked only for their structure)"
-    print(f"{'OK' if not problems else 'FAILED'}: {_count(len(entries.keys), 'entry', 'entries')}, "
+    print(f"{'OK' if not problems else 'FAILED'}: {_count(len(reading.keys()), 'entry', 'entries')}, "
           f"{_count(len(problems), 'problem', 'problems')}; {checked}")
     return EXIT_OK if not problems else EXIT_FAILED
 
@@ -185,13 +169,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return _to_safetensors(args, dtype)
     outputs.check_replaceable(args.out, args.overwrite, directory=True, ours=_DCP_FILES, required=".metadata",
                               what="a DCP checkpoint (.metadata and *.distcp files)")
-    return _to_dcp_dequantized(_Entries(args.path, args.quiet, "convert"), args.out, dtype, args.overwrite)
+    return _to_dcp_dequantized(args, dtype)
 
 
 def _to_torch(args: argparse.Namespace) -> int:
-    """``--to torch``: the whole checkpoint in one ``torch.save`` file (:func:`qdcp.dcp_to_torch_save`),
-    written under a fresh scratch name (:mod:`qdcp.outputs`) and renamed into place; never
-    over an existing file."""
+    """``--to torch``: :func:`qdcp.dcp_to_torch_save`, never over an existing file (a torch.save
+    file does not say who wrote it)."""
     if args.dtype or args.overwrite:
         why = "(it writes each entry in its own dtype)" if args.dtype else \
             "(it never replaces a file: a torch.save file does not say who wrote it)"
@@ -200,25 +183,15 @@ def _to_torch(args: argparse.Namespace) -> int:
     if os.path.lexists(args.out):
         raise outputs.OutputError(f"{args.out!r} exists; --to torch writes a new file only (a torch.save file "
                                   f"does not say who wrote it). Move it away or choose another path")
-    state = dcp_to_torch_save(args.path, args.out, dequantize=args.dequantize)
-    print(f"wrote {_count(_leaves(state), 'entry', 'entries')} to {args.out}")
+    dcp_to_torch_save(args.path, args.out, dequantize=args.dequantize)
+    print(f"wrote {_count(len(describe(args.path)), 'entry', 'entries')} to {args.out}")
     return EXIT_OK
-
-
-def _leaves(state: Any) -> int:
-    """How many entries a nested state dict holds (its values but dicts and lists, which DCP
-    flattens: a list of plain values it keeps whole counts once)."""
-    if isinstance(state, dict):
-        return sum(_leaves(v) for v in state.values())
-    if isinstance(state, list) and any(isinstance(v, (torch.Tensor, dict, list)) for v in state):
-        return sum(_leaves(v) for v in state)
-    return 1
 
 
 #: what a DCP checkpoint directory holds (``.metadata.<token>.tmp``: qdcp's writer, stopped before its
 #: commit; ``.qdcp-save.claim``: a save's claim on the directory)
-_DCP_FILES = outputs.name_matcher(r"\.metadata", r"\.metadata(\.[0-9a-f]+)?\.tmp", r"[^/]*\.distcp",
-                                  r"\.qdcp-save\.claim", r"\.qdcp-save\.[0-9a-f]+\.beat")
+_DCP_FILES = re.compile(r"\.metadata|\.metadata(\.[0-9a-f]+)?\.tmp|[^/]*\.distcp|\.qdcp-save\.claim"
+                        r"|\.qdcp-save\.[0-9a-f]+\.beat").fullmatch
 
 
 def _to_safetensors(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
@@ -235,17 +208,18 @@ def _to_safetensors(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
     return EXIT_OK
 
 
-def _to_dcp_dequantized(entries: _Entries, out: str, dtype: torch.dtype | None, overwrite: bool) -> int:
+def _to_dcp_dequantized(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
     """A portable DCP checkpoint: every tensor entry plain (raw entries dequantized, in ``dtype``
     if given), objects as they are, nested as the input's state dict was (its keys the same);
     readable by stock DCP. Written by qdcp's writer: a previous output is replaced atomically (it
     stays whole until the new one is)."""
-    flat = {key: entries.values(key, dtype) for key in entries}
+    reading = CheckpointEntries(args.path)
+    flat = {key: reading.entry(key, dequantize=True, dtype=dtype) for key in _in_order(reading, "convert", args.quiet)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         # errors raised as they are, not in DCP's CheckpointException
-        save(nest(flat, entries.reading.metadata), out, overwrite=overwrite)
-    print(f"wrote {out}: {_count(len(flat), 'entry', 'entries')}, dequantized")
+        save(nest(flat, reading.metadata), args.out, overwrite=args.overwrite)
+    print(f"wrote {args.out}: {_count(len(flat), 'entry', 'entries')}, dequantized")
     return EXIT_OK
 
 
@@ -253,7 +227,7 @@ def _to_dcp_dequantized(entries: _Entries, out: str, dtype: torch.dtype | None, 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``qdcp export``: a Hugging Face directory through :func:`qdcp.export`."""
-    result = export(args.path, args.out, format=args.format, config=_config(args.config),
+    result = export(args.path, args.out, format=args.format, config=args.config,
                     max_shard_size=args.max_shard_size, dequantize_unsupported=args.dequantize_unsupported,
                     overwrite=args.overwrite, progress=False if args.quiet else None, prefix=args.prefix,
                     include_optimizer=args.include_optimizer)
@@ -268,22 +242,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"wrote {result.out_dir} ({args.format}): {_count(len(result.files), 'file', 'files')}, "
           f"{_count(result.tensors, 'tensor', 'tensors')}, {result.nbytes} bytes")
     return EXIT_OK
-
-
-def _config(path: str | None) -> dict | None:
-    """The JSON object in ``--config`` (errors name the file)."""
-    if path is None:
-        return None
-    try:
-        with open(path) as f:
-            loaded = json.load(f)
-    except OSError as e:
-        raise ValueError(f"--config {path}: {e.strerror or e}") from None
-    except ValueError as e:  # UnicodeDecodeError too
-        raise ValueError(f"--config {path}: not a JSON file ({e})") from None
-    if not isinstance(loaded, dict):
-        raise ValueError(f"--config {path}: holds a JSON {type(loaded).__name__}, not an object")
-    return loaded
 
 
 # ----------------------------------------------------------------------------- a run's checkpoints
@@ -339,11 +297,60 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- main
 
-def _add_export(sub) -> None:
-    """``qdcp export``."""
-    p = sub.add_parser("export", help="write a Hugging Face safetensors directory an inference engine loads "
-                                      "(torchao or compressed-tensors layout), raw bits carried over")
-    p.add_argument("path", help="the qdcp/DCP checkpoint")
+_DESCRIPTION = "Inspect, verify, convert, export, list and prune qdcp/DCP checkpoints."
+_CHECKPOINT = "the qdcp/DCP checkpoint (a directory)"
+_RUN = "the directory holding a run's checkpoints (step_100, ...)"
+
+
+def _verb(sub, name: str, func, help: str, path: str, *flags: str) -> argparse.ArgumentParser:
+    """The parser of ``qdcp NAME PATH`` (``flags``: ``--quiet`` / ``--json``, which every verb means alike)."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("path", help=path, metavar="DIR" if path == _RUN else None)
+    p.set_defaults(func=func)
+    for flag in flags:
+        p.add_argument(flag, action="store_true", help={"--quiet": "no progress bar",
+                                                        "--json": "machine-readable output"}[flag])
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``qdcp`` argument parser (every argument has help text)."""
+    parser = argparse.ArgumentParser(prog="qdcp", description=_DESCRIPTION)
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="import MODULE first, to register adapters of your own (repeatable); "
+                             "nothing is ever imported because a checkpoint names it")
+    sub = parser.add_subparsers(dest="command", required=True, help="what to do (qdcp VERB --help for more)")
+    _verb(sub, "inspect", cmd_inspect, "table of entries: storage, type, shape, bytes", _CHECKPOINT, "--json")
+    _verb(sub, "verify", cmd_verify, "read every entry (checksums checked) and compute its values; check chunks",
+          _CHECKPOINT, "--quiet")
+    p = _verb(sub, "convert", cmd_convert, "export to safetensors or a dequantized DCP checkpoint", _CHECKPOINT,
+              "--quiet")
+    p.add_argument("out", help="the file (--to safetensors, --to torch) or directory (--to dcp) to write; "
+                               "never inside or around PATH")
+    p.add_argument("--to", choices=["safetensors", "dcp", "torch"], required=True,
+                   help="safetensors: one file (raw components, or values with --dequantize); "
+                        "dcp: a plain DCP checkpoint (needs --dequantize); torch: one torch.save file "
+                        "of whole entries, as DCP's dcp_to_torch_save (quantized entries as their "
+                        "type, or values with --dequantize)")
+    p.add_argument("--dequantize", action="store_true", help="write plain high-precision tensors")
+    p.add_argument("--dtype", choices=sorted(_DTYPE_ARGS),
+                   help="dtype of floating outputs (dequantized values are computed in it)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if qdcp wrote it (a qdcp safetensors file, a DCP checkpoint)")
+    _add_export(_verb(sub, "export", cmd_export, "write a Hugging Face safetensors directory an inference engine "
+                      "loads (torchao or compressed-tensors layout), raw bits carried over", _CHECKPOINT, "--quiet"))
+    _verb(sub, "list", cmd_list, "a run's checkpoints (the directories in DIR): step, state, size, age", _RUN,
+          "--json")
+    p = _verb(sub, "prune", cmd_prune, "remove a run's complete checkpoints but the last K, and what failed saves "
+              "left (prints what it would remove unless --yes)", _RUN)
+    p.add_argument("--keep", type=int, required=True, metavar="K",
+                   help="complete checkpoints to keep (at least 1: the latest is never removed)")
+    p.add_argument("--yes", action="store_true", help="remove them (default: only print what would be removed)")
+    return parser
+
+
+def _add_export(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``qdcp export`` after PATH."""
     p.add_argument("out", help="the directory to write; never inside or around PATH")
     p.add_argument("--format", choices=["torchao", "compressed-tensors"], required=True,
                    help="the layout: torchao's (transformers + torchao load it) or compressed-tensors' "
@@ -357,66 +364,10 @@ def _add_export(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace OUT if it holds only what an export writes (model*.safetensors, the index, "
                         "config.json)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_export)
     p.add_argument("--prefix", help="export the subtree under PREFIX only, its keys written without it "
                                     "(--prefix model for a checkpoint of {'model': ..., 'optim': ...})")
     p.add_argument("--include-optimizer", action="store_true",
                    help="also export optimizer states (default: left out, and listed)")
-
-
-_DESCRIPTION = "Inspect, verify, convert, export, list and prune qdcp/DCP checkpoints."
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``qdcp`` argument parser (every argument has help text)."""
-    parser = argparse.ArgumentParser(prog="qdcp", description=_DESCRIPTION)
-    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                        help="import MODULE first, to register adapters of your own (repeatable); "
-                             "nothing is ever imported because a checkpoint names it")
-    sub = parser.add_subparsers(dest="command", required=True, help="what to do (qdcp VERB --help for more)")
-    p = sub.add_parser("inspect", help="table of entries: storage, type, shape, bytes")
-    p.add_argument("path", help="the qdcp/DCP checkpoint (a directory)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_inspect)
-    p = sub.add_parser("verify", help="read every entry (checksums checked) and compute its values; check chunks")
-    p.add_argument("path", help="the qdcp/DCP checkpoint (a directory)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_verify)
-    p = sub.add_parser("convert", help="export to safetensors or a dequantized DCP checkpoint")
-    p.add_argument("path", help="the qdcp/DCP checkpoint (a directory)")
-    p.add_argument("out", help="the file (--to safetensors, --to torch) or directory (--to dcp) to write; "
-                               "never inside or around PATH")
-    p.add_argument("--to", choices=["safetensors", "dcp", "torch"], required=True,
-                   help="safetensors: one file (raw components, or values with --dequantize); "
-                        "dcp: a plain DCP checkpoint (needs --dequantize); torch: one torch.save file "
-                        "of whole entries, as DCP's dcp_to_torch_save (quantized entries as their "
-                        "type, or values with --dequantize)")
-    p.add_argument("--dequantize", action="store_true", help="write plain high-precision tensors")
-    p.add_argument("--dtype", choices=sorted(_DTYPE_ARGS),
-                   help="dtype of floating outputs (dequantized values are computed in it)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace OUT if qdcp wrote it (a qdcp safetensors file, a DCP checkpoint)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_convert)
-    _add_export(sub)
-    return _with_run_commands(parser, sub)
-
-
-def _with_run_commands(parser: argparse.ArgumentParser, sub) -> argparse.ArgumentParser:
-    """``parser`` with ``qdcp list`` and ``qdcp prune`` (a run's checkpoints: :mod:`qdcp.runs`)."""
-    p = sub.add_parser("list", help="a run's checkpoints (the directories in DIR): step, state, size, age")
-    p.add_argument("path", metavar="DIR", help="the directory holding a run's checkpoints (step_100, ...)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_list)
-    p = sub.add_parser("prune", help="remove a run's complete checkpoints but the last K, and what failed "
-                                     "saves left (prints what it would remove unless --yes)")
-    p.add_argument("path", metavar="DIR", help="the directory holding a run's checkpoints")
-    p.add_argument("--keep", type=int, required=True, metavar="K",
-                   help="complete checkpoints to keep (at least 1: the latest is never removed)")
-    p.add_argument("--yes", action="store_true", help="remove them (default: only print what would be removed)")
-    p.set_defaults(func=cmd_prune)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -433,14 +384,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
     try:
         return args.func(args)
-    except (outputs.OutputError, OSError) as e:  # a path that cannot be used as given
-        print(f"qdcp: {_one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
-    except QdcpError as e:
-        print(f"qdcp: {args.path}: {_one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
-    except ValueError as e:  # an argument's value (a size, a format) qdcp cannot use
-        print(f"qdcp: {_one_line(e)}", file=sys.stderr)
+    except (QdcpError, OSError, ValueError) as e:  # ValueError: an argument's value (a size...) qdcp cannot use
+        # a checkpoint's problem says which one; a path that cannot be used as given names itself
+        where = "" if isinstance(e, (outputs.OutputError, OSError)) or not isinstance(e, QdcpError) else \
+            f"{args.path}: "
+        print(f"qdcp: {where}{_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -1,37 +1,41 @@
-"""Where qdcp's tools write (``qdcp convert`` / ``export``, :func:`qdcp.consolidate`): never over
+"""Where qdcp's tools write (``qdcp convert`` / ``export``, :func:`qdcp.dcp_to_torch_save`): never over
 their input, ``overwrite`` replacing only what qdcp wrote, and through scratch beside the output.
 
-:func:`check_separate` refuses an output that is, contains or lies inside an input (symlinks
-resolved); :func:`check_replaceable` refuses to replace an existing output unless asked to and
-unless every file in it is one qdcp writes there. Both run before anything is read or written.
-
-The tools write into a scratch file or directory beside their output and rename it into place at
-the end. A scratch name says whose it is and for which output::
+:func:`check_separate` and :func:`check_replaceable` run before anything is read or written.
+:func:`writing_file` / :func:`writing_dir` write into scratch beside the output and rename it into
+place at the end. A scratch name says whose it is and for which output::
 
     .qdcp-<kind>-<output id>-<owner tag>-<random>[suffix]
 
 (``<output id>``: a hash of the output's absolute path; ``<owner tag>``:
 :meth:`qdcp.storage.owners.Owner.tag`). A run killed midway leaves its scratch behind; the next
 run for the same output (:func:`clean`) removes those whose owner has ended on this machine, and
-(:func:`recover`) puts back an export that ``--overwrite`` had moved aside (``.qdcp-replaced-*``)
-when the kill came between moving the old output away and moving the new one in. Scratch of
-another output, of a run still going, or made on another machine is never touched.
+puts back an export that ``--overwrite`` had moved aside (``.qdcp-replaced-*``) when the kill came
+between moving the old output away and moving the new one in. Scratch of another output, of a run
+still going, or made on another machine is never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import shutil
+import sys
 import uuid
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
+
+from tqdm import tqdm
 
 from qdcp.errors import QdcpError
 from qdcp.storage.owners import Owner
 
-__all__ = ["OutputError", "check_separate", "check_replaceable", "name_matcher", "new_file", "new_dir", "clean",
-           "recover", "REPLACED"]
+__all__ = ["OutputError", "check_separate", "check_replaceable", "new_file", "clean",
+           "writing_file", "writing_dir",
+           "progress_bar"]
+
+_REPLACED = "replaced"  #: the kind of the directory an output is moved into while it is replaced
 
 
 class OutputError(QdcpError, ValueError):
@@ -39,31 +43,23 @@ class OutputError(QdcpError, ValueError):
 
 
 def check_separate(inputs: Iterable[str | os.PathLike], out: str | os.PathLike) -> None:
-    """Refuse ``out`` if it is an input, holds one, or lies inside one."""
+    """Refuse ``out`` if it is an input, holds one, or lies inside one (symlinks resolved)."""
     target = os.path.realpath(out)
     for given in inputs:
         source = os.path.realpath(given)
-        if target == source:
-            how = "is"
-        elif _inside(target, source):
-            how = "lies inside"
-        elif _inside(source, target):
-            how = "contains"
-        else:
-            continue
-        raise OutputError(f"the output {os.fspath(out)!r} {how} the input {os.fspath(given)!r}; writing it would "
-                          f"replace or mix with the input. Choose an output outside the input")
-
-
-def _inside(path: str, folder: str) -> bool:
-    return os.path.commonpath([path, folder]) == folder and path != folder
+        common = os.path.commonpath([target, source])
+        how = "is" if target == source else "lies inside" if common == source else \
+            "contains" if common == target else None
+        if how is not None:
+            raise OutputError(f"the output {os.fspath(out)!r} {how} the input {os.fspath(given)!r}; writing it "
+                              f"would replace or mix with the input. Choose an output outside the input")
 
 
 def check_replaceable(out: str | os.PathLike, overwrite: bool, *, directory: bool,
-                      ours: Callable[[str], bool], what: str, required: str | None = None) -> None:
+                      ours: Callable[[str], Any], what: str, required: str | None = None) -> None:
     """Refuse an existing ``out`` unless ``overwrite`` and qdcp wrote all of it: ``ours(name)``
-    for every file of a directory (``directory=True``; ``required``: a file it must hold),
-    ``ours(path)`` for a file. An empty directory counts as absent."""
+    true (a regex's ``fullmatch``...) for every file of a directory (``directory=True``;
+    ``required``: a file it must hold), ``ours(path)`` for a file. An empty directory counts as absent."""
     out = os.fspath(out)
     if not os.path.lexists(out):
         return
@@ -91,60 +87,44 @@ def check_replaceable(out: str | os.PathLike, overwrite: bool, *, directory: boo
                           f"output. Remove its files or choose another path")
 
 
-def name_matcher(*patterns: str) -> Callable[[str], bool]:
-    """``ours`` for :func:`check_replaceable`: a file name matching one of the regex ``patterns``."""
-    compiled = [re.compile(p) for p in patterns]
-    return lambda name: any(c.fullmatch(name) for c in compiled)
-
-
 # ----------------------------------------------------------------------------- scratch
-
-REPLACED = "replaced"  #: the kind of the directory an output is moved into while it is replaced
-
 
 def _output_id(out: str | os.PathLike) -> str:
     return hashlib.blake2s(os.path.abspath(os.fspath(out)).encode(), digest_size=4).hexdigest()
 
 
-def _parent(out: str | os.PathLike) -> str:
-    return os.path.dirname(os.path.abspath(os.fspath(out)))
-
-
-def _name(kind: str, out: str | os.PathLike, suffix: str) -> str:
-    return f".qdcp-{kind}-{_output_id(out)}-{Owner.current().tag()}-{uuid.uuid4().hex[:6]}{suffix}"
+def _scratch(kind: str, out: str | os.PathLike, suffix: str = "") -> str:
+    """A fresh scratch path for ``out`` beside it (its parent made if needed), not created."""
+    parent = os.path.dirname(os.path.abspath(os.fspath(out)))
+    os.makedirs(parent, exist_ok=True)
+    return os.path.join(parent, f".qdcp-{kind}-{_output_id(out)}-{Owner.current().tag()}-{uuid.uuid4().hex[:6]}"
+                                f"{suffix}")
 
 
 def new_file(kind: str, out: str | os.PathLike, suffix: str = "") -> str:
-    """Create an empty scratch file for ``out`` beside it (its parent made if needed); its path."""
-    os.makedirs(_parent(out), exist_ok=True)
-    path = os.path.join(_parent(out), _name(kind, out, suffix))
+    """Create an empty scratch file for ``out`` beside it; its path."""
+    path = _scratch(kind, out, suffix)
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
     return path
 
 
-def new_dir(kind: str, out: str | os.PathLike) -> str:
-    """Create an empty scratch directory for ``out`` beside it; its path."""
-    os.makedirs(_parent(out), exist_ok=True)
-    path = os.path.join(_parent(out), _name(kind, out, ""))
+def _new_dir(kind: str, out: str | os.PathLike) -> str:
+    path = _scratch(kind, out)
     os.mkdir(path)
     return path
 
 
 def _left(kind: str, out: str | os.PathLike) -> list[str]:
     """Scratch of ``kind`` for ``out`` whose owner has ended on this machine."""
-    parent = _parent(out)
+    parent = os.path.dirname(os.path.abspath(os.fspath(out)))
     pattern = re.compile(rf"\.qdcp-{re.escape(kind)}-{_output_id(out)}-([0-9a-f]{{8}}\.\d+\.\d+)-[0-9a-f]{{6}}.*")
     try:
-        names = os.listdir(parent)
+        names = sorted(os.listdir(parent))
     except FileNotFoundError:
         return []
-    dead = []
-    for name in sorted(names):
-        m = pattern.fullmatch(name)
-        owner = Owner.from_tag(m.group(1)) if m is not None else None
-        if owner is not None and owner.alive() is False:
-            dead.append(os.path.join(parent, name))
-    return dead
+    matches = [(name, pattern.fullmatch(name)) for name in names]
+    owners = [(name, Owner.from_tag(m.group(1))) for name, m in matches if m is not None]
+    return [os.path.join(parent, name) for name, owner in owners if owner is not None and owner.alive() is False]
 
 
 def _remove(path: str) -> None:
@@ -154,18 +134,52 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def clean(out: str | os.PathLike, *kinds: str) -> None:
-    """Remove the scratch of ``kinds`` that killed runs left for ``out``."""
-    for kind in kinds:
-        for path in _left(kind, out):
-            _remove(path)
-
-
-def recover(out: str | os.PathLike) -> None:
-    """Put back an output a killed run had moved aside to replace it (it is absent now), and
-    remove the moved-aside copies that killed runs left where the output is in place."""
-    for path in _left(REPLACED, out):
+def clean(out: str | os.PathLike, kind: str) -> None:
+    """What killed runs left for ``out``: an output moved aside to be replaced is put back (where
+    ``out`` is absent now; else the moved copy is removed), and the scratch of ``kind`` removed."""
+    for path in _left(_REPLACED, out):
         moved = os.path.join(path, "dir")
         if not os.path.lexists(out) and os.path.isdir(moved):
             os.rename(moved, os.fspath(out))
         _remove(path)
+    for path in _left(kind, out):
+        _remove(path)
+
+
+@contextlib.contextmanager
+def writing_file(kind: str, out: str | os.PathLike, suffix: str) -> Iterator[str]:
+    """A fresh scratch file for ``out`` (never a name the user may hold) to write; renamed to
+    ``out`` when the block succeeds, removed when it fails."""
+    tmp = new_file(kind, out, suffix)
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+@contextlib.contextmanager
+def writing_dir(kind: str, out: str | os.PathLike) -> Iterator[str]:
+    """A fresh scratch directory for ``out`` to write, moved to ``out`` when the block succeeds
+    (removed when it fails). An existing ``out`` is moved aside first, into scratch that
+    :func:`clean` puts back if this run is killed before its second rename, and removed only after."""
+    tmp = _new_dir(kind, out)
+    try:
+        yield tmp
+        old = None
+        if os.path.exists(out):
+            old = _new_dir(_REPLACED, out)
+            os.rename(out, os.path.join(old, "dir"))
+        os.rename(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def progress_bar(total: int, desc: str, progress: bool | None) -> tqdm:
+    """The tools' progress bar of ``total`` bytes on stderr (``progress`` None: on a terminal only)."""
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                disable=None if progress is None else not progress, file=sys.stderr, leave=False)

@@ -9,8 +9,9 @@ Each directory directly under the run's directory is one checkpoint; its step is
 in its name (``step_300``: 300). Its state is one of :data:`STATES`:
 
 - ``complete``: a committed ``.metadata`` that qdcp's metadata reader accepts (no code run, its
-  chunks tiling every item), every data file it references present with at least the bytes it
-  references. Cheap: no data is read, so a flipped byte is ``qdcp verify``'s to find.
+  chunks tiling every item), whose storage records pass ``qdcp verify``'s check of them
+  (:func:`qdcp.reading.verify.check_storage`: every data file present with the bytes it is said
+  to hold). Cheap: no data is read, so a flipped byte is ``qdcp verify``'s to find.
 - ``writing``: a claim file held by a save that may still run (:mod:`qdcp.storage.claims`; one
   taken on another host is never judged), or, without ``.metadata``, a file written in the last
   :data:`ACTIVE_GRACE_S` seconds (DCP's own writer takes no claim).
@@ -26,15 +27,18 @@ is removed once empty; anything else in it is left, and named.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import re
 import stat
 import time
+from typing import Any
 
 from qdcp import checksums, spec
 from qdcp.errors import CheckpointFormatError, ConcurrentSaveError
+from qdcp.reading.verify import check_storage
 from qdcp.storage import claims, commit
 from qdcp.storage.local_files import open_inside
 from qdcp.storage.metadata import METADATA_FILE, check_chunk_geometry, safe_load_metadata
@@ -111,10 +115,9 @@ def left_behind(path: str | os.PathLike) -> list[str]:
 
 
 def _inspect_if_there(path: str) -> CheckpointInfo | None:
-    try:
+    with contextlib.suppress(FileNotFoundError):  # removed meanwhile (another pruner)
         return _inspect(path)
-    except FileNotFoundError:  # removed meanwhile (another pruner)
-        return None
+    return None
 
 
 def _inspect(path: str) -> CheckpointInfo | None:
@@ -129,15 +132,14 @@ def _inspect(path: str) -> CheckpointInfo | None:
         return None
     held = _held(path) if claims.CLAIM_FILE in names else None
     info = dict(path=path, step=step, nbytes=sum(sizes.values()), age_s=max(0.0, time.time() - newest))
+    problem, by_qdcp = None, bool(ours) or claims.CLAIM_FILE in names
     if METADATA_FILE in names:
         info["age_s"] = max(0.0, time.time() - os.stat(os.path.join(path, METADATA_FILE)).st_mtime)
-        problem, by_qdcp = _problem(path, sizes)
-        if held:
-            return CheckpointInfo(**info, state="writing", why=held, by_qdcp=by_qdcp)
-        return CheckpointInfo(**info, state="damaged" if problem else "complete", why=problem, by_qdcp=by_qdcp)
-    by_qdcp = bool(ours) or claims.CLAIM_FILE in names
+        problem, by_qdcp = _problem(path)
     if held:
         return CheckpointInfo(**info, state="writing", why=held, by_qdcp=by_qdcp)
+    if METADATA_FILE in names:
+        return CheckpointInfo(**info, state="damaged" if problem else "complete", why=problem, by_qdcp=by_qdcp)
     if not by_qdcp and time.time() - newest < ACTIVE_GRACE_S:  # no claim to tell: DCP's writer, or just made
         why = f"no .metadata yet; written to {time.time() - newest:.0f} s ago (a save may be running)"
         return CheckpointInfo(**info, state="writing", why=why, by_qdcp=by_qdcp)
@@ -168,35 +170,23 @@ def _held(path: str) -> str | None:
     return None
 
 
-def _problem(path: str, sizes: dict[str, int]) -> tuple[str | None, bool]:
+def _problem(path: str) -> tuple[str | None, bool]:
     """``(why the checkpoint is not complete or None, whether qdcp wrote its .metadata)``."""
     try:
-        with open_inside(path, METADATA_FILE, "the checkpoint's .metadata") as f:  # never a file outside it
-            md = safe_load_metadata(f)
+        md = _metadata(path)
         check_chunk_geometry(md)
     except (CheckpointFormatError, OSError) as e:
         return f"its .metadata is not usable: {e}", False
     data = md.planner_data if isinstance(md.planner_data, dict) else {}
     by_qdcp = spec.PLANNER_DATA_KEY in data or checksums.PLANNER_DATA_KEY in data
-    need: dict[str, int] = {}
-    for info in (md.storage_data or {}).values():
-        name, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
-        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-            return f"its .metadata references {name!r}, not a file of the directory", by_qdcp
-        need[name] = max(need.get(name, 0), end)
-    for name, end in sorted(need.items()):
-        if name not in sizes:
-            return f"{name} is missing (its .metadata references it)", by_qdcp
-        if sizes[name] < end:
-            return f"{name} holds {sizes[name]} bytes; its .metadata references {end}", by_qdcp
-    return None, by_qdcp
+    problems = check_storage(md, path)
+    return (f"its .metadata's storage records: {problems[0]}" if problems else None), by_qdcp
 
 
 def _removed(c: CheckpointInfo) -> bool:
-    try:
+    with contextlib.suppress(FileNotFoundError):  # another pruner (another rank) removed it meanwhile
         return _remove(c)
-    except FileNotFoundError:  # another pruner (another rank) removed it meanwhile
-        return False
+    return False
 
 
 def _remove(c: CheckpointInfo) -> bool:
@@ -216,27 +206,23 @@ def _remove(c: CheckpointInfo) -> bool:
         return False  # a save claimed the path meanwhile: left alone
     if METADATA_FILE in names:
         try:
-            ours |= names & _referenced(c.path)
+            ours |= names & commit.referenced(_metadata(c.path))
             os.remove(os.path.join(c.path, METADATA_FILE))  # first: no longer complete, whatever follows
-        except FileNotFoundError:
-            return False  # another pruner took it
+        except (FileNotFoundError, CheckpointFormatError):
+            return False  # another pruner took it, or it was swapped since
     for name in sorted(ours):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(c.path, name))
-        except FileNotFoundError:
-            pass
     if data is not None:  # a claim no save holds (a killed save's): removed if it is still that one
         store.remove_if_same(claims.CLAIM_FILE, data, f"{claims.CLAIM_FILE}.{_PRUNE_ASIDE}")
-    try:
+    with contextlib.suppress(OSError):  # what others wrote stays (left_behind names it)
         os.rmdir(c.path)
-    except OSError:
-        pass  # what others wrote stays (left_behind names it)
     return True
 
 
-def _referenced(path: str) -> set[str]:
-    with open(os.path.join(path, METADATA_FILE), "rb") as f:
-        return commit.referenced(safe_load_metadata(f))
+def _metadata(path: str) -> Any:
+    with open_inside(path, METADATA_FILE, "the checkpoint's .metadata") as f:  # never a file outside it
+        return safe_load_metadata(f)
 
 
 def format_bytes(n: int) -> str:

@@ -1,33 +1,21 @@
-"""Lightning: ``ModelParallelStrategy`` (FSDP2) checkpoints of quantized tensors with qdcp.
+"""Lightning: ``ModelParallelStrategy`` (FSDP2) checkpoints of quantized tensors with qdcp (docs/frameworks.md).
 
 Lightning's ``ModelParallelStrategy`` (pytorch-lightning 2.6, Fabric's and the Trainer's) writes a
-sharded checkpoint (a directory of DCP files plus ``meta.pt``) with ``torch.distributed.checkpoint``'s
-``save(state, checkpoint_id=path)`` and reads it with ``load(state, checkpoint_id=path)``, passing no
-planner, and refuses a ``CheckpointIO`` plugin. The two strategies here are Lightning's with
-:class:`~qdcp.QuantizedSavePlanner` / :class:`~qdcp.QuantizedLoadPlanner` in those calls::
+sharded checkpoint (DCP files plus ``meta.pt``) with DCP's ``save`` / ``load`` and no planner, and
+refuses a ``CheckpointIO`` plugin. The strategies here are Lightning's with qdcp's planners::
 
     from qdcp.frameworks.lightning import QuantizedFabricStrategy      # Fabric(strategy=...)
     from qdcp.frameworks.lightning import QuantizedTrainerStrategy     # Trainer(strategy=...)
 
-Lightning hides the DCP calls in private module functions, so the overridden methods are the
-narrowest public ones above them, ``save_checkpoint`` and ``load_checkpoint``; each redoes only the
-sharded branch (same files, same order: model, then each optimizer, then ``meta.pt``) and hands
-every other case (``save_distributed_checkpoint=False`` single files, a lone module, Lightning's
-errors) to Lightning:
-
-- Fabric: ``save_checkpoint`` -> ``lightning_fabric/strategies/model_parallel.py`` ``_save_checkpoint``
-  -> ``lightning_fabric/strategies/fsdp.py`` ``_distributed_checkpoint_save`` (``save(...)``, no planner).
-- Trainer: ``pytorch_lightning/strategies/model_parallel.py`` ``save_checkpoint`` calls
-  ``_distributed_checkpoint_save`` itself.
-- Both loads: ``load_checkpoint`` -> Fabric's ``_load_checkpoint`` -> ``_distributed_checkpoint_load``.
-
-Planners as Lightning's defaults imply: DCP's default flags, and ``overwrite=True`` (Lightning
-writes a checkpoint over the same path in place, as DCP does: ``last.ckpt``, ``trainer.save_checkpoint``
-twice); loads are in place, objects unpickled with ``weights_only=True``. Override
-``save_planner`` / ``load_planner`` for other flags. Private Lightning names used (checked by import):
-``_METADATA_FILENAME``, ``_Stateful``, ``_has_dtensor_modules``, ``_is_sharded_checkpoint``,
-``_validate_keys_for_strict_loading``. These subclass the ``lightning_fabric`` / ``pytorch_lightning``
-packages' classes (not the ``lightning.*`` namespace package's copies).
+Lightning's DCP calls are in private module functions (``lightning_fabric/strategies/fsdp.py``
+``_distributed_checkpoint_save`` / ``_load``), so the overridden methods are the narrowest public
+ones above them, ``save_checkpoint`` and ``load_checkpoint``; each redoes only the sharded branch
+(same files, same order: model, each optimizer, ``meta.pt``) and hands every other case to
+Lightning. Planners: DCP's default flags, ``overwrite=True`` (Lightning writes over a checkpoint in
+place), objects loaded ``weights_only=True``; override ``save_planner`` / ``load_planner`` for
+others. Private Lightning names used (checked by import): ``_METADATA_FILENAME``, ``_Stateful``,
+``_has_dtensor_modules``, ``_is_sharded_checkpoint``, ``_validate_keys_for_strict_loading``. These
+subclass the ``lightning_fabric`` / ``pytorch_lightning`` classes (not ``lightning.*``'s copies).
 """
 
 from __future__ import annotations

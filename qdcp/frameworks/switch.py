@@ -1,27 +1,17 @@
-"""An opt-in, reversible switch: DCP's own ``save`` / ``async_save`` / ``load`` use qdcp's planners.
+"""An opt-in, reversible switch: DCP's own ``save`` / ``async_save`` / ``load`` use qdcp's planners
+(docs/frameworks.md, "The switch", has the table of what each call gets).
 
-Frameworks (torchtitan, accelerate / the HF Trainer, Lightning, transformers) call DCP with no
-planner, or with DCP's default planners built inside their functions, and offer no option for
-another. :func:`install` replaces ``torch.distributed.checkpoint.save`` / ``async_save`` / ``load``
-(and the same names in ``state_dict_saver`` / ``state_dict_loader``) with wrappers that, where the
-planner is None or exactly DCP's ``DefaultSavePlanner`` / ``DefaultLoadPlanner``, pass qdcp's
-planners with the default planner's flags carried over; every other argument, and any other
-planner, is passed on unchanged. :func:`uninstall` puts DCP's functions back; :func:`installed`
-does both around a block. Process-wide: every caller of those names in the process is affected.
-
-What the wrappers choose:
-
-- save: ``QuantizedSavePlanner`` (raw quantized entries, checksums), with ``overwrite=True`` (the
-  caller chose DCP's writer and its overwrite-in-place); entries dequantized where the storage
-  writer is DCP's ``HuggingFaceStorageWriter`` (safetensors readers know no qdcp spec);
-- async_save without ``async_stager`` and with a writer that is no stager itself: a
-  ``QuantizedStager`` (its own buffers per call: copies inner buffers, never ``new_empty``);
-- load: ``QuantizedLoadPlanner`` (any target type; objects unpickled with ``weights_only``);
-- DCP's ``_EmptyStateDictLoadPlanner`` (which consolidation tools, DCP's ``dcp_to_torch_save``,
-  accelerate's ``merge_fsdp_weights`` and Lightning's ``consolidate_checkpoint``, look up at call
-  time in ``format_utils``; ``state_dict_loader`` uses it too): ``qdcp.reading.consolidate``'s
-  ``ConsolidatingLoadPlanner``, so each quantized entry comes out dequantized under its own key,
-  not as its inner buffers under ``<key>.__qdcp__.*`` keys.
+Frameworks call DCP with no planner, or with DCP's default planners built inside their functions.
+:func:`install` replaces ``save`` / ``async_save`` / ``load`` in ``torch.distributed.checkpoint``,
+``state_dict_saver`` and ``state_dict_loader`` with wrappers that, where the planner is None or
+exactly DCP's ``DefaultSavePlanner`` / ``DefaultLoadPlanner``, pass qdcp's planners with the
+default planner's flags carried over (saves ``overwrite=True``: the caller chose DCP's
+overwrite-in-place; dequantized for DCP's ``HuggingFaceStorageWriter``; ``async_save`` stages
+through a ``QuantizedStager`` where the writer would stage with torch's own code); every other
+argument and planner is passed on unchanged. DCP's ``_EmptyStateDictLoadPlanner``, which
+consolidation tools look up at call time in ``format_utils`` / ``state_dict_loader``, becomes
+qdcp's ``ConsolidatingLoadPlanner``. :func:`uninstall` puts DCP's functions back; :func:`installed`
+does both around a block. Process-wide.
 """
 
 from __future__ import annotations
@@ -47,7 +37,7 @@ _MODULES = (dcp, state_dict_saver, state_dict_loader)
 _NAMES = ("save", "async_save", "load")
 _EMPTY = "_EmptyStateDictLoadPlanner"  # DCP's planner for loading a whole checkpoint without a target
 _lock = threading.RLock()
-_originals: dict[tuple[int, str], Callable] = {}  # (id(module), name) -> DCP's own function
+_originals: dict[tuple[Any, str], Callable] = {}  # (module, name) -> DCP's own function
 _options: dict[str, Any] = {}
 
 
@@ -68,29 +58,24 @@ def install(*, weights_only: bool = True) -> None:
         _options["weights_only"] = bool(weights_only)
         if _originals:
             return
-        own = {"save": state_dict_saver.save, "async_save": state_dict_saver.async_save,
-               "load": state_dict_loader.load}
-        wrapped = {"save": _wrap(own["save"], _save_arguments, "storage_writer"),
-                   "async_save": _wrap(own["async_save"], _async_arguments, "storage_writer"),
-                   "load": _wrap(own["load"], _load_arguments, "storage_reader")}
-        for module in _MODULES:
-            for name in _NAMES:
-                if hasattr(module, name):
-                    _originals[(id(module), name)] = getattr(module, name)
-                    setattr(module, name, wrapped[name])
-        for module in _empty_planner_modules():
-            _originals[(id(module), _EMPTY)] = getattr(module, _EMPTY)
-            setattr(module, _EMPTY, _switched_empty_planner())
+        wrapped = {"save": _wrap(state_dict_saver.save, _save_arguments, "storage_writer"),
+                   "async_save": _wrap(state_dict_saver.async_save, _async_arguments, "storage_writer"),
+                   "load": _wrap(state_dict_loader.load, _load_arguments, "storage_reader")}
+        targets = [(m, n, wrapped[n]) for m in _MODULES for n in _NAMES if hasattr(m, n)]
+        # where callers look the empty planner up: format_utils (its dcp_to_torch_save; accelerate and
+        # Lightning import it from there) and state_dict_loader (_load_state_dict_from_keys)
+        targets += [(m, _EMPTY, SwitchedEmptyStateDictLoadPlanner) for m in (format_utils, state_dict_loader)
+                    if hasattr(m, _EMPTY)]
+        for module, name, new in targets:
+            _originals[(module, name)] = getattr(module, name)
+            setattr(module, name, new)
 
 
 def uninstall() -> None:
     """Put back exactly the functions :func:`install` replaced. A no-op when not installed."""
     with _lock:
-        for module, name in [(m, n) for m in _MODULES for n in _NAMES] + \
-                [(m, _EMPTY) for m in _empty_planner_modules()]:
-            original = _originals.pop((id(module), name), None)
-            if original is not None:
-                setattr(module, name, original)
+        for (module, name), original in _originals.items():
+            setattr(module, name, original)
         _originals.clear()
 
 
@@ -111,29 +96,15 @@ def installed(*, weights_only: bool = True) -> Iterator[None]:
                 _options["weights_only"] = before
 
 
-def _empty_planner_modules() -> tuple:
-    """The modules whose ``_EmptyStateDictLoadPlanner`` callers look up: ``format_utils`` (its
-    ``dcp_to_torch_save``; accelerate and Lightning import it from there) and ``state_dict_loader``
-    (its ``_load_state_dict_from_keys``). Where a torch lacks the name, the module is skipped."""
-    return tuple(m for m in (format_utils, state_dict_loader) if hasattr(m, _EMPTY))
+class SwitchedEmptyStateDictLoadPlanner(ConsolidatingLoadPlanner):
+    """What ``qdcp.install()`` puts in place of DCP's ``_EmptyStateDictLoadPlanner``: qdcp's
+    ``ConsolidatingLoadPlanner``, unpickling objects as :func:`install` was told."""
 
+    __qdcp_switch__ = True
 
-_switched: list[type] = []
-
-
-def _switched_empty_planner() -> type:
-    """qdcp's ``ConsolidatingLoadPlanner``, unpickling objects as :func:`install` was told."""
-    if not _switched:
-        class SwitchedEmptyStateDictLoadPlanner(ConsolidatingLoadPlanner):
-            """What ``qdcp.install()`` puts in place of DCP's ``_EmptyStateDictLoadPlanner``."""
-
-            def __init__(self, keys: Any = None, *args: Any, **kwargs: Any) -> None:
-                kwargs.setdefault("weights_only", _options.get("weights_only", True))
-                super().__init__(keys, *args, **kwargs)
-
-        SwitchedEmptyStateDictLoadPlanner.__qdcp_switch__ = True
-        _switched.append(SwitchedEmptyStateDictLoadPlanner)
-    return _switched[0]
+    def __init__(self, keys: Any = None, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("weights_only", _options.get("weights_only", True))
+        super().__init__(keys, *args, **kwargs)
 
 
 def _wrap(original: Callable, adjust: Callable[[dict[str, Any]], None], storage: str) -> Callable:
@@ -158,7 +129,7 @@ def _save_arguments(arguments: dict[str, Any]) -> None:
     planner = arguments.get("planner")
     if planner is None or type(planner) is DefaultSavePlanner:
         hf = isinstance(arguments.get("storage_writer"), dcp.HuggingFaceStorageWriter)
-        arguments["planner"] = QuantizedSavePlanner(dequantize=hf, overwrite=True, **_save_flags(planner))
+        arguments["planner"] = QuantizedSavePlanner(dequantize=hf, overwrite=True, **_flags(planner, _SAVE_FLAGS))
 
 
 def _async_arguments(arguments: dict[str, Any]) -> None:
@@ -178,21 +149,18 @@ def _torch_stages(writer: Any) -> bool:
 def _load_arguments(arguments: dict[str, Any]) -> None:
     planner = arguments.get("planner")
     if planner is None or type(planner) is DefaultLoadPlanner:
-        flags = {} if planner is None else {
-            "flatten_state_dict": planner.flatten_state_dict,
-            "flatten_sharded_tensors": planner.flatten_sharded_tensors,
-            "allow_partial_load": planner.allow_partial_load}
-        arguments["planner"] = QuantizedLoadPlanner(weights_only=_options.get("weights_only", True), **flags)
+        arguments["planner"] = QuantizedLoadPlanner(weights_only=_options.get("weights_only", True),
+                                                    **_flags(planner, _LOAD_FLAGS))
 
 
-def _save_flags(planner: DefaultSavePlanner | None) -> dict[str, Any]:
-    """The flags a ``DefaultSavePlanner`` was built with, to build qdcp's with the same."""
-    if planner is None:
-        return {}
-    flags = {"flatten_state_dict": planner.flatten_state_dict,
-             "flatten_sharded_tensors": planner.flatten_sharded_tensors,
-             "dedup_save_to_lowest_rank": planner.dedup_save_to_lowest_rank}
-    caching = getattr(planner, "_enable_plan_caching", None)  # DCP keeps it private; absent before 2.7
-    if caching is not None:
-        flags["enable_plan_caching"] = caching
-    return flags
+#: the flags of DCP's default planners qdcp's are built with: qdcp's name -> DCP's attribute
+_SAVE_FLAGS = {"flatten_state_dict": "flatten_state_dict", "flatten_sharded_tensors": "flatten_sharded_tensors",
+               "dedup_save_to_lowest_rank": "dedup_save_to_lowest_rank",
+               "enable_plan_caching": "_enable_plan_caching"}  # DCP keeps it private; absent before 2.7
+_LOAD_FLAGS = {n: n for n in ("flatten_state_dict", "flatten_sharded_tensors", "allow_partial_load")}
+
+
+def _flags(planner: Any, names: dict[str, str]) -> dict[str, Any]:
+    """The flags a DCP default planner was built with (those it has), to build qdcp's with the same."""
+    return {} if planner is None else {ours: getattr(planner, theirs) for ours, theirs in names.items()
+                                       if hasattr(planner, theirs)}

@@ -1,4 +1,4 @@
-"""torchtitan: a ``CheckpointManager`` that checkpoints quantized weights with qdcp.
+"""torchtitan: a ``CheckpointManager`` that checkpoints quantized weights with qdcp (docs/frameworks.md).
 
 torchtitan's ``CheckpointManager`` (torchtitan 0.3) calls ``dcp.save`` / ``dcp.async_save`` /
 ``dcp.load`` without a planner. :class:`QuantizedCheckpointManager` is that manager with qdcp's
@@ -10,23 +10,13 @@ the ``Config``)::
     checkpoint = QuantizedCheckpointManager.Config(enable=True, folder="checkpoint", interval=500,
                                                    async_mode="async_with_pinned_mem")
 
-What it changes, by the manager's own seams:
-
-- ``dcp_save`` / ``dcp_load`` (overridable by design): qdcp's planners for torchtitan's own
-  checkpoints (``overwrite=True``: torchtitan, like DCP, writes a step's folder in place); the
-  ``async`` mode stages through a :class:`~qdcp.QuantizedStager` (DCP's default staging gives
-  torchao's quantized tensors no copy of their data); ``async_with_pinned_mem`` uses a reused,
-  pinned :class:`~qdcp.QuantizedStager` instead of DCP's ``DefaultStager``.
-- The model's state-dict cache (torchtitan's ``ModelWrapper``) compares the storage of a quantized
-  weight's inner buffers: torchtitan's own check asks the wrapper tensor for a storage it does not
-  have and fails before DCP is called.
-- The last step's model-only save (``last_save_model_only``, ``last_save_in_hf``; torchtitan's
-  ``_save_last_step``, the one private method overridden; it calls torchtitan's
-  ``_create_checkpoint_id`` as torchtitan's does) writes every weight as a plain tensor of
-  ``export_dtype``: the high-precision tensor of a training wrapper, the dequantized values of a
-  quantized weight, never the quantized form a plain or HF reader cannot use.
-
-Loading from Hugging Face files (``initial_load_in_hf``) is torchtitan's own path, unchanged.
+Its seams: ``dcp_save`` / ``dcp_load`` (overridable by design; ``overwrite=True``: torchtitan
+writes a step's folder in place; quantized tensors staged by a :class:`~qdcp.QuantizedStager`,
+which DCP's and torchtitan's default staging are not); the model's state-dict cache
+(torchtitan's ``ModelWrapper`` asks a quantized wrapper tensor for a storage it does not have);
+and ``_save_last_step`` (the one private method overridden, calling torchtitan's
+``_create_checkpoint_id`` as its own does), whose model-only save writes plain ``export_dtype``
+weights a plain or HF reader can use.
 """
 
 from __future__ import annotations

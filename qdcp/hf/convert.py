@@ -14,16 +14,14 @@ removed by the next conversion to the same ``out``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import itertools
 import os
-import sys
-from typing import Iterator, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from tqdm import tqdm
 
 from qdcp import outputs
 from qdcp import spec as qspec
@@ -149,41 +147,18 @@ def _file_metadata(entries: CheckpointEntries, dequantize: bool) -> dict[str, st
 def _write(entries: CheckpointEntries, keys: Sequence[str], rows: Sequence[TensorRow], out: str,
            metadata: dict[str, str], progress: bool | None) -> None:
     """Stream every entry's rows into ``out`` (one entry in memory), under a progress bar."""
-    by_key: dict[str, list[TensorRow]] = {}
-    for row in rows:
-        by_key.setdefault(row.key, []).append(row)
+    by_key = {key: list(group) for key, group in itertools.groupby(rows, key=lambda r: r.key)}  # rows in key order
     outs = [TensorOut(r.name, r.shape, r.dtype) for r in rows]
-    disable = None if progress is None else not progress  # None: tqdm shows a bar on a terminal only
-    with _replacing_file(out) as tmp, ShardWriter(tmp, outs, metadata) as writer, \
-            tqdm(total=sum(r.nbytes for r in rows), unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
-                 disable=disable, file=sys.stderr, leave=False) as bar:
+    with outputs.writing_file(_SCRATCH, out, ".safetensors.tmp") as tmp, ShardWriter(tmp, outs, metadata) as writer, \
+            outputs.progress_bar(sum(r.nbytes for r in rows), "convert", progress) as bar:
         for i, key in enumerate(keys):
             bar.set_postfix_str(f"entry {i + 1}/{len(keys)}", refresh=False)
             key_rows = by_key.get(key, [])
-            for row, value in zip(key_rows, _values(entries, key, key_rows)):
+            if key_rows and key_rows[0].component is not None:  # its components as stored
+                stored = entries.stored(key).components
+                values = [stored[row.component] for row in key_rows]
+            else:  # its values
+                values = [entries.entry(key, dequantize=True, dtype=row.dtype) for row in key_rows]
+            for row, value in zip(key_rows, values):
                 writer.write(row.name, value.to(row.dtype))
             bar.update(sum(r.nbytes for r in key_rows))
-
-
-def _values(entries: CheckpointEntries, key: str, rows: Sequence[TensorRow]) -> list[torch.Tensor]:
-    """The tensors of ``rows`` (one entry's): its components as stored, or its values."""
-    if not rows:
-        return []
-    if rows[0].component is not None:
-        stored = entries.stored(key).components
-        return [stored[row.component] for row in rows]
-    return [entries.entry(key, dequantize=True, dtype=rows[0].dtype)]
-
-
-@contextlib.contextmanager
-def _replacing_file(out: str) -> Iterator[str]:
-    """A fresh scratch file beside ``out`` (:mod:`qdcp.outputs`: never a name the user may
-    hold) to write; renamed to ``out`` when the block succeeds, removed when it fails."""
-    tmp = outputs.new_file(_SCRATCH, out, ".safetensors.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise

@@ -1,33 +1,11 @@
 """The ``compressed-tensors`` layout (what vLLM and transformers load as ``quant_method:
 "compressed-tensors"``), written from raw bits: nothing is requantized.
 
-Per quantized ``<module>.weight`` (see docs/export_compressed_tensors.md for the full table):
-
-==========================  =====================  =======================================================
-stored bits (neutral form)  format                 tensors of ``<module>``
-==========================  =====================  =======================================================
-``nvfp4_row16``             nvfp4-pack-quantized   ``weight_packed`` u8 (N, K/2), ``weight_scale`` e4m3
-                                                   (N, K/16), ``weight_global_scale`` f32 (1,)
-``mxfp8_e4m3_row32``        mxfp8-quantized        ``weight`` e4m3 (N, K), ``weight_scale`` u8 (N, K/32)
-``affine_float8_b..`` e4m3  naive-quantized        ``weight`` e4m3 (N, K), ``weight_scale`` (1,) / (N, 1) /
-                            (float-quantized with  (N/bn, K/bk): tensor, channel or block strategy
-                            dynamic activations)
-``affine_int8_b..``         pack-quantized (8)     ``weight_packed`` i32 (N, K/4), ``weight_scale``,
-``affine_int4_b..``         pack-quantized (4)     ``weight_packed`` i32 (N, K/8), ``weight_scale``,
-                                                   ``weight_shape`` i64 (2,), asymmetric also
-                                                   ``weight_zero_point`` i32 (N*bits/32, groups)
-``affine_int*`` with        int-quantized          ``weight`` i8 (N, K), ``weight_scale``, asymmetric
-dynamic activations                                also ``weight_zero_point`` i8 like the scale
-==========================  =====================  =======================================================
-
-The library's conventions: two E2M1 codes a byte, element 2k in the low nibble (as torchao and
-TE); NVFP4's ``weight_global_scale`` is ``448 * 6 / amax`` (decode: ``scale / global_scale``), written as
-the fp32 reciprocal of the source's decode scale ``amax / (448 * 6)``;
-MXFP8 scales are biased E8M0 exponents as uint8; integers are packed ``value + 2**(bits-1)``
-from the least significant bit of int32 words along K. Integer entries with a non-zero zero point
-(read when the entry is planned) are written asymmetric (``symmetric: false``), their zero points
-packed the same way along N (``weight_zero_point`` int32 ``(N / (32 / bits), groups)``), channel
-and group strategies only. Dynamic activation quantization the source states (torchao's
+Per quantized ``<module>.weight``, the format and tensors of docs/export_compressed_tensors.md
+("Mapping"; its "Conventions" are the library's: E2M1 nibble order, E8M0 scale bytes, offset
+integers packed along K, ``weight_global_scale = 1 / decode scale``). Integer entries with a
+non-zero zero point (read when the entry is planned) are written asymmetric, channel and group
+strategies only. Dynamic activation quantization the source states (torchao's
 ``act_quant_kwargs``) becomes the scheme's ``input_activations`` where the library has its args
 (:func:`input_activations`); other activation settings are not carried (weight-only).
 
@@ -52,7 +30,7 @@ import torch
 from qdcp.adapters import compressed_tensors as ct
 from qdcp.adapters.base import RawInterchangeAdapter, StoredEntry, adapter_for_type
 from qdcp.adapters.formats import MXFP8_FORMS, NVFP4_ROW16, nvfp4_decode_scale, parse_affine_form
-from qdcp.errors import CheckpointFormatError, QdcpError
+from qdcp.errors import CheckpointFormatError
 from qdcp.hf.directory import HFDirectory
 from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Item, Presented, Source, UnsupportedEntry, presented
 from qdcp.hf.safetensors_files import RowBlocks, TensorOut
@@ -82,10 +60,6 @@ def _args(**given) -> str:
     base = {"dynamic": False, "symmetric": True, "group_size": None, "block_structure": None,
             "actorder": None, "observer": None, "observer_kwargs": {}, "scale_dtype": None, "zp_dtype": None}
     return json.dumps({**base, **given}, sort_keys=True)
-
-
-def _scheme(fmt: str, **weights) -> Scheme:
-    return Scheme(fmt, _args(**weights))  # weight-only
 
 
 _ACT_STRATEGIES = {"PerRow": "token", "PerToken": "token", "PerTensor": "tensor"}
@@ -226,9 +200,11 @@ class CompressedTensorsLayout(HFLayout):
         if stored.components.keys() & {"act_pre_scale", "act_quant_scale"}:
             raise UnsupportedEntry("its activation pre-scale / static activation scale has no compressed-tensors "
                                    "form (the layer's output depends on it)")
-        module = src.key[: -len(".weight")]
-        scheme, tensors = _plan_form(form, t, src.shape, input_activations(stored.attrs))
-        return EntryPlan(src.key, tuple(TensorOut(f"{module}.{n}", s, d) for n, s, d in tensors), scheme=scheme)
+        module, inputs = src.key[: -len(".weight")], input_activations(stored.attrs)
+        scheme = _scheme_of(form, t, src.shape, inputs)
+        tensors = _tensors(form, t, src.shape, inputs)  # on the meta device but the small zero points
+        return EntryPlan(src.key, tuple(TensorOut(f"{module}.{n}", tuple(v.shape), v.dtype)
+                                        for n, v in tensors.items()), scheme=scheme)
 
     def produce(self, plan: EntryPlan, stored: StoredEntry) -> dict[str, torch.Tensor | RowBlocks]:
         form, t = self._form(stored, plan.key)
@@ -263,7 +239,7 @@ class CompressedTensorsLayout(HFLayout):
         dtypes are codes), else left as the dense tensors they are. A module whose stored dtypes
         contradict the status, or codes no group targets, are refused."""
         d = directory
-        qc = read_quantization_config(d.config)
+        qc = _quantization_config(d.config)  # what layout_of chose this layout by
         status = qc.get("quantization_status")
         if status is not None and status not in _STATUSES:
             raise CheckpointFormatError(f"{d.path}: compressed-tensors quantization_status {status!r} is not one "
@@ -280,50 +256,33 @@ class CompressedTensorsLayout(HFLayout):
         return out
 
 
-def _plan_form(form: str, t: Mapping[str, torch.Tensor], shape, inputs: str) -> tuple[Scheme, list]:
-    """The scheme and ``(name, shape, dtype)`` of each tensor of a form's entry (shapes only). The
-    format is the one the library picks for the scheme (``infer_module_format``): with quantized
+def _scheme_of(form: str, t: Mapping[str, torch.Tensor], shape, inputs: str) -> Scheme:
+    """The entry's scheme (raises :class:`UnsupportedEntry` where the format has none). The format
+    is the one the library picks for the scheme (``infer_module_format``): with quantized
     activations, FP8 is ``float-quantized`` and integers ``int-quantized`` (unpacked int8)."""
-    n, k = shape
-    if form == NVFP4_ROW16:
-        return (_scheme("nvfp4-pack-quantized", num_bits=4, type="float", strategy="tensor_group", group_size=16,
-                        scale_dtype="torch.float8_e4m3fn"),
-                [("weight_packed", (n, k // 2), torch.uint8), ("weight_scale", (n, k // 16), torch.float8_e4m3fn),
-                 ("weight_global_scale", (1,), torch.float32)])
+    if form == NVFP4_ROW16:  # weight-only
+        return Scheme("nvfp4-pack-quantized", _args(num_bits=4, type="float", strategy="tensor_group", group_size=16,
+                                                     scale_dtype="torch.float8_e4m3fn"))
     if form == _MXFP8:
-        return (Scheme("mxfp8-quantized", _args(num_bits=8, type="float", strategy="group", group_size=32,
-                                                scale_dtype="torch.uint8"), inputs),
-                [("weight", (n, k), torch.float8_e4m3fn), ("weight_scale", (n, k // 32), torch.uint8)])
+        return Scheme("mxfp8-quantized", _args(num_bits=8, type="float", strategy="group", group_size=32,
+                                               scale_dtype="torch.uint8"), inputs)
     kind, block = parse_affine_form(form)
-    scale = t["scale"]
     strategy = strategy_of(block, shape)
-    scale_shape = (1,) if strategy["strategy"] == "tensor" else tuple(scale.shape)
     if kind == "float8":
         if t["data"].dtype != torch.float8_e4m3fn:
             raise UnsupportedEntry(f"compressed-tensors FP8 is E4M3; this entry holds {t['data'].dtype}")
         fmt = "naive-quantized" if inputs == "null" else "float-quantized"
-        return (Scheme(fmt, _args(num_bits=8, type="float", **strategy), inputs),
-                [("weight", (n, k), torch.float8_e4m3fn), ("weight_scale", scale_shape, scale.dtype)])
+        return Scheme(fmt, _args(num_bits=8, type="float", **strategy), inputs)
     bits = {"int8": 8, "int4": 4}.get(kind)
     if bits is None or strategy["strategy"] == "block":
         raise UnsupportedEntry(f"compressed-tensors packs int8 and int4 per tensor, channel or group; "
                                f"this entry is {kind} with blocks of {block}")
     zero = _zero_points(t)
+    if zero is not None and inputs == "null" and strategy["strategy"] == "tensor":
+        raise UnsupportedEntry("compressed-tensors packs the zero points of channel and group ints; this "
+                               "entry is asymmetric per tensor")
     weights = _args(num_bits=bits, type="int", symmetric=zero is None, **strategy)
-    if inputs != "null":  # int-quantized: the int8 values as they are
-        tensors = [("weight", (n, k), torch.int8), ("weight_scale", scale_shape, scale.dtype)]
-        if zero is not None:
-            tensors.append(("weight_zero_point", scale_shape, zero.dtype))
-        return Scheme("int-quantized", weights, inputs), tensors
-    per = 32 // bits
-    tensors = [("weight_packed", (n, ceil_div(k, per)), torch.int32), ("weight_scale", scale_shape, scale.dtype),
-               ("weight_shape", (2,), torch.int64)]
-    if zero is not None:
-        if strategy["strategy"] == "tensor":
-            raise UnsupportedEntry("compressed-tensors packs the zero points of channel and group ints; this "
-                                   "entry is asymmetric per tensor")
-        tensors.append(("weight_zero_point", (ceil_div(zero.shape[0], per), zero.shape[1]), torch.int32))
-    return Scheme("pack-quantized", weights), tensors
+    return Scheme("pack-quantized" if inputs == "null" else "int-quantized", weights, inputs)
 
 
 def _zero_points(t: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
@@ -333,7 +292,7 @@ def _zero_points(t: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
 
 
 def _tensors(form: str, t: Mapping[str, torch.Tensor], shape, inputs: str) -> dict[str, torch.Tensor | RowBlocks]:
-    """The entry's tensors from its form, bits carried over (as :func:`_plan_form` plans them)."""
+    """The entry's tensors from its form, bits carried over (of meta components: what a plan lists)."""
     if form == NVFP4_ROW16:
         return {"weight_packed": t["data"], "weight_scale": t["scale"].view(torch.float8_e4m3fn),
                 "weight_global_scale": (1.0 / nvfp4_decode_scale(t["amax"])).reshape(1)}
@@ -363,15 +322,6 @@ def _quantization_config(config: Mapping) -> dict | None:
     return qc if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors" else None
 
 
-def read_quantization_config(config: Mapping) -> dict:
-    """The ``quantization_config`` of a compressed-tensors ``config.json`` (checked to be one)."""
-    qc = _quantization_config(config)
-    if qc is None:
-        found = config.get("quantization_config") or config.get("compression_config")
-        raise QdcpError(f"not a compressed-tensors config: {json.dumps(found)[:200]}")
-    return qc
-
-
 # ----------------------------------------------------------------------------- reading a directory
 
 def _matches(module: str, patterns) -> bool:
@@ -394,7 +344,7 @@ _UNPACKED = ("naive-quantized", "float-quantized", "int-quantized")
 _E4M3, _INTEGERS = (torch.float8_e4m3fn,), (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 _DENSE = "a 16-bit or wider floating dtype"
 #: per format, the stored dtype of each parameter (``_DENSE``: any of those), required ones first:
-#: what :func:`_plan_form` writes, and what others write (fp8 / e8m0 scales, wider shapes)
+#: what :func:`_tensors` writes, and what others write (fp8 / e8m0 scales, wider shapes)
 _READ_DTYPES = {
     "nvfp4-pack-quantized": {"weight_packed": (torch.uint8,), "weight_scale": _E4M3, "weight_global_scale": _DENSE},
     "mxfp8-quantized": {"weight": _E4M3, "weight_scale": (torch.uint8, torch.float8_e8m0fnu)},
@@ -534,9 +484,9 @@ def _packed(d: HFDirectory, key: str, t: Mapping[str, str], weights: Mapping, as
     block = block_of(weights, shape, tuple(scale.shape))
     packed, zero, layout = t["weight_packed"], t["weight_zero_point"], _scale_layout(block, shape, scale)
     per_word = 32 // bits
-    _check_packed(d, key, "weight_packed", packed, (shape[0], -(-shape[1] // per_word)), bits, shape)
+    _check_packed(d, key, "weight_packed", packed, (shape[0], ceil_div(shape[1], per_word)), bits, shape)
     if asymmetric:
-        _check_packed(d, key, "weight_zero_point", zero, (-(-shape[0] // per_word), tuple(scale.shape)[-1]), bits,
+        _check_packed(d, key, "weight_zero_point", zero, (ceil_div(shape[0], per_word), tuple(scale.shape)[-1]), bits,
                       tuple(scale.shape))
     comps = {"weight": (Blocked((1, 1)), lambda get, out: unpack_int32(get(packed), bits, shape[1], out)),
              "weight_scale": (layout, t["weight_scale"])}

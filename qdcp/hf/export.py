@@ -17,13 +17,10 @@ import functools
 import json
 import os
 import re
-import shutil
-import sys
 from typing import Any, Callable, Mapping
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from tqdm import tqdm
 
 from qdcp import outputs
 from qdcp import spec as qspec
@@ -69,6 +66,8 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
     ``include_optimizer``; what was left out is :attr:`ExportResult.left_out`.
     """
     layout = layout_named(format)
+    # a config given for the source model may say it is quantized: only this layout's own says so
+    config_json = {k: v for k, v in _base_config(config).items() if k != "quantization_config"}
     checkpoint, out_dir = os.fspath(checkpoint), os.fspath(out_dir)
     _check_output(checkpoint, out_dir, overwrite)
     entries = CheckpointEntries(checkpoint, reuse_memory=True)  # one entry in memory at a time
@@ -77,27 +76,19 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
     skipped = [k for k in skipped if _under(k, prefix)]
     plans = _plan_all(layout, sources, dequantize_unsupported,
                       lambda key: functools.partial(entries.components, names[key]))
-    config_json = dict(_base_config(config))
     quantization_config = layout.quantization_config(plans)
-    if quantization_config is not None:
+    if quantization_config is not None:  # None: nothing written quantized
         config_json["quantization_config"] = quantization_config
-    else:  # nothing written quantized: a config given for the source model must not say otherwise
-        config_json.pop("quantization_config", None)
     shards = stf.plan_shards([p.nbytes for p in plans], stf.parse_size(max_shard_size))
     files = stf.shard_file_names(len(shards))
-    tmp = outputs.new_dir(_SCRATCH, out_dir)
-    try:
+    with outputs.writing_dir(_SCRATCH, out_dir) as tmp:
         weight_map = _write_files(layout, [[plans[i] for i in s] for s in shards], files,
-                                  _Reading(entries, sources, names), tmp, progress)
+                                  functools.partial(_tensors, layout, entries, sources, names), tmp, progress)
         if len(files) > 1:
             stf.write_index(tmp, weight_map, sum(p.nbytes for p in plans))
         with open(os.path.join(tmp, stf.CONFIG_FILE), "w") as f:
             json.dump(config_json, f, indent=2)
             f.write("\n")
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return ExportResult(out_dir, tuple(files), sum(len(p.tensors) for p in plans), sum(p.nbytes for p in plans),
                         tuple(p.key for p in plans if p.dequantized), tuple(skipped), tuple(left_out))
 
@@ -105,8 +96,8 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
 _SCRATCH = "export"  #: the scratch directory's kind (:mod:`qdcp.outputs`)
 
 #: what export writes in its directory (all that ``overwrite`` may replace)
-_OURS = outputs.name_matcher(re.escape(stf.SINGLE_FILE), r"model-\d{5,}-of-\d{5,}\.safetensors",
-                             re.escape(stf.INDEX_FILE), re.escape(stf.CONFIG_FILE))
+_OURS = re.compile("|".join([re.escape(stf.SINGLE_FILE), r"model-\d{5,}-of-\d{5,}\.safetensors",
+                              re.escape(stf.INDEX_FILE), re.escape(stf.CONFIG_FILE)])).fullmatch
 
 
 def _check_output(checkpoint: str, out_dir: str, overwrite: bool) -> None:
@@ -115,7 +106,6 @@ def _check_output(checkpoint: str, out_dir: str, overwrite: bool) -> None:
     export to ``out_dir`` left is removed first, and an export it had moved aside put back."""
     try:
         outputs.check_separate([checkpoint], out_dir)
-        outputs.recover(out_dir)
         outputs.clean(out_dir, _SCRATCH)
         outputs.check_replaceable(out_dir, overwrite, directory=True, ours=_OURS,
                                   what="an export (model*.safetensors, its index, config.json)")
@@ -216,61 +206,45 @@ def _check_names(layout: HFLayout, plans: list[EntryPlan]) -> None:
 
 
 def _base_config(config) -> Mapping[str, Any]:
-    if config is None:
-        return {}
-    if isinstance(config, Mapping):
-        return config
-    with open(config) as f:
-        loaded = json.load(f)
+    """The ``config`` given: a mapping, or the JSON object in the file it names (errors name it)."""
+    if config is None or isinstance(config, Mapping):
+        return config or {}
+    try:
+        with open(config) as f:
+            loaded = json.load(f)
+    except OSError as e:
+        raise ExportError(f"config {os.fspath(config)!r} (--config): {e.strerror or e}") from None
+    except ValueError as e:  # UnicodeDecodeError too
+        raise ExportError(f"config {os.fspath(config)!r} (--config): not a JSON file ({e})") from None
     if not isinstance(loaded, dict):
-        raise ExportError(f"{os.fspath(config)}: config must be a JSON object")
+        raise ExportError(f"config {os.fspath(config)!r} (--config): holds a JSON {type(loaded).__name__}, not "
+                          f"an object")
     return loaded
 
 
-@dataclasses.dataclass(frozen=True)
-class _Reading:
-    """Where entries are read from."""
-
-    entries: CheckpointEntries
-    sources: Mapping[str, Source]
-    keys: Mapping[str, str]  #: the checkpoint key of each name written
-
-    def tensors(self, layout: HFLayout, plan: EntryPlan) -> dict[str, torch.Tensor]:
-        """The planned tensors of one entry, read and converted (this entry only in memory)."""
-        key = self.keys[plan.key]
-        if self.sources[plan.key].spec is None or plan.dequantized:
-            return {plan.key: self.entries.entry(key, dequantize=True, dtype=plan.tensors[0].dtype)}
-        return layout.produce(plan, self.entries.stored(key))
+def _tensors(layout: HFLayout, entries: CheckpointEntries, sources: Mapping[str, Source], keys: Mapping[str, str],
+             plan: EntryPlan) -> dict[str, torch.Tensor]:
+    """The planned tensors of one entry, read and converted (this entry only in memory); ``keys``:
+    the checkpoint key of each name written."""
+    key = keys[plan.key]
+    if sources[plan.key].spec is None or plan.dequantized:
+        return {plan.key: entries.entry(key, dequantize=True, dtype=plan.tensors[0].dtype)}
+    return layout.produce(plan, entries.stored(key))
 
 
-def _write_files(layout: HFLayout, shards: list[list[EntryPlan]], files: list[str], reading: _Reading,
-                 out: str, progress: bool | None) -> dict[str, str]:
+def _write_files(layout: HFLayout, shards: list[list[EntryPlan]], files: list[str],
+                 tensors: Callable[[EntryPlan], dict], out: str, progress: bool | None) -> dict[str, str]:
+    """Write each shard's file in ``out`` (one entry in memory); which file holds each tensor."""
     weight_map: dict[str, str] = {}
-    total = sum(p.nbytes for s in shards for p in s)
-    disable = None if progress is None else not progress
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=disable,
-              file=sys.stderr, leave=False) as bar:
+    with outputs.progress_bar(sum(p.nbytes for s in shards for p in s), "export", progress) as bar:
         for file_plans, name in zip(shards, files):
             with stf.ShardWriter(os.path.join(out, name), [t for p in file_plans for t in p.tensors],
                                  layout.file_metadata(file_plans, [p for s in shards for p in s])) as writer:
                 for plan in file_plans:
-                    values = reading.tensors(layout, plan)
+                    values = tensors(plan)
                     for t in plan.tensors:
                         writer.write(t.name, values[t.name])
                         weight_map[t.name] = name
                     del values
                     bar.update(plan.nbytes)
     return weight_map
-
-
-def _replace_dir(tmp: str, out_dir: str) -> None:
-    """Move the finished ``tmp`` to ``out_dir``; an existing ``out_dir`` is moved aside first (into a
-    scratch directory the next export to ``out_dir`` puts back if this one is killed before its
-    second rename) and removed only after."""
-    old = None
-    if os.path.exists(out_dir):
-        old = outputs.new_dir(outputs.REPLACED, out_dir)
-        os.rename(out_dir, os.path.join(old, "dir"))
-    os.rename(tmp, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -4,10 +4,8 @@ directory in the layout presents its quantized entries again (import, :class:`Qu
 
 A layout plans every entry from the checkpoint's metadata alone (so an entry it cannot represent
 is refused before any file is written), then produces each entry's tensors from its stored
-components, one entry at a time. Reading, it names each quantized entry of a directory: its qdcp
-spec, where each component comes from (a file tensor, or computed from file tensors) and which
-file tensors it consumes. Finding files, the index and reading tensors stay in
-:mod:`qdcp.hf.reader`, the same for every layout.
+components, one entry at a time. Finding files and reading tensors are the same for every layout
+(:mod:`qdcp.hf.directory`, :mod:`qdcp.hf.reader`).
 """
 
 from __future__ import annotations

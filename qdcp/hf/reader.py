@@ -2,20 +2,13 @@
 
     dcp.load(state, storage_reader=qdcp.QuantizedHFReader(path), planner=qdcp.QuantizedLoadPlanner())
 
-The directory may be in torchao's safetensors layout, in compressed-tensors' layout (its
-``config.json`` says ``quant_method: compressed-tensors``), or plain. Quantized entries are
-presented as qdcp raw entries (a spec in the metadata, one item per component), so the load
-planner fills quantized targets raw (same type bit-exact, or the other family through a raw form),
-plain targets with the dequantized values, and DTensor targets at any world size. Items stored as
-they are presented are read by byte range (``safe_open(...).get_slice``: each rank reads what it
-needs); the few that are not (swizzled scales, packed integers) are computed from their whole
-tensors. Nothing is unpickled; torchao entries are rebuilt by torchao's own allow-listed decoder.
-
-This module and :mod:`qdcp.hf.directory` (finding the files, listing their tensors) are the part
-every layout shares: here, presenting the directory to DCP and reading items by range or whole.
-What a layout's tensors mean (which make an entry, how its components are rebuilt) is the layout's
-own :meth:`~qdcp.hf.layout.HFLayout.entries` (:mod:`qdcp.hf.torchao_layout`,
-:mod:`qdcp.hf.ct_layout`), chosen by the directory's config.
+The directory's layout (:meth:`~qdcp.hf.layout.HFLayout.entries`: torchao's, compressed-tensors'
+when its ``config.json`` says so, or plain) names its quantized entries; they are presented as qdcp
+raw entries (a spec in the metadata, one item per component), so the load planner fills any target
+as it loads a qdcp checkpoint, at any world size. Items stored as presented are read by byte range
+(``safe_open(...).get_slice``: each rank reads what it needs); the others (swizzled scales, packed
+integers) are computed from their whole tensors. Nothing is unpickled; torchao entries are rebuilt
+by torchao's own allow-listed decoder.
 """
 
 from __future__ import annotations

@@ -73,13 +73,8 @@ def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike, torch_save_path: st
             "exists; it is replaced only with overwrite=True (a torch.save file does not say who wrote it)"
         raise outputs.OutputError(f"{out!r} {why}. Move it away or choose another path")
     state = consolidate(dcp_checkpoint_dir, dequantize=dequantize)
-    tmp = outputs.new_file("torch", out, ".pt.tmp")
-    try:
+    with outputs.writing_file("torch", out, ".pt.tmp") as tmp:
         torch.save(state, tmp)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return state
 
 

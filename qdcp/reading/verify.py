@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from qdcp import spec as qspec
 from qdcp.reading.entries import CheckpointEntries
+from qdcp.storage.local_files import file_problem
 
 __all__ = ["check_chunks", "check_storage", "check_components", "check_entry"]
 
@@ -22,7 +23,8 @@ def check_chunks(metadata: Metadata) -> list[str]:
 
 def check_storage(metadata: Metadata, path: str | os.PathLike | None = None) -> list[str]:
     """Problems with the storage records: a chunk or object without one, one that belongs to no
-    item, records of one file that overlap, or (for a local ``path``) that lie outside their file."""
+    item, records of one file that overlap, or (for a local ``path``) whose file may not be read
+    (:func:`qdcp.storage.local_files.file_problem`) or that lie outside their file."""
     problems = []
     records = metadata.storage_data or {}
     if not isinstance(records, dict):
@@ -45,13 +47,18 @@ def check_storage(metadata: Metadata, path: str | os.PathLike | None = None) -> 
         for (a, la, fa), (b, lb, fb) in zip(spans, spans[1:]):
             if a + la > b:
                 problems.append(f"{fb}: its stored bytes overlap those of {fa} in {rel!r}")
-        if path is not None and "://" not in os.fspath(path) and isinstance(rel, str):
-            file = os.path.join(os.fspath(path), rel)
-            size = os.path.getsize(file) if os.path.isfile(file) else None
-            for off, length, fqn in spans:
-                if size is None or off < 0 or length < 0 or off + length > size:
-                    problems.append(f"{fqn}: its stored bytes [{off}, {off + length}) lie outside {rel!r} "
-                                    f"({'missing' if size is None else f'{size} bytes'})")
+        if path is None or "://" in os.fspath(path):
+            continue
+        problem = file_problem(path, rel) if isinstance(rel, str) else "is not a file name"
+        if problem is not None:  # outside the directory, or not a regular file: never read
+            problems.append(f"{spans[0][2]}: its data file {rel!r} {problem}")
+            continue
+        file = os.path.join(os.fspath(path), rel)
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        for off, length, fqn in spans:
+            if size is None or off < 0 or length < 0 or off + length > size:
+                problems.append(f"{fqn}: its stored bytes [{off}, {off + length}) lie outside {rel!r} "
+                                f"({'missing' if size is None else f'{size} bytes'})")
     return problems
 
 
