@@ -142,8 +142,9 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = 
     Fills whatever ``state_dict`` holds (same quantized types bit-exact, other types requantized,
     plain tensors dequantized); every item is verified against its recorded checksum and the
     metadata is read without unpickling code. ``atomic`` (default True): the targets are changed
-    only once every read of this rank is in and verified, so a failed load leaves them as they
-    were (it holds one extra copy of the loaded state meanwhile; False loads in place, as DCP does).
+    only once every read of every rank is in and verified, so a failed load leaves them as they
+    were on every rank (it holds one extra copy of the loaded state meanwhile; False loads in
+    place, as DCP does).
     ``no_dist``: this process loads alone, whatever process group is initialized (DCP's
     ``no_dist``; e.g. rank 0 of a job reading a whole checkpoint). Errors are raised as
     :func:`save` raises them; no checkpoint at ``path`` (no directory, or no ``.metadata`` in it) is
@@ -156,10 +157,12 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = 
         reader = storage_reader(path, **(storage_options or {}))
     except FileNotFoundError as e:
         raise CheckpointNotFoundError(_not_found(path, "no such directory")) from e
-    planner = QuantizedLoadPlanner(atomic=atomic, allow_partial_load=allow_partial_load, weights_only=weights_only)
+    planner = QuantizedLoadPlanner(atomic=atomic, allow_partial_load=allow_partial_load, weights_only=weights_only,
+                                   copy_in_later=True)
     with _metadata_found(path), _own_error():
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
                  **_alone(no_dist))
+    planner.copy_in()  # dcp.load returned: every rank's reads are in and verified
     if planner.unread_keys and not allow_partial_load:
         _warn_unread(planner.unread_keys, path)
     _log_done("loaded", path, planner.read_bytes, start)

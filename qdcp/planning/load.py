@@ -37,7 +37,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     plain entries, at any sharding, updated in place. ``weights_only`` (default True) loads objects
     with ``torch.load(weights_only=True)``. ``checksums``: every item read whole is checked against
     the save's record, unless the storage reader verifies every item itself. ``atomic``: a failed
-    load leaves every target as it was (:mod:`qdcp.planning.shadows`). ``loaded_keys`` and
+    load leaves every target as it was (:mod:`qdcp.planning.shadows`): this rank's targets are filled
+once its last read is in, or, with ``copy_in_later``, only when the caller calls :meth:`copy_in`
+(``qdcp.load`` does once ``dcp.load`` returned: every rank's reads are in). ``loaded_keys`` and
     ``missing_keys`` say which target keys the checkpoint had; a partial load matching none warns.
 
     DCP calls, in order, on every rank: ``set_up_planner`` (every target key planned against the
@@ -51,12 +53,13 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
                  allow_partial_load: bool = False, weights_only: bool = True, checksums: bool = True,
-                 atomic: bool = False) -> None:
+                 atomic: bool = False, copy_in_later: bool = False) -> None:
         super().__init__(flatten_state_dict=flatten_state_dict, flatten_sharded_tensors=flatten_sharded_tensors,
                          allow_partial_load=allow_partial_load)
         self.weights_only = weights_only
         self.checksums = bool(checksums)
         self.atomic = bool(atomic)
+        self.copy_in_later = bool(copy_in_later) and self.atomic
         self._lock = threading.Lock()
         self._temporaries = Temporaries()
         self._start(sums.ReadVerifier(None))
@@ -245,6 +248,12 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         for stream in streams:
             stream.synchronize()
         self._temporaries.clear()  # every action has finished: no idle temporary is kept past the load
+        if self._shadows is not None and not self.copy_in_later:
+            self._shadows.apply()
+
+    def copy_in(self) -> None:
+        """With ``copy_in_later``: fill the targets from the load's shadows (call it once
+        ``dcp.load`` has returned on every rank; a failed load is not copied in)."""
         if self._shadows is not None:
             self._shadows.apply()
 
