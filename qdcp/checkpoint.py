@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.stateful import Stateful
 
 from qdcp import errors
 from qdcp.errors import CheckpointNotFoundError, QdcpError
@@ -157,12 +158,15 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, atomic: bool = 
         reader = storage_reader(path, **(storage_options or {}))
     except FileNotFoundError as e:
         raise CheckpointNotFoundError(_not_found(path, "no such directory")) from e
+    # all-or-nothing across ranks: copied in once dcp.load returned, unless dcp.load must hand a
+    # Stateful its loaded values itself (then once this rank's reads are in)
+    later = not any(isinstance(v, Stateful) for v in state_dict.values())
     planner = QuantizedLoadPlanner(atomic=atomic, allow_partial_load=allow_partial_load, weights_only=weights_only,
-                                   copy_in_later=True)
+                                   copy_in_later=later)
     with _metadata_found(path), _own_error():
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
                  **_alone(no_dist))
-    planner.copy_in()  # dcp.load returned: every rank's reads are in and verified
+    planner.copy_in(state_dict)  # dcp.load returned: every rank's reads are in and verified
     if planner.unread_keys and not allow_partial_load:
         _warn_unread(planner.unread_keys, path)
     _log_done("loaded", path, planner.read_bytes, start)

@@ -39,7 +39,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     the save's record, unless the storage reader verifies every item itself. ``atomic``: a failed
     load leaves every target as it was (:mod:`qdcp.planning.shadows`): this rank's targets are filled
 once its last read is in, or, with ``copy_in_later``, only when the caller calls :meth:`copy_in`
-(``qdcp.load`` does once ``dcp.load`` returned: every rank's reads are in). ``loaded_keys`` and
+(``qdcp.load`` does once ``dcp.load`` returned: every rank's reads are in; not with a ``Stateful``
+value, whose ``load_state_dict`` ``dcp.load`` itself calls). ``loaded_keys`` and
     ``missing_keys`` say which target keys the checkpoint had; a partial load matching none warns.
 
     DCP calls, in order, on every rank: ``set_up_planner`` (every target key planned against the
@@ -251,10 +252,12 @@ once its last read is in, or, with ``copy_in_later``, only when the caller calls
         if self._shadows is not None and not self.copy_in_later:
             self._shadows.apply()
 
-    def copy_in(self) -> None:
-        """With ``copy_in_later``: fill the targets from the load's shadows (call it once
-        ``dcp.load`` has returned on every rank; a failed load is not copied in)."""
-        if self._shadows is not None:
+    def copy_in(self, state_dict: dict) -> None:
+        """With ``copy_in_later``: fill the targets from the load's shadows, once ``dcp.load`` has
+        returned on every rank (a failed load is never copied in). ``state_dict``: the one given to
+        ``dcp.load``, which loads into a copy of its top level (objects read go there)."""
+        if self._shadows is not None and self.copy_in_later:
+            self.original_state_dict = state_dict
             self._shadows.apply()
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
