@@ -153,6 +153,7 @@ class SafeReading:
     def _setup_safe_reading(self, thread_count: int | None = None) -> None:
         self.thread_count = max(1, int(thread_count)) if thread_count else None  # None: read_threads()
         self._qdcp_lanes: list[_Lane] = []
+        self._qdcp_sums_of: Metadata | None = None  # the metadata whose record read_metadata checked
 
     def read_threads(self) -> int:
         """The threads a load reads files on: ``thread_count`` where given; by default the usable
@@ -175,6 +176,8 @@ class SafeReading:
         except OSError as e:
             raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {e}") from None
         check_stored_sizes(metadata)  # before any planner allocates for what the metadata claims
+        # the record and the metadata's digest before a planner reads the spec (damage refused as damage)
+        self._qdcp_sums, self._qdcp_sums_of = checksums.record(metadata), metadata
         # this reader verifies every item it reads: the planner need not (one rule, no per-item calls)
         metadata.storage_meta = QdcpStorageMeta.of(metadata.storage_meta, load_id=self.load_id, verifies_items=True)
         return metadata
@@ -190,7 +193,8 @@ class SafeReading:
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.check_files(metadata)
         check_chunk_geometry(metadata)  # here, not in read_metadata: `qdcp verify` lists such problems
-        self._qdcp_sums = checksums.record(metadata)
+        if self._qdcp_sums_of is not metadata:  # metadata this reader did not read (the entry reader's)
+            self._qdcp_sums = checksums.record(metadata)
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._qdcp_chunks = {  # (item fqn, chunk offsets) -> (chunk sizes, dtype)
             (fqn, tuple(c.offsets)): (tuple(c.sizes), item.properties.dtype)
