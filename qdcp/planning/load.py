@@ -352,10 +352,24 @@ def _missing_key_hint(target_keys: list[str], metadata: Metadata, specs):
     except RuntimeError as e:
         if not str(e).startswith("Missing key in checkpoint state_dict"):
             raise
+        _refuse_orphans(target_keys, metadata, specs)
         hint = _nesting_hint(target_keys, qspec.entry_keys(metadata.state_dict_metadata, specs))
         if not hint:
             raise
         raise RuntimeError(f"{e} {hint}") from None
+
+
+def _refuse_orphans(target_keys: list[str], metadata: Metadata, specs) -> None:
+    """A target key the checkpoint stores component items of but has no spec entry for: damage
+    (as the readers without a target say), not a missing key."""
+    owners = {k.split(qspec.COMPONENT_SEPARATOR)[0] for k in metadata.state_dict_metadata
+              if qspec.COMPONENT_SEPARATOR in k}
+    for key in target_keys:
+        if key not in specs and key in owners:
+            raise CheckpointFormatError(
+                f"key {key!r}: its component items are stored but no spec entry describes them: the "
+                f"checkpoint's spec is damaged or missing (restore it from a good copy; `qdcp verify` lists "
+                f"every problem)")
 
 
 def _nesting_hint(target: list[str], stored: list[str]) -> str:
