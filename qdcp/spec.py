@@ -441,6 +441,14 @@ def check_items(entry: EntrySpec, state_dict_metadata: Mapping[str, Any], stored
 
 # ----------------------------------------------------------------------------- chunk geometry
 
+def check_chunk_geometry(md: Any) -> None:
+    """Refuse metadata whose chunks do not tile their items exactly (:func:`chunk_problems`)."""
+    problems = chunk_problems(md.state_dict_metadata or {})
+    if problems:
+        fqn, problem = problems[0]
+        raise CheckpointFormatError(f"{describe_item(fqn)}: {problem}; the checkpoint's metadata is corrupt")
+
+
 def chunk_problems(state_dict_metadata: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``(item fqn, problem)`` for every tensor item whose chunks do not tile it exactly: a bad
     size, a chunk of the wrong rank or outside its bounds, overlapping chunks, holes. DCP's planners

@@ -110,6 +110,8 @@ value, whose ``load_state_dict`` ``dcp.load`` itself calls). ``loaded_keys`` and
         super().set_up_planner(state_dict, metadata, is_coordinator)
         # the one rule: a reader that verifies every item says so (qdcp's); with any other, this planner does
         reader_verifies = getattr(metadata.storage_meta, "verifies_items", False)
+        if not reader_verifies:  # qdcp's readers check the chunks themselves; DCP's trusts them
+            qspec.check_chunk_geometry(metadata)
         self._start(sums.ReadVerifier(sums.record(metadata) if self.checksums and not reader_verifies else None,
                                       atomic=self.atomic))
         keys = KeyPlanner(metadata, allow_partial_load=self.allow_partial_load)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from qdcp.errors import CheckpointFormatError, LoadMismatchError
-from qdcp.spec import chunk_problems, describe_item
+from qdcp.spec import check_chunk_geometry, describe_item
 
 __all__ = ["MAX_METADATA_BYTES", "METADATA_FILE", "safe_load_metadata", "check_chunk_geometry", "check_stored_sizes",
            "load_object", "SAFE_OBJECT_TYPES", "QdcpStorageMeta"]
@@ -232,14 +232,6 @@ def _graph_problem(root: Any, max_nodes: int) -> str | None:
 
 def _ints(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and all(isinstance(v, int) for v in value)
-
-
-def check_chunk_geometry(md: Metadata) -> None:
-    """Refuse metadata whose chunks do not tile their items exactly (:func:`qdcp.spec.chunk_problems`)."""
-    problems = chunk_problems(md.state_dict_metadata or {})
-    if problems:
-        fqn, problem = problems[0]
-        raise CheckpointFormatError(f"{describe_item(fqn)}: {problem}; the checkpoint's metadata is corrupt")
 
 
 #: a stored item may hold as few as this share of the bytes its elements take in the dtype the
