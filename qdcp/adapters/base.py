@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 import torch
 
 from qdcp import spec as qspec
-from qdcp.errors import CheckpointFormatError, LoadMismatchError, UnsupportedTensorError
+from qdcp.errors import CheckpointFormatError, LoadMismatchError, QdcpError, UnsupportedTensorError
 from qdcp.layouts import Chunk, Layout
 
 
@@ -443,3 +443,28 @@ def describe_tensor(t: torch.Tensor, adapter: Adapter, fqn: str) -> tuple[dict, 
             f"key {fqn!r}: {adapter.type_name(t)} has an attribute qdcp cannot store ({e}); "
             f"save this entry dequantized (QuantizedSavePlanner(dequantize=...)).") from None
     return attrs, adapter.layouts(t)
+
+
+def check_rebuildable(adapter: Adapter, stored: StoredEntry, key: str) -> None:
+    """Refuse a stored entry its library would not rebuild, found by rebuilding and dequantizing it
+    on the meta device (its components' shapes and dtypes, nothing allocated or read): the
+    library's own checks of the attributes against the components, for every reader alike (a load
+    that copies components raw, ``verify``, ``convert``). ``stored``'s components: anything with a
+    shape and a dtype (the spec's)."""
+    meta = {n: torch.empty(c.shape, dtype=c.dtype, device="meta") for n, c in stored.components.items()}
+    try:
+        adapter.dequantize_stored(dataclasses.replace(stored, components=meta))
+    except UnsupportedTensorError:
+        return  # an entry its adapter cannot rebuild alone: said where it is read
+    except QdcpError:
+        raise
+    except Exception as e:  # noqa: BLE001 (the library's own refusal of these attributes)
+        raise rebuild_error(key, stored.type_name, e) from e
+
+
+def rebuild_error(key: str, type_name: str, e: BaseException) -> CheckpointFormatError:
+    """The refusal of an entry the library will not rebuild (``e``: the library's error)."""
+    return CheckpointFormatError(
+        f"key {key!r}: the stored entry cannot be rebuilt as a {type_name} ({type(e).__name__}: "
+        f"{' '.join(str(e).split())[:300]}); its spec's attributes are damaged, or ones this qdcp and the "
+        f"library do not agree on")

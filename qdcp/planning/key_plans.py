@@ -18,7 +18,9 @@ from qdcp import spec as qspec
 from qdcp.adapters.base import (
     Adapter,
     GroupAdapter,
+    StoredEntry,
     adapter_for_type,
+    check_rebuildable,
     describe_tensor,
     find_adapter,
     find_type_adapter,
@@ -154,6 +156,8 @@ class KeyPlanner:
                      for k, v in source.attrs.items()}
             layouts = qspec.layouts_of(source)
             qspec.check_component_bytes(source)
+            check_rebuildable(source_adapter, StoredEntry(source.type, attrs, source.shape, source.dtype,
+                                                          {c.name: c for c in source.components}), fqn)
             known = self._structures[structure] = StoredSource(source.type, attrs, source.dtype, source.shape,
                                                                layouts)
         return known

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from qdcp import spec as qspec
-from qdcp.adapters.base import StoredEntry, adapter_for_type
+from qdcp.adapters.base import StoredEntry, adapter_for_type, rebuild_error
 from qdcp.dcp_copies import read_items
 from qdcp.errors import CheckpointFormatError, QdcpError, UnsupportedTensorError
 from qdcp.layouts import ceil_div, narrow
@@ -143,10 +143,7 @@ class CheckpointEntries:
             except QdcpError:
                 raise
             except Exception as e:  # the library's own error on attributes it does not take
-                raise CheckpointFormatError(
-                    f"key {key!r}: the stored entry cannot be rebuilt as a {entry.type} ({type(e).__name__}: "
-                    f"{' '.join(str(e).split())[:300]}); its spec's attributes are damaged, or ones this "
-                    f"qdcp and the library do not agree on") from e
+                raise rebuild_error(key, entry.type, e) from e
         item = self.metadata.state_dict_metadata.get(key)
         if item is None:
             raise KeyError(f"key {key!r} is not in the checkpoint at {os.fspath(self.path)!r}")
