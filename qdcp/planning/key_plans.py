@@ -156,8 +156,9 @@ class KeyPlanner:
                      for k, v in source.attrs.items()}
             layouts = qspec.layouts_of(source)
             qspec.check_component_bytes(source)
-            check_rebuildable(source_adapter, StoredEntry(source.type, attrs, source.shape, source.dtype,
-                                                          {c.name: c for c in source.components}), fqn)
+            if not isinstance(source_adapter, GroupAdapter):  # a group's members are checked as members
+                check_rebuildable(source_adapter, StoredEntry(source.type, attrs, source.shape, source.dtype,
+                                                              {c.name: c for c in source.components}), fqn)
             known = self._structures[structure] = StoredSource(source.type, attrs, source.dtype, source.shape,
                                                                layouts)
         return known
