@@ -129,7 +129,16 @@ class NoMetadataError(CheckpointFormatError):
 class _MetadataUnreadable(BaseException):
     """Carries qdcp's ``.metadata`` error (its ``__cause__``) past ``dcp.load``'s ``except Exception``
     around ``read_metadata``, which would turn it into ``AssertionError("metadata is None; ...")``:
-    DCP wraps it in its CheckpointException, message intact, and ``qdcp.load`` raises the cause."""
+    DCP wraps it in its CheckpointException, message intact, and ``qdcp.load`` raises the cause.
+    The cause travels with it when DCP gathers each rank's error to the others (pickled, where an
+    exception's ``__cause__`` is lost)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.__cause__ = error
+
+    def __reduce__(self):
+        return type(self), (self.__cause__,)
 
 
 def metadata_error_told(reader: Any, rank: int | None, read: Callable[[], Metadata]) -> Metadata:
@@ -143,7 +152,7 @@ def metadata_error_told(reader: Any, rank: int | None, read: Callable[[], Metada
         if rank is None:
             reader._qdcp_metadata_error = e
         elif first is not None:
-            raise _MetadataUnreadable(str(first)) from first
+            raise _MetadataUnreadable(first)
         raise
 
 
