@@ -216,20 +216,27 @@ class SaveHashes:
         writer makes it."""
         if not self.checksums or self.by_writer:
             return None
-        return written_record(metadata, {item.index: per_rank[rank]["hashes"].get(item_key(item))
-                                         for rank, plan in enumerate(global_plan) for item in plan.items})
+        return _record(metadata, ((item.index, per_rank[rank]["hashes"].get(item_key(item)))
+                                  for rank, plan in enumerate(global_plan) for item in plan.items))
 
 
 def written_record(metadata: Metadata, hashes: dict) -> dict:
-    """The metadata's checksum record from the hashes of the items DCP writes (``{MetadataIndex:
-    hash}``, the index as DCP's global plan set it; None: a tensor subclass whose values cannot be
-    read, :func:`of_tensor`). An item with a chunk left unhashed is listed as ``unchecked``."""
+    """The metadata's checksum record from the hashes a writer computed as it wrote each item
+    (``{MetadataIndex: hash}``, the index as DCP's global plan set it)."""
+    return _record(metadata, hashes.items())
+
+
+def _record(metadata: Metadata, hashes: Iterable[tuple[Any, int | None]]) -> dict:
+    """The record from ``(MetadataIndex, hash)`` pairs, packed straight into each item's bytes (the
+    coordinator of a large job sets one hash per chunk of every rank: no per-chunk objects kept).
+    An item with a chunk left unhashed (None: a subclass whose values cannot be read,
+    :func:`of_tensor`) is listed as ``unchecked``."""
     packed: dict[str, bytearray] = {}
     missing: dict[str, int] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         missing[fqn] = len(md.chunks) if isinstance(md, TensorStorageMetadata) else 1
         packed[fqn] = bytearray(8 * missing[fqn])
-    for index, h in hashes.items():
+    for index, h in hashes:
         if h is not None and index.fqn in packed:
             _U64.pack_into(packed[index.fqn], 8 * (index.index or 0), h)
             missing[index.fqn] -= 1

@@ -20,7 +20,8 @@ __all__ = ["ViewReader", "check_zip_crcs", "archived_tensor", "read_archive_into
 
 
 class ViewReader(io.RawIOBase):
-    """A seekable read-only file over a memoryview (zipfile reads headers through it, no copy)."""
+    """A seekable read-only file over a memoryview (zipfile reads headers through it, no copy;
+    ``tell`` is io's: ``seek(0, SEEK_CUR)``)."""
 
     def __init__(self, view: memoryview) -> None:
         super().__init__()
@@ -31,9 +32,6 @@ class ViewReader(io.RawIOBase):
 
     def seekable(self) -> bool:
         return True
-
-    def tell(self) -> int:
-        return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]

@@ -8,6 +8,7 @@ import io
 import math
 import threading
 import warnings
+from functools import partial
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
@@ -300,14 +301,13 @@ value, whose ``load_state_dict`` ``dcp.load`` itself calls). ``loaded_keys`` and
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self._verify.check_bytes(read_item, value.getbuffer(), read_item.dest_index.fqn)
-        obj = load_object(value, read_item.dest_index.fqn, self.weights_only)
         fqn = read_item.dest_index.fqn
+        obj = load_object(value, fqn, self.weights_only)
         if self.flatten_state_dict:
-            put = lambda: set_element(self.original_state_dict, self.mappings[fqn], obj)  # noqa: E731
-        elif self._shadows is not None:  # the user's dict, not the planner's copy of it
-            put = lambda: self.original_state_dict.__setitem__(fqn, obj)  # noqa: E731
-        else:
-            put = lambda: self.state_dict.__setitem__(fqn, obj)  # noqa: E731
+            put = partial(set_element, self.original_state_dict, self.mappings[fqn], obj)
+        else:  # atomic: into the user's dict, not the planner's copy of it
+            target = self.state_dict if self._shadows is None else self.original_state_dict
+            put = partial(target.__setitem__, fqn, obj)
         if self._shadows is not None:
             self._shadows.defer(put)
         else:

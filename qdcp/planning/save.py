@@ -64,6 +64,10 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         self.checksums = bool(checksums)
         self.overwrite = bool(overwrite)
         self.check_replicas = bool(check_replicas)
+        self._entries = EntryPlanner(dequantize, dequantize_dtype)
+        self._hashes = sums.SaveHashes(self.checksums, self.check_replicas)
+        self._ready: dict[MetadataIndex, torch.Tensor | bytes] = {}  # host copies, object bytes: as hashed, to write
+        self._sums_record: dict | None = None  # the checksum record (coordinator), added by finish_plan
 
     # ``self=None``: DCP calls this by keyword, so ``planner=QuantizedSavePlanner`` (the class, no
     # ``()``) arrives here without a planner and is told so, not with Python's "missing 'self'"
@@ -77,8 +81,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         # qdcp's writers hash each item as they write it (no pass over the data, no device copy, here)
         by_writer = getattr(storage_meta, "hashes_items", False)
         self._hashes = sums.SaveHashes(self.checksums, self.check_replicas, by_writer)
-        self._ready: dict[MetadataIndex, torch.Tensor | bytes] = {}  # host copies, object bytes: as hashed, to write
-        self._sums_record: dict | None = None  # the checksum record (coordinator), added by finish_plan
+        self._ready, self._sums_record = {}, None
         with planning():
             self._entries.plan(self.state_dict)
 

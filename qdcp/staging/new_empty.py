@@ -20,7 +20,7 @@ import torch
 
 from qdcp.adapters.base import Adapter, OpRegisteringAdapter, all_adapters
 
-__all__ = ["register_new_empty", "unregister_new_empty", "enable_new_empty", "filled_classes", "new_empty_enabled"]
+__all__ = ["register_new_empty", "unregister_new_empty", "enable_new_empty", "filled_classes"]
 
 ENV_VAR = "QDCP_FILL_NEW_EMPTY"
 
@@ -28,11 +28,6 @@ _lock = threading.Lock()
 _removers: dict[type, Callable[[], None]] = {}  # class -> undo of the registration qdcp made
 _refused: set[type] = set()                     # classes whose library implements new_empty itself
 _disabled = False
-
-
-def new_empty_enabled() -> bool:
-    """Whether qdcp fills missing ``new_empty`` implementations automatically (see module doc)."""
-    return not _disabled and os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _same_size_new_empty(adapter: Adapter) -> Callable[..., Any]:
@@ -57,7 +52,7 @@ def _same_size_new_empty(adapter: Adapter) -> Callable[..., Any]:
 def register_new_empty() -> list[type]:
     """Add a same-size ``new_empty`` to every already-imported class a registered adapter handles
     whose library lacks one. Idempotent; returns the classes filled by this call."""
-    if not new_empty_enabled():
+    if _disabled or os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
         return []
     filled = []
     with _lock:
