@@ -258,10 +258,11 @@ value, whose ``load_state_dict`` ``dcp.load`` itself calls). ``loaded_keys`` and
     def copy_in(self, state_dict: dict) -> None:
         """With ``copy_in_later``: fill the targets from the load's shadows, once ``dcp.load`` has
         returned on every rank (a failed load is never copied in). ``state_dict``: the one given to
-        ``dcp.load``, which loads into a copy of its top level (objects read go there)."""
+        ``dcp.load``, which loads into a copy of its top level: objects read go there, and its
+        top-level values are put back into ``state_dict`` as ``dcp.load`` itself does."""
         if self._shadows is not None and self.copy_in_later:
-            self.original_state_dict = state_dict
             self._shadows.apply()
+            state_dict.update({k: v for k, v in self.original_state_dict.items() if k in state_dict})
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         return self._verify.buffer(read_item, self._destination(read_item))
