@@ -58,11 +58,11 @@ class Adapter(abc.ABC):
 
     Required (abstract: a subclass missing one cannot be instantiated): :meth:`matches`,
     :meth:`component_names`, :meth:`layouts`, :meth:`attributes`, :meth:`dequantize`,
-    :meth:`rebuild`, :meth:`quantize_like`; and :attr:`type_names` (checked by
-    :func:`register_adapter`). The defaults of the rest assume components are plain attributes of
-    the instance, stored as is, and that its class speaks PyTorch's traceable-subclass protocol
-    (``__tensor_flatten__`` / ``__tensor_unflatten__``) for staging. A stored format with no tensor
-    class subclasses :class:`StoredOnlyAdapter` instead.
+    :meth:`rebuild`, :meth:`quantize_like`, :meth:`from_inner_buffers`; and :attr:`type_names`
+    (checked by :func:`register_adapter`). The defaults of the rest assume components are plain
+    attributes of the instance, stored as is. :class:`TraceableAdapter` gives the stager's two for
+    a class that speaks PyTorch's traceable-subclass protocol; a stored format with no tensor class
+    subclasses :class:`StoredOnlyAdapter` instead.
     """
 
     #: registry names of the types this adapter handles, e.g. ``("torchao.Int8Tensor",)``
@@ -105,17 +105,13 @@ class Adapter(abc.ABC):
         return self.components(t)
 
     def inner_buffers(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every tensor that holds ``t``'s data, in native form (what a stager must copy). Default:
-        the inner tensors ``t.__tensor_flatten__()`` names."""
-        return {n: getattr(t, n) for n in t.__tensor_flatten__()[0]}
+        """Every tensor that holds ``t``'s data, in native form (what a stager must copy)."""
+        return self.native_components(t)
 
+    @abc.abstractmethod
     def from_inner_buffers(self, t: torch.Tensor, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """A new instance like ``t`` whose data lives in ``buffers`` (same keys as :meth:`inner_buffers`).
-        Default: ``__tensor_unflatten__`` of ``buffers`` with ``t``'s flatten context."""
-        names, ctx = t.__tensor_flatten__()
-        if set(buffers) != set(names):
-            raise LoadMismatchError(f"{self.type_name(t)}: expected buffers {sorted(names)}, got {sorted(buffers)}")
-        return type(t).__tensor_unflatten__(dict(buffers), ctx, t.shape, t.stride())
+        """A new instance like ``t`` whose data lives in ``buffers`` (same keys as :meth:`inner_buffers`)."""
+        raise NotImplementedError
 
     def unwrap(self, t: torch.Tensor) -> torch.Tensor | None:
         """For a wrapper whose values are one high-precision tensor (torchao's quantized-training
@@ -194,6 +190,21 @@ class Adapter(abc.ABC):
                 f"the target {self.type_name(target)} has no component(s) {sorted(missing)} to load into")
         for name, value in components.items():
             native[name].copy_(value)
+
+
+class TraceableAdapter(Adapter):
+    """An adapter of a class that speaks PyTorch's traceable-subclass protocol: its inner buffers are
+    the tensors ``__tensor_flatten__`` names, and ``__tensor_unflatten__`` with the instance's
+    flatten context rebuilds it over new ones."""
+
+    def inner_buffers(self, t):
+        return {n: getattr(t, n) for n in t.__tensor_flatten__()[0]}
+
+    def from_inner_buffers(self, t, buffers):
+        names, ctx = t.__tensor_flatten__()
+        if set(buffers) != set(names):
+            raise LoadMismatchError(f"{self.type_name(t)}: expected buffers {sorted(names)}, got {sorted(buffers)}")
+        return type(t).__tensor_unflatten__(dict(buffers), ctx, t.shape, t.stride())
 
 
 class StoredOnlyAdapter(Adapter):

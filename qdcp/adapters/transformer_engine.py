@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from qdcp.adapters.base import Adapter, RawInterchangeAdapter
+from qdcp.adapters.base import Adapter, RawInterchangeAdapter, TraceableAdapter
 from qdcp.adapters.formats import (
     MXFP8_FORMS,
     NVFP4_ROW16,
@@ -50,11 +50,6 @@ _FP8_CODES = {v: k for k, v in _FP8_NAMES.items()}
 _FP4_CODE = 10
 
 
-def dequantize_fp8(data: torch.Tensor, fp8: str, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """TE Float8: ``fp8 * scale_inv`` in float32, then ``dtype`` (TE's CPU path, bit for bit)."""
-    return (bits_as(data, _FP8_TORCH[fp8]).float() * scale_inv.float()).to(dtype)
-
-
 def dequantize_mxfp8(data: torch.Tensor, fp8: str, scale: torch.Tensor, *, block_rows: int,
                      block_cols: int, dtype: torch.dtype) -> torch.Tensor:
     """MXFP8: ``fp8 * 2^(e-127)``, one E8M0 ``scale`` item per ``block_rows x block_cols`` block."""
@@ -75,7 +70,7 @@ def _te_dtype(code: int):
 
 # ----------------------------------------------------------------------------- adapter base
 
-class TEAdapter(Adapter, RawInterchangeAdapter):
+class TEAdapter(TraceableAdapter, RawInterchangeAdapter):
     """Shared machinery: recognition, rebuilding through TE, GPU-only errors, and every
     per-component method, derived from the subclass's declared :attr:`COMPONENTS`
     (:mod:`qdcp.adapters.te_components`). A subclass adds only what is format-specific: its
@@ -107,6 +102,10 @@ class TEAdapter(Adapter, RawInterchangeAdapter):
                 f"qdcp never imports TransformerEngine: `import transformer_engine.pytorch` before reading it "
                 f"(or re-save it with qdcp.save, whose raw entries load without TE)")
         return True
+
+    def attributes(self, t):
+        """The format's configuration: its fp8 dtype (formats with more, or none, override)."""
+        return {"fp8_dtype": _FP8_NAMES[int(t._fp8_dtype)]}
 
     _RECIPES = {"Float8Quantizer": "delayed scaling", "Float8CurrentScalingQuantizer": "current scaling",
                 "MXFP8Quantizer": "mxfp8", "Float8BlockQuantizer": "blockwise", "NVFP4Quantizer": "nvfp4"}
@@ -269,10 +268,6 @@ def _check_2d(t_shape, cls_name: str, what: str) -> None:
             f"entry dequantized (QuantizedSavePlanner(dequantize=...)).")
 
 
-def _fp8_attrs(t) -> dict[str, Any]:
-    return {"fp8_dtype": _FP8_NAMES[int(t._fp8_dtype)]}
-
-
 def _fp8(attrs) -> torch.dtype:
     """Canonical dtype of fp8 data: the tensor's own fp8 dtype."""
     return _FP8_TORCH[attrs["fp8_dtype"]]
@@ -416,16 +411,14 @@ class TEFloat8TensorAdapter(TEAdapter):
         Component("scale_inv", "_scale_inv", None, torch.float32),
     )
 
-    def attributes(self, t):
-        return _fp8_attrs(t)
-
     def _copy_component(self, target, comp, value, swizzled):
         super()._copy_component(target, comp, value, swizzled)
         if comp.derived and target._transpose is not None:
             target._transpose_invalid = False
 
     def _dequantize(self, attrs, shape, dtype, comps):
-        return dequantize_fp8(comps["data"], attrs["fp8_dtype"], comps["scale_inv"], dtype)
+        # fp8 * scale_inv in float32, then dtype (TE's CPU path, bit for bit)
+        return (bits_as(comps["data"], _FP8_TORCH[attrs["fp8_dtype"]]).float() * comps["scale_inv"].float()).to(dtype)
 
     def _te_kwargs(self, attrs, comps):
         return {"data": as_u8(comps["data"]).contiguous(), "fp8_scale_inv": comps["scale_inv"]}
@@ -449,9 +442,6 @@ class TEMXFP8TensorAdapter(TEAdapter):
     )
     # Raw interchange: the rowwise direction is OCP MXFP8 (E8M0 per 32 along rows).
     RAW_FORM = (("data", "rowwise_data"), ("scale", "rowwise_scale_inv"))
-
-    def attributes(self, t):
-        return _fp8_attrs(t)
 
     def raw_form(self, attrs):
         return MXFP8_FORMS.get(_FP8_TORCH.get(attrs.get("fp8_dtype")))
@@ -496,7 +486,7 @@ class TEFloat8BlockwiseQTensorAdapter(TEAdapter):
     )
 
     def attributes(self, t):
-        return {"fp8_dtype": _FP8_NAMES[int(t._fp8_dtype)], "block_scaling_dim": 2 if t._is_2D_scaled else 1}
+        return {**super().attributes(t), "block_scaling_dim": 2 if t._is_2D_scaled else 1}
 
     def declared(self, attrs):
         return self.COMPONENTS_2D if attrs["block_scaling_dim"] == 2 else self.COMPONENTS
