@@ -228,11 +228,9 @@ class StoredOnlyAdapter(Adapter):
 @runtime_checkable
 class RawInterchangeAdapter(Protocol):
     """An adapter that fills a target of another type with a stored entry's bits, no requantization:
-    within its own family (:meth:`raw_load_sources` / :meth:`raw_load`), or across families through a
-    library-neutral *form* of the bits (:mod:`qdcp.adapters.formats`: the source's
-    :meth:`raw_forms_out` / :meth:`to_raw_form`, the target's :meth:`raw_forms_in` /
-    :meth:`from_raw_form`; :meth:`new_from_raw_form` for ``qdcp.export``). :func:`raw_conversion`
-    picks the path. Subclass it beside :class:`Adapter`: the defaults here offer nothing."""
+    within its own family, or across families through a library-neutral *form* of the bits
+    (:mod:`qdcp.adapters.formats`). :func:`raw_conversion` picks the path. Subclass it beside
+    :class:`Adapter`: the defaults here offer nothing."""
 
     def raw_load_sources(self, target: torch.Tensor, source_type: str,
                          source_attrs: dict[str, Any]) -> list[str] | None:
@@ -393,8 +391,7 @@ def register_adapter(adapter: Adapter, *, override: bool = False) -> Adapter:
             if name in _by_type_name and _by_type_name[name] is not adapter and not override:
                 raise ValueError(f"type name {name!r} is already registered to "
                                  f"{type(_by_type_name[name]).__name__}; pass override=True")
-        for name in adapter.type_names:
-            _by_type_name[name] = adapter
+        _by_type_name.update(dict.fromkeys(adapter.type_names, adapter))
         _adapters.insert(0, adapter)
         _by_class.clear()
     return adapter
