@@ -184,12 +184,16 @@ class Adapter(abc.ABC):
     def copy_into(self, target: torch.Tensor, components: Mapping[str, torch.Tensor]) -> None:
         """Copy canonical ``components`` (all or some) into ``target``'s buffers, in place."""
         native = self.native_components(target)
-        missing = set(components) - set(native)
-        if missing:
-            raise LoadMismatchError(
-                f"the target {self.type_name(target)} has no component(s) {sorted(missing)} to load into")
+        refuse_unknown(self.type_name(target), components, native)
         for name, value in components.items():
             native[name].copy_(value)
+
+
+def refuse_unknown(target_name: str, components: Mapping[str, Any], known) -> None:
+    """Refuse, naming them, ``components`` that are not among the ``known`` ones of the target."""
+    unknown = set(components) - set(known)
+    if unknown:
+        raise LoadMismatchError(f"the target {target_name} has no component(s) {sorted(unknown)} to load into")
 
 
 class TraceableAdapter(Adapter):

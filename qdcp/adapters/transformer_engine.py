@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from qdcp.adapters.base import Adapter, RawInterchangeAdapter, TraceableAdapter
+from qdcp.adapters.base import Adapter, RawInterchangeAdapter, TraceableAdapter, refuse_unknown
 from qdcp.adapters.formats import (
     MXFP8_FORMS,
     NVFP4_ROW16,
@@ -38,7 +38,7 @@ from qdcp.adapters.formats import (
     unswizzle_128x4,
 )
 from qdcp.adapters.te_components import Component, blocked, blocks
-from qdcp.errors import LoadMismatchError, UnsupportedTensorError
+from qdcp.errors import UnsupportedTensorError
 from qdcp.layouts import Blocked
 
 _TE_TENSOR_MODULE = "transformer_engine.pytorch.tensor"
@@ -167,10 +167,7 @@ class TEAdapter(TraceableAdapter, RawInterchangeAdapter):
         """Write canonical ``components`` into ``target``'s buffers (padding zero, swizzle and
         transposed copies as the target keeps them)."""
         present = {c.name: c for c in self.present_components(target)}
-        unknown = set(components) - set(present)
-        if unknown:
-            raise LoadMismatchError(
-                f"the target {self.cls_name} has no component(s) {sorted(unknown)} to load into")
+        refuse_unknown(self.cls_name, components, present)
         swizzled = bool(getattr(target, "_with_gemm_swizzled_scales", False))
         for name, value in components.items():
             self._copy_component(target, present[name], value, swizzled)
