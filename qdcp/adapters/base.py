@@ -58,11 +58,11 @@ class Adapter(abc.ABC):
 
     Required (abstract: a subclass missing one cannot be instantiated): :meth:`matches`,
     :meth:`component_names`, :meth:`layouts`, :meth:`attributes`, :meth:`dequantize`,
-    :meth:`rebuild`, :meth:`quantize_like`; and :attr:`type_names` (checked by
-    :func:`register_adapter`). The defaults of the rest assume components are plain attributes of
-    the instance, stored as is, and that its class speaks PyTorch's traceable-subclass protocol
-    (``__tensor_flatten__`` / ``__tensor_unflatten__``) for staging. A stored format with no tensor
-    class subclasses :class:`StoredOnlyAdapter` instead.
+    :meth:`rebuild`, :meth:`quantize_like`, :meth:`from_inner_buffers`; and :attr:`type_names`
+    (checked by :func:`register_adapter`). The defaults of the rest assume components are plain
+    attributes of the instance, stored as is. :class:`TraceableAdapter` gives the stager's two for
+    a class that speaks PyTorch's traceable-subclass protocol; a stored format with no tensor class
+    subclasses :class:`StoredOnlyAdapter` instead.
     """
 
     #: registry names of the types this adapter handles, e.g. ``("torchao.Int8Tensor",)``
@@ -105,17 +105,13 @@ class Adapter(abc.ABC):
         return self.components(t)
 
     def inner_buffers(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every tensor that holds ``t``'s data, in native form (what a stager must copy). Default:
-        the inner tensors ``t.__tensor_flatten__()`` names."""
-        return {n: getattr(t, n) for n in t.__tensor_flatten__()[0]}
+        """Every tensor that holds ``t``'s data, in native form (what a stager must copy)."""
+        return self.native_components(t)
 
+    @abc.abstractmethod
     def from_inner_buffers(self, t: torch.Tensor, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """A new instance like ``t`` whose data lives in ``buffers`` (same keys as :meth:`inner_buffers`).
-        Default: ``__tensor_unflatten__`` of ``buffers`` with ``t``'s flatten context."""
-        names, ctx = t.__tensor_flatten__()
-        if set(buffers) != set(names):
-            raise LoadMismatchError(f"{self.type_name(t)}: expected buffers {sorted(names)}, got {sorted(buffers)}")
-        return type(t).__tensor_unflatten__(dict(buffers), ctx, t.shape, t.stride())
+        """A new instance like ``t`` whose data lives in ``buffers`` (same keys as :meth:`inner_buffers`)."""
+        raise NotImplementedError
 
     def unwrap(self, t: torch.Tensor) -> torch.Tensor | None:
         """For a wrapper whose values are one high-precision tensor (torchao's quantized-training
@@ -188,12 +184,31 @@ class Adapter(abc.ABC):
     def copy_into(self, target: torch.Tensor, components: Mapping[str, torch.Tensor]) -> None:
         """Copy canonical ``components`` (all or some) into ``target``'s buffers, in place."""
         native = self.native_components(target)
-        missing = set(components) - set(native)
-        if missing:
-            raise LoadMismatchError(
-                f"the target {self.type_name(target)} has no component(s) {sorted(missing)} to load into")
+        refuse_unknown(self.type_name(target), components, native)
         for name, value in components.items():
             native[name].copy_(value)
+
+
+def refuse_unknown(target_name: str, components: Mapping[str, Any], known) -> None:
+    """Refuse, naming them, ``components`` that are not among the ``known`` ones of the target."""
+    unknown = set(components) - set(known)
+    if unknown:
+        raise LoadMismatchError(f"the target {target_name} has no component(s) {sorted(unknown)} to load into")
+
+
+class TraceableAdapter(Adapter):
+    """An adapter of a class that speaks PyTorch's traceable-subclass protocol: its inner buffers are
+    the tensors ``__tensor_flatten__`` names, and ``__tensor_unflatten__`` with the instance's
+    flatten context rebuilds it over new ones."""
+
+    def inner_buffers(self, t):
+        return {n: getattr(t, n) for n in t.__tensor_flatten__()[0]}
+
+    def from_inner_buffers(self, t, buffers):
+        names, ctx = t.__tensor_flatten__()
+        if set(buffers) != set(names):
+            raise LoadMismatchError(f"{self.type_name(t)}: expected buffers {sorted(names)}, got {sorted(buffers)}")
+        return type(t).__tensor_unflatten__(dict(buffers), ctx, t.shape, t.stride())
 
 
 class StoredOnlyAdapter(Adapter):
@@ -217,11 +232,9 @@ class StoredOnlyAdapter(Adapter):
 @runtime_checkable
 class RawInterchangeAdapter(Protocol):
     """An adapter that fills a target of another type with a stored entry's bits, no requantization:
-    within its own family (:meth:`raw_load_sources` / :meth:`raw_load`), or across families through a
-    library-neutral *form* of the bits (:mod:`qdcp.adapters.formats`: the source's
-    :meth:`raw_forms_out` / :meth:`to_raw_form`, the target's :meth:`raw_forms_in` /
-    :meth:`from_raw_form`; :meth:`new_from_raw_form` for ``qdcp.export``). :func:`raw_conversion`
-    picks the path. Subclass it beside :class:`Adapter`: the defaults here offer nothing."""
+    within its own family, or across families through a library-neutral *form* of the bits
+    (:mod:`qdcp.adapters.formats`). :func:`raw_conversion` picks the path. Subclass it beside
+    :class:`Adapter`: the defaults here offer nothing."""
 
     def raw_load_sources(self, target: torch.Tensor, source_type: str,
                          source_attrs: dict[str, Any]) -> list[str] | None:
@@ -382,8 +395,7 @@ def register_adapter(adapter: Adapter, *, override: bool = False) -> Adapter:
             if name in _by_type_name and _by_type_name[name] is not adapter and not override:
                 raise ValueError(f"type name {name!r} is already registered to "
                                  f"{type(_by_type_name[name]).__name__}; pass override=True")
-        for name in adapter.type_names:
-            _by_type_name[name] = adapter
+        _by_type_name.update(dict.fromkeys(adapter.type_names, adapter))
         _adapters.insert(0, adapter)
         _by_class.clear()
     return adapter

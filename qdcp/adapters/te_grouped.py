@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import torch
 
 from qdcp.adapters import transformer_engine as qte
-from qdcp.adapters.base import Adapter, GroupAdapter, RawInterchangeAdapter, StoredEntry
+from qdcp.adapters.base import Adapter, GroupAdapter, RawInterchangeAdapter, StoredEntry, refuse_unknown
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 from qdcp.layouts import Blocked, Chunk, Layout, Replicated
 
@@ -252,9 +252,7 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
     def copy_into(self, target, components):
         recipe = _recipe(target)
         names = set(self.component_names(target))
-        unknown = set(components) - names
-        if unknown:
-            raise LoadMismatchError(f"the target GroupedTensor has no component(s) {sorted(unknown)}")
+        refuse_unknown("GroupedTensor", components, names)
         members = self.members(target)
         stacked = self._stacked(target, self._shapes(target)) or (recipe == "none" and "data" in names)
         per: list[dict[str, torch.Tensor]] = [{} for _ in members]

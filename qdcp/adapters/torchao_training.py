@@ -124,10 +124,8 @@ class Int8QuantizedTrainingWeightAdapter(TorchAOAdapter):
     cls_name = "Int8QuantizedTrainingLinearWeight"
 
     def components(self, t):
+        # views of the inner buffers, so also the native components: loads write straight into them
         return {"int_data": t.int_data, "scale": t.scale.view(-1, 1)}
-
-    def native_components(self, t):
-        return self.components(t)  # views of the inner buffers: loads write straight into them
 
     def layouts(self, t):
         return {"int_data": Blocked((1, 1)), "scale": Blocked((1, t.shape[1]))}
@@ -151,11 +149,6 @@ class BitNetPacked2bitWeightAdapter(TorchAOAdapter):
 
     def layouts(self, t):
         return {"int_data": Blocked((1, 4)), "scale": Replicated(tuple(t.scale.shape))}
-
-    def rebuild(self, stored):
-        out = self.tensor_class()(stored.components["int_data"], stored.components["scale"])
-        check_shape(out, stored.shape, self.cls_name)
-        return out
 
     def quantize_like(self, target, hp, global_amax=None):
         raise LoadMismatchError(

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from qdcp.adapters.base import Adapter, RawInterchangeAdapter
+from qdcp.adapters.base import Adapter, RawInterchangeAdapter, TraceableAdapter, refuse_unknown
 from qdcp.adapters.formats import (
     MXFP8_FORMS,
     NVFP4_ROW16,
@@ -38,7 +38,7 @@ from qdcp.adapters.formats import (
     unswizzle_128x4,
 )
 from qdcp.adapters.te_components import Component, blocked, blocks
-from qdcp.errors import LoadMismatchError, UnsupportedTensorError
+from qdcp.errors import UnsupportedTensorError
 from qdcp.layouts import Blocked
 
 _TE_TENSOR_MODULE = "transformer_engine.pytorch.tensor"
@@ -48,11 +48,6 @@ _FP8_NAMES = {7: "e4m3", 8: "e5m2"}
 _FP8_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FP8_CODES = {v: k for k, v in _FP8_NAMES.items()}
 _FP4_CODE = 10
-
-
-def dequantize_fp8(data: torch.Tensor, fp8: str, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """TE Float8: ``fp8 * scale_inv`` in float32, then ``dtype`` (TE's CPU path, bit for bit)."""
-    return (bits_as(data, _FP8_TORCH[fp8]).float() * scale_inv.float()).to(dtype)
 
 
 def dequantize_mxfp8(data: torch.Tensor, fp8: str, scale: torch.Tensor, *, block_rows: int,
@@ -75,7 +70,7 @@ def _te_dtype(code: int):
 
 # ----------------------------------------------------------------------------- adapter base
 
-class TEAdapter(Adapter, RawInterchangeAdapter):
+class TEAdapter(TraceableAdapter, RawInterchangeAdapter):
     """Shared machinery: recognition, rebuilding through TE, GPU-only errors, and every
     per-component method, derived from the subclass's declared :attr:`COMPONENTS`
     (:mod:`qdcp.adapters.te_components`). A subclass adds only what is format-specific: its
@@ -107,6 +102,10 @@ class TEAdapter(Adapter, RawInterchangeAdapter):
                 f"qdcp never imports TransformerEngine: `import transformer_engine.pytorch` before reading it "
                 f"(or re-save it with qdcp.save, whose raw entries load without TE)")
         return True
+
+    def attributes(self, t):
+        """The format's configuration: its fp8 dtype (formats with more, or none, override)."""
+        return {"fp8_dtype": _FP8_NAMES[int(t._fp8_dtype)]}
 
     _RECIPES = {"Float8Quantizer": "delayed scaling", "Float8CurrentScalingQuantizer": "current scaling",
                 "MXFP8Quantizer": "mxfp8", "Float8BlockQuantizer": "blockwise", "NVFP4Quantizer": "nvfp4"}
@@ -168,10 +167,7 @@ class TEAdapter(Adapter, RawInterchangeAdapter):
         """Write canonical ``components`` into ``target``'s buffers (padding zero, swizzle and
         transposed copies as the target keeps them)."""
         present = {c.name: c for c in self.present_components(target)}
-        unknown = set(components) - set(present)
-        if unknown:
-            raise LoadMismatchError(
-                f"the target {self.cls_name} has no component(s) {sorted(unknown)} to load into")
+        refuse_unknown(self.cls_name, components, present)
         swizzled = bool(getattr(target, "_with_gemm_swizzled_scales", False))
         for name, value in components.items():
             self._copy_component(target, present[name], value, swizzled)
@@ -267,10 +263,6 @@ def _check_2d(t_shape, cls_name: str, what: str) -> None:
         raise UnsupportedTensorError(
             f"{cls_name} of shape {tuple(t_shape)}: qdcp stores {what} of 2-D tensors only; save this "
             f"entry dequantized (QuantizedSavePlanner(dequantize=...)).")
-
-
-def _fp8_attrs(t) -> dict[str, Any]:
-    return {"fp8_dtype": _FP8_NAMES[int(t._fp8_dtype)]}
 
 
 def _fp8(attrs) -> torch.dtype:
@@ -416,16 +408,14 @@ class TEFloat8TensorAdapter(TEAdapter):
         Component("scale_inv", "_scale_inv", None, torch.float32),
     )
 
-    def attributes(self, t):
-        return _fp8_attrs(t)
-
     def _copy_component(self, target, comp, value, swizzled):
         super()._copy_component(target, comp, value, swizzled)
         if comp.derived and target._transpose is not None:
             target._transpose_invalid = False
 
     def _dequantize(self, attrs, shape, dtype, comps):
-        return dequantize_fp8(comps["data"], attrs["fp8_dtype"], comps["scale_inv"], dtype)
+        # fp8 * scale_inv in float32, then dtype (TE's CPU path, bit for bit)
+        return (bits_as(comps["data"], _FP8_TORCH[attrs["fp8_dtype"]]).float() * comps["scale_inv"].float()).to(dtype)
 
     def _te_kwargs(self, attrs, comps):
         return {"data": as_u8(comps["data"]).contiguous(), "fp8_scale_inv": comps["scale_inv"]}
@@ -449,9 +439,6 @@ class TEMXFP8TensorAdapter(TEAdapter):
     )
     # Raw interchange: the rowwise direction is OCP MXFP8 (E8M0 per 32 along rows).
     RAW_FORM = (("data", "rowwise_data"), ("scale", "rowwise_scale_inv"))
-
-    def attributes(self, t):
-        return _fp8_attrs(t)
 
     def raw_form(self, attrs):
         return MXFP8_FORMS.get(_FP8_TORCH.get(attrs.get("fp8_dtype")))
@@ -496,7 +483,7 @@ class TEFloat8BlockwiseQTensorAdapter(TEAdapter):
     )
 
     def attributes(self, t):
-        return {"fp8_dtype": _FP8_NAMES[int(t._fp8_dtype)], "block_scaling_dim": 2 if t._is_2D_scaled else 1}
+        return {**super().attributes(t), "block_scaling_dim": 2 if t._is_2D_scaled else 1}
 
     def declared(self, attrs):
         return self.COMPONENTS_2D if attrs["block_scaling_dim"] == 2 else self.COMPONENTS

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from qdcp.adapters.base import Adapter, OpRegisteringAdapter
+from qdcp.adapters.base import OpRegisteringAdapter, TraceableAdapter
 from qdcp.errors import LoadMismatchError, UnsupportedTensorError
 
 CLASS_PATHS: dict[str, str] = {
@@ -80,7 +80,7 @@ def removal(table: dict, op: Any) -> Callable[[], None]:
     return remove
 
 
-class TorchAOClassAdapter(Adapter, OpRegisteringAdapter):
+class TorchAOClassAdapter(TraceableAdapter, OpRegisteringAdapter):
     """One torchao class, recognised by name under the ``torchao`` package and imported (only when
     an entry must be rebuilt) from :data:`CLASS_PATHS`. Subclasses set :attr:`cls_name`."""
 

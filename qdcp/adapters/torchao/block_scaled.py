@@ -24,11 +24,6 @@ from qdcp.errors import UnsupportedTensorError
 from qdcp.layouts import Blocked, Layout, Replicated
 
 
-def _swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
-    """Shape of a 128x4-tiled (cuBLAS block-scaling) scale for a (rows, cols) plain scale."""
-    return ceil_div(rows, 128) * 32, ceil_div(cols, 4) * 16
-
-
 def unswizzle_scale(scale: torch.Tensor, n_rows: int, n_cols: int) -> torch.Tensor:
     """Plain ``(..., n_rows, n_cols)`` scales from 128x4-tiled ones (padding dropped)."""
     if scale.ndim == 2:
@@ -38,7 +33,7 @@ def unswizzle_scale(scale: torch.Tensor, n_rows: int, n_cols: int) -> torch.Tens
 
 def swizzle_scale(scale: torch.Tensor) -> torch.Tensor:
     """128x4-tiled scales (zero padded) from plain ``(..., rows, cols)`` ones, in torchao's view shape."""
-    shape = _swizzled_shape(scale.shape[-2], scale.shape[-1])
+    shape = (ceil_div(scale.shape[-2], 128) * 32, ceil_div(scale.shape[-1], 4) * 16)  # 32x16 per 128x4 tile
     if scale.ndim == 2:
         return swizzle_128x4(scale).view(shape)
     return torch.stack([swizzle_128x4(s).view(shape) for s in scale])

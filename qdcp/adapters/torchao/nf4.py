@@ -16,10 +16,9 @@ class NF4TensorAdapter(TorchAOAdapter):
     """``torchao.quantization.NF4Tensor`` (QLoRA): blocks over the flattened tensor."""
 
     cls_name = "NF4Tensor"
-    _names = ["quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"]
 
-    def component_names(self, t):
-        return list(self._names)
+    def component_names(self, t):  # the stored order (its __tensor_flatten__ names them in another)
+        return ["quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"]
 
     def attributes(self, t):
         return {"block_size": t.block_size, "scaler_block_size": t.scaler_block_size, "dtype": t.dtype}

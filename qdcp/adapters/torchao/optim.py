@@ -38,11 +38,8 @@ class _OptimStateAdapter(TorchAOAdapter):
         return out
 
     def _new(self, attrs, shape, device):
-        cls = self.tensor_class()
-        kwargs = {"block_size": attrs["block_size"], "device": device, "dtype": attrs["dtype"]}
-        if "signed" in attrs:
-            kwargs["signed"] = attrs["signed"]
-        return cls.zeros(tuple(shape), **kwargs)
+        kwargs = {k: attrs[k] for k in ("block_size", "dtype", "signed") if k in attrs}
+        return self.tensor_class().zeros(tuple(shape), device=device, **kwargs)
 
     def rebuild(self, stored):
         grid = self._grid(stored)
