@@ -488,14 +488,16 @@ def _packed(d: HFDirectory, key: str, t: Mapping[str, str], weights: Mapping, as
     if asymmetric:
         _check_packed(d, key, "weight_zero_point", zero, (ceil_div(shape[0], per_word), tuple(scale.shape)[-1]), bits,
                       tuple(scale.shape))
-    comps = {"weight": (Blocked((1, 1)), lambda get, out: unpack_int32(get(packed), bits, shape[1], out)),
-             "weight_scale": (layout, t["weight_scale"])}
-    attrs, built = {"block": list(block), "bits": bits}, {"weight": (shape, torch.int8)}
+    unpacked = Item(shape, torch.int8, build=lambda get, out: unpack_int32(get(packed), bits, shape[1], out))
+    comps = {"weight": (Blocked((1, 1)), unpacked), "weight_scale": (layout, t["weight_scale"])}
+    attrs = {"block": list(block), "bits": bits}
     if asymmetric:  # zero points packed along N, one column per group
-        comps["weight_zero_point"] = (layout, lambda get, out: unpack_int32(get(zero).t(), bits, shape[0]).t())
-        attrs["symmetric"], built["weight_zero_point"] = False, (tuple(scale.shape), torch.int8)
+        def zeros(get, out):
+            return unpack_int32(get(zero).t(), bits, shape[0]).t()
+        comps["weight_zero_point"] = (layout, Item(tuple(scale.shape), torch.int8, build=zeros))
+        attrs["symmetric"] = False
     used = {packed, t["weight_shape"]} | ({zero} if asymmetric else set())
-    return _presented(d, key, ct.INT, shape, scale.dtype, attrs, comps, built=built, used=used)
+    return _presented(d, key, ct.INT, shape, scale.dtype, attrs, comps, used)
 
 
 def _check_packed(d: HFDirectory, key: str, what: str, name: str, want: tuple[int, int], bits: int, of) -> None:
@@ -512,17 +514,10 @@ def _scale_layout(block, shape, scale):
     return Replicated(tuple(scale.shape)) if tuple(block) == tuple(shape) else Blocked(tuple(block))
 
 
-def _presented(d: HFDirectory, key: str, type_name: str, shape, dtype, attrs, comps, built=None,
-               used=frozenset()) -> Presented:
-    """The entry from ``{component: (layout, file tensor name | build function)}``; ``built``: the
-    shape and dtype of each built component; ``used``: file tensors consumed besides those named."""
-    items = {}
-    for name, (layout, source) in comps.items():
-        if callable(source):
-            item = Item(*built[name], build=source)
-        else:
-            _, cshape, cdtype = d.tensors[source]
-            item = Item(cshape, cdtype, tensor=source)
-        items[name] = (item, layout)
+def _presented(d: HFDirectory, key: str, type_name: str, shape, dtype, attrs, comps, used=()) -> Presented:
+    """The entry from ``{component: (layout, file tensor name | built Item)}``; ``used``: file
+    tensors consumed besides those named."""
     named = {c for _, c in comps.values() if isinstance(c, str)}
+    items = {n: (Item(*d.tensors[c][1:], tensor=c) if isinstance(c, str) else c, layout)
+             for n, (layout, c) in comps.items()}
     return presented(key, type_name, shape, dtype, attrs, items, named | set(used))

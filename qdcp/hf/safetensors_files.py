@@ -99,10 +99,9 @@ class ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self._file.close()
+        self._file.close()
+        if exc_type is None and self._pending:
+            raise QdcpError(f"{self.path}: tensors {[t.name for t in self._pending]} were planned but not written")
 
     def write(self, name: str, value: torch.Tensor | RowBlocks) -> None:
         """Append ``value``'s bytes as tensor ``name`` (the next one planned, same shape and dtype)."""
@@ -121,12 +120,6 @@ class ShardWriter:
             written += part.numel() * part.element_size()
         if written != want.nbytes:
             raise QdcpError(f"{self.path}: tensor {name!r}: {written} bytes written, {want.nbytes} planned")
-
-    def close(self) -> None:
-        """Close the file; every planned tensor must have been written."""
-        self._file.close()
-        if self._pending:
-            raise QdcpError(f"{self.path}: tensors {[t.name for t in self._pending]} were planned but not written")
 
 
 def parse_size(size: int | str) -> int:

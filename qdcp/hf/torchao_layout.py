@@ -158,15 +158,12 @@ class TorchAOLayout(HFLayout):
         described: dict[str, tuple[str, str]] = {}
         for file, meta in directory.file_metadata.items():
             for key in json.loads(meta.get("tensor_names", "[]")):
-                desc = meta.get(key, "{}")
-                if key in described and described[key][1] != desc:
-                    raise CheckpointFormatError(f"key {key!r}: {described[key][0]} and {file} describe it "
-                                                f"differently in their torchao metadata; which one holds its "
-                                                f"tensors is unknown")
-                described.setdefault(key, (file, desc))
-        parsed = {key: json.loads(desc) for key, (_, desc) in described.items()}
-        return [_presented(directory, key, desc) for key, desc in parsed.items()
-                if desc.get("_type") not in (None, "Tensor")]
+                first, desc = described.setdefault(key, (file, meta.get(key, "{}")))
+                if desc != meta.get(key, "{}"):
+                    raise CheckpointFormatError(f"key {key!r}: {first} and {file} describe it differently in their "
+                                                f"torchao metadata; which one holds its tensors is unknown")
+        return [_presented(directory, key, parsed) for key, (_, desc) in described.items()
+                if (parsed := json.loads(desc)).get("_type") not in (None, "Tensor")]
 
 
 def ao_config(t: torch.Tensor) -> Any:
