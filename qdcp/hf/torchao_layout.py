@@ -13,11 +13,9 @@ Entries of TransformerEngine's MXFP8 and NVFP4 types are written as torchao's ``
 ``config.json`` gets transformers' ``TorchAoConfig`` dict: one torchao config for every quantized
 entry (``FqnToConfig`` by module where they differ).
 
-Reading (:meth:`TorchAOLayout.entries`), an entry is one that the files' metadata describes with a
-torchao class: rebuilt by torchao's allow-listed decoder (``object_from_dict``, nothing unpickled)
-on the meta device to learn its components, which are then read from the file tensors holding them
-(or computed from the whole entry where qdcp's canonical component differs, e.g. a swizzled scale).
-Any directory is read this way; one without such metadata (plain) has no quantized entries.
+Reading (:meth:`TorchAOLayout.entries`): any directory; the entries its files' metadata describes
+with a torchao class are rebuilt by torchao's allow-listed decoder (``object_from_dict``, nothing
+unpickled); a directory without such metadata has no quantized entries.
 """
 
 from __future__ import annotations
