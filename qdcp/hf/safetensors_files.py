@@ -131,9 +131,8 @@ def parse_size(size: int | str) -> int:
     if m is None:
         raise ValueError(f"max_shard_size {size!r}: expected bytes or a size like '5GB' or '500MiB'")
     unit = (m.group(2) or "B").upper()
-    power = "BKMGT".index(unit[0]) if unit != "B" else 0
     base = 1024 if "I" in unit else 1000
-    return int(float(m.group(1)) * base**power)
+    return int(float(m.group(1)) * base ** "BKMGT".index(unit[0]))
 
 
 def plan_shards(entry_bytes: Sequence[int], max_bytes: int) -> list[list[int]]:

@@ -70,10 +70,11 @@ def part_name(key: str, part: str) -> str:
     return f"{module}._{name}_{part}"
 
 
-def _parts(t: torch.Tensor) -> list[str]:
-    """The inner tensors torchao's flatten writes for ``t``: the data names present, optional ones first."""
+def _inner(t: torch.Tensor, key: str) -> dict[str, torch.Tensor]:
+    """The inner tensors torchao's flatten writes for entry ``key`` (``t``), by name: the data names
+    present, optional ones first."""
     names = list(getattr(t, "optional_tensor_data_names", None) or []) + list(t.tensor_data_names)
-    return [n for n in names if getattr(t, n) is not None]
+    return {part_name(key, n): getattr(t, n) for n in names if getattr(t, n) is not None}
 
 
 class TorchAOLayout(HFLayout):
@@ -107,8 +108,7 @@ class TorchAOLayout(HFLayout):
                                    "a key without a module prefix has no such name")
         t = self.instance(stored_on_meta(src.spec), src.key)
         encoder = _torchao(_SAFETENSORS, "TensorSubclassAttributeJSONEncoder")
-        tensors = tuple(TensorOut(part_name(src.key, p), tuple(getattr(t, p).shape), getattr(t, p).dtype)
-                        for p in _parts(t))
+        tensors = tuple(TensorOut(n, tuple(v.shape), v.dtype) for n, v in _inner(t, src.key).items())
         return EntryPlan(src.key, tensors, {src.key: json.dumps(t, cls=encoder)}, scheme=ao_config(t))
 
     def plan_plain(self, key, shape, dtype, *, dequantized=False):
@@ -118,8 +118,7 @@ class TorchAOLayout(HFLayout):
         return EntryPlan(key, plan.tensors, {key: PLAIN_METADATA}, dequantized=dequantized)
 
     def produce(self, plan, stored):
-        t = self.instance(stored, plan.key)
-        return {part_name(plan.key, p): getattr(t, p) for p in _parts(t)}
+        return _inner(self.instance(stored, plan.key), plan.key)
 
     def file_metadata(self, plans, directory):
         """Every file carries the whole directory's metadata (each entry's description, and
