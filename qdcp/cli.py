@@ -1,14 +1,4 @@
-"""The ``qdcp`` command line: inspect, verify, convert and export checkpoints.
-
-    qdcp inspect PATH [--json]
-    qdcp verify PATH [--quiet]
-    qdcp convert PATH OUT --to safetensors [--dequantize] [--dtype bf16|fp16|fp32] [--quiet]
-    qdcp convert PATH OUT --to dcp --dequantize [--dtype bf16|fp16|fp32] [--quiet]
-    qdcp export PATH OUT_DIR --format {torchao,compressed-tensors} [--config CONFIG.json]
-                [--max-shard-size 5GB] [--dequantize-unsupported] [--overwrite] [--quiet]
-                [--prefix model] [--include-optimizer]
-    qdcp list DIR [--json]                 # a run's checkpoints: step, state, size, age
-    qdcp prune DIR --keep K [--yes]        # what it would remove; --yes removes it
+"""The ``qdcp`` command line (``qdcp VERB --help``: inspect, verify, convert, export, list, prune).
 
 Every verb works without the libraries of the quantized types a checkpoint stores where their
 adapter can compute values in plain torch (TransformerEngine's: TE need not be importable). Long
@@ -162,8 +152,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.to == "torch":
         return _to_torch(args)
     if args.to == "dcp" and not args.dequantize:
-        print("qdcp: --to dcp needs --dequantize (a raw copy is the checkpoint itself)", file=sys.stderr)
-        return EXIT_USAGE
+        raise ValueError("--to dcp needs --dequantize (a raw copy is the checkpoint itself)")  # printed, exit 2
     dtype = _DTYPE_ARGS[args.dtype] if args.dtype else None
     if args.to == "safetensors":
         return _to_safetensors(args, dtype)
@@ -175,11 +164,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def _to_torch(args: argparse.Namespace) -> int:
     """``--to torch``: :func:`qdcp.dcp_to_torch_save`, never over an existing file (a torch.save
     file does not say who wrote it)."""
-    if args.dtype or args.overwrite:
-        why = "(it writes each entry in its own dtype)" if args.dtype else \
-            "(it never replaces a file: a torch.save file does not say who wrote it)"
-        print(f"qdcp: --to torch takes no {'--dtype' if args.dtype else '--overwrite'} {why}", file=sys.stderr)
-        return EXIT_USAGE
+    if args.dtype:  # printed by main, exit 2
+        raise ValueError("--to torch takes no --dtype (it writes each entry in its own dtype)")
+    if args.overwrite:
+        raise ValueError("--to torch takes no --overwrite (it never replaces a file: a torch.save file does not say "
+                         "who wrote it)")
     if os.path.lexists(args.out):
         raise outputs.OutputError(f"{args.out!r} exists; --to torch writes a new file only (a torch.save file "
                                   f"does not say who wrote it). Move it away or choose another path")

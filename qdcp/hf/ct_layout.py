@@ -9,12 +9,9 @@ strategies only. Dynamic activation quantization the source states (torchao's
 ``act_quant_kwargs``) becomes the scheme's ``input_activations`` where the library has its args
 (:func:`input_activations`); other activation settings are not carried (weight-only).
 
-Reading (:meth:`CompressedTensorsLayout.entries`, what :class:`qdcp.QuantizedHFReader` presents):
-each module a config group targets is one entry of a source-only type
-(:mod:`qdcp.adapters.compressed_tensors`) whose components are the module's parameters, as stored
-(packed integers unpacked when read); the strategy gives the block each scale covers
-(:func:`block_of`, the inverse of :func:`strategy_of` the writer uses), ``quantization_status``
-and the stored dtypes say whether they are codes. The rules of the format, both ways, are here.
+Reading (:meth:`CompressedTensorsLayout.entries`): each module a config group targets is one
+entry of a source-only type (:mod:`qdcp.adapters.compressed_tensors`) whose components are its
+parameters as stored (packed integers unpacked when read). The rules of the format, both ways, are here.
 """
 
 from __future__ import annotations
@@ -451,78 +448,64 @@ def _entry(d: HFDirectory, module: str, fmt: str, weights: Mapping) -> Presented
                                     f"{weights.get('type')} {weights.get('strategy')}")
     if asymmetric and t["weight_zero_point"] not in d.tensors:
         raise CheckpointFormatError(f"key {key!r}: an asymmetric scheme without {t['weight_zero_point']!r}")
-    if fmt in _UNPACKED:
-        return _unpacked(d, key, t, weights, asymmetric)
-    return _packed(d, key, t, weights, asymmetric)
+    return _codes(d, key, t, weights, asymmetric, packed=fmt not in _UNPACKED)
 
 
-def _unpacked(d: HFDirectory, key: str, t: Mapping[str, str], weights: Mapping, asymmetric: bool) -> Presented:
-    """naive / float / int-quantized: the codes stored as they are (FP8 E4M3 or int8)."""
+def _codes(d: HFDirectory, key: str, t: Mapping[str, str], weights: Mapping, asymmetric: bool,
+           packed: bool) -> Presented:
+    """naive / float / int-quantized: the codes stored as they are (FP8 E4M3 or int8);
+    pack-quantized: int4 / int8 codes packed in int32 words (zero points packed along N)."""
+    if packed:
+        shape = tuple(int(s) for s in d.tensor(t["weight_shape"]).tolist())
+        kind, bits = ct.INT, int(weights.get("num_bits", 4))
+        if bits not in (4, 8) or len(shape) != 2:
+            raise CheckpointFormatError(f"key {key!r}: pack-quantized {bits}-bit weights of shape {shape} are not "
+                                        f"read by qdcp (2-D, 4 or 8 bits are)")
+    else:
+        shape, bits = d.tensors[key][1], int(weights.get("num_bits", 8))
+        kind = ct.INT if d.tensors[key][2] == torch.int8 else ct.FLOAT
     scale = d.meta(t["weight_scale"])
-    shape = d.tensors[key][1]
-    kind = ct.INT if d.tensors[key][2] == torch.int8 else ct.FLOAT
     block = block_of(weights, shape, tuple(scale.shape))
-    layout = _scale_layout(block, shape, scale)
+    layout = Replicated(tuple(scale.shape)) if tuple(block) == tuple(shape) else Blocked(tuple(block))
     comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (layout, t["weight_scale"])}
-    attrs = {"block": list(block)}
-    if kind == ct.INT:
-        attrs["bits"] = int(weights.get("num_bits", 8))
+    attrs = {"block": list(block), **({"bits": bits} if kind == ct.INT else {})}
     if asymmetric:
         comps["weight_zero_point"] = (layout, t["weight_zero_point"])
         attrs["symmetric"] = False
-    return _presented(d, key, kind, shape, scale.dtype, attrs, comps)
+    if not packed:
+        return _presented(d, key, kind, shape, scale.dtype, attrs, comps)
+    word, zero = t["weight_packed"], t["weight_zero_point"]
 
+    def codes(get, out):
+        return unpack_int32(get(word), bits, shape[1], out)
 
-def _packed(d: HFDirectory, key: str, t: Mapping[str, str], weights: Mapping, asymmetric: bool) -> Presented:
-    """pack-quantized: int4 / int8 codes packed in int32 words (zero points packed along N)."""
-    shape = tuple(int(s) for s in d.tensor(t["weight_shape"]).tolist())
-    bits = int(weights.get("num_bits", 4))
-    if bits not in (4, 8) or len(shape) != 2:
-        raise CheckpointFormatError(f"key {key!r}: pack-quantized {bits}-bit weights of shape {shape} are not read "
-                                    f"by qdcp (2-D, 4 or 8 bits are)")
-    scale = d.meta(t["weight_scale"])
-    block = block_of(weights, shape, tuple(scale.shape))
-    packed, zero, layout = t["weight_packed"], t["weight_zero_point"], _scale_layout(block, shape, scale)
-    per_word = 32 // bits
-    _check_packed(d, key, "weight_packed", packed, (shape[0], ceil_div(shape[1], per_word)), bits, shape)
+    def zeros(get, out):  # packed along N, one column per group
+        return unpack_int32(get(zero).t(), bits, shape[0]).t()
+
+    _check_packed(d, key, word, (shape[0], ceil_div(shape[1], 32 // bits)), bits, shape)
+    comps["weight"] = (Blocked((1, 1)), Item(shape, torch.int8, build=codes))
     if asymmetric:
-        _check_packed(d, key, "weight_zero_point", zero, (ceil_div(shape[0], per_word), tuple(scale.shape)[-1]), bits,
-                      tuple(scale.shape))
-    comps = {"weight": (Blocked((1, 1)), lambda get, out: unpack_int32(get(packed), bits, shape[1], out)),
-             "weight_scale": (layout, t["weight_scale"])}
-    attrs, built = {"block": list(block), "bits": bits}, {"weight": (shape, torch.int8)}
-    if asymmetric:  # zero points packed along N, one column per group
-        comps["weight_zero_point"] = (layout, lambda get, out: unpack_int32(get(zero).t(), bits, shape[0]).t())
-        attrs["symmetric"], built["weight_zero_point"] = False, (tuple(scale.shape), torch.int8)
-    used = {packed, t["weight_shape"]} | ({zero} if asymmetric else set())
-    return _presented(d, key, ct.INT, shape, scale.dtype, attrs, comps, built=built, used=used)
+        _check_packed(d, key, zero, (ceil_div(shape[0], 32 // bits), scale.shape[-1]), bits, tuple(scale.shape))
+        comps["weight_zero_point"] = (layout, Item(tuple(scale.shape), torch.int8, build=zeros))
+    used = {word, t["weight_shape"]} | ({zero} if asymmetric else set())
+    return _presented(d, key, ct.INT, shape, scale.dtype, attrs, comps, used)
 
 
-def _check_packed(d: HFDirectory, key: str, what: str, name: str, want: tuple[int, int], bits: int, of) -> None:
+def _check_packed(d: HFDirectory, key: str, name: str, want: tuple[int, int], bits: int, of) -> None:
     """Refuse a packed tensor whose shape is not what ``bits``-bit codes of ``of`` pack into (the
     config's ``num_bits`` and the tensors disagree: unpacking would read other codes)."""
     got = d.meta(name)
     if tuple(got.shape) != tuple(want) or got.dtype != torch.int32:
         raise CheckpointFormatError(
-            f"key {key!r}: {what} is {tuple(got.shape)} {got.dtype}, but {bits}-bit codes of {tuple(of)} pack into "
-            f"{tuple(want)} int32 words: the directory's config (num_bits) and its tensors disagree")
+            f"key {key!r}: {name.rsplit('.', 1)[1]} is {tuple(got.shape)} {got.dtype}, but {bits}-bit codes of "
+            f"{tuple(of)} pack into {tuple(want)} int32 words: the directory's config (num_bits) and its tensors "
+            f"disagree")
 
 
-def _scale_layout(block, shape, scale):
-    return Replicated(tuple(scale.shape)) if tuple(block) == tuple(shape) else Blocked(tuple(block))
-
-
-def _presented(d: HFDirectory, key: str, type_name: str, shape, dtype, attrs, comps, built=None,
-               used=frozenset()) -> Presented:
-    """The entry from ``{component: (layout, file tensor name | build function)}``; ``built``: the
-    shape and dtype of each built component; ``used``: file tensors consumed besides those named."""
-    items = {}
-    for name, (layout, source) in comps.items():
-        if callable(source):
-            item = Item(*built[name], build=source)
-        else:
-            _, cshape, cdtype = d.tensors[source]
-            item = Item(cshape, cdtype, tensor=source)
-        items[name] = (item, layout)
+def _presented(d: HFDirectory, key: str, type_name: str, shape, dtype, attrs, comps, used=()) -> Presented:
+    """The entry from ``{component: (layout, file tensor name | built Item)}``; ``used``: file
+    tensors consumed besides those named."""
     named = {c for _, c in comps.values() if isinstance(c, str)}
+    items = {n: (Item(*d.tensors[c][1:], tensor=c) if isinstance(c, str) else c, layout)
+             for n, (layout, c) in comps.items()}
     return presented(key, type_name, shape, dtype, attrs, items, named | set(used))

@@ -1,5 +1,4 @@
-"""A Hugging Face safetensors directory as its files list it: every tensor's file, shape and dtype
-(headers only), each file's ``__metadata__`` and the directory's ``config.json``. What the layouts
+"""A Hugging Face safetensors directory as its file headers list it: what the layouts
 (:mod:`qdcp.hf.layout`) present and :class:`qdcp.QuantizedHFReader` reads."""
 
 from __future__ import annotations

@@ -99,10 +99,9 @@ class ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self._file.close()
+        self._file.close()
+        if exc_type is None and self._pending:
+            raise QdcpError(f"{self.path}: tensors {[t.name for t in self._pending]} were planned but not written")
 
     def write(self, name: str, value: torch.Tensor | RowBlocks) -> None:
         """Append ``value``'s bytes as tensor ``name`` (the next one planned, same shape and dtype)."""
@@ -122,12 +121,6 @@ class ShardWriter:
         if written != want.nbytes:
             raise QdcpError(f"{self.path}: tensor {name!r}: {written} bytes written, {want.nbytes} planned")
 
-    def close(self) -> None:
-        """Close the file; every planned tensor must have been written."""
-        self._file.close()
-        if self._pending:
-            raise QdcpError(f"{self.path}: tensors {[t.name for t in self._pending]} were planned but not written")
-
 
 def parse_size(size: int | str) -> int:
     """Bytes in ``size``: an int, or a string like ``"5GB"`` (10**9) / ``"500MiB"`` (2**20), as
@@ -138,9 +131,8 @@ def parse_size(size: int | str) -> int:
     if m is None:
         raise ValueError(f"max_shard_size {size!r}: expected bytes or a size like '5GB' or '500MiB'")
     unit = (m.group(2) or "B").upper()
-    power = "BKMGT".index(unit[0]) if unit != "B" else 0
     base = 1024 if "I" in unit else 1000
-    return int(float(m.group(1)) * base**power)
+    return int(float(m.group(1)) * base ** "BKMGT".index(unit[0]))
 
 
 def plan_shards(entry_bytes: Sequence[int], max_bytes: int) -> list[list[int]]:

@@ -13,11 +13,9 @@ Entries of TransformerEngine's MXFP8 and NVFP4 types are written as torchao's ``
 ``config.json`` gets transformers' ``TorchAoConfig`` dict: one torchao config for every quantized
 entry (``FqnToConfig`` by module where they differ).
 
-Reading (:meth:`TorchAOLayout.entries`), an entry is one that the files' metadata describes with a
-torchao class: rebuilt by torchao's allow-listed decoder (``object_from_dict``, nothing unpickled)
-on the meta device to learn its components, which are then read from the file tensors holding them
-(or computed from the whole entry where qdcp's canonical component differs, e.g. a swizzled scale).
-Any directory is read this way; one without such metadata (plain) has no quantized entries.
+Reading (:meth:`TorchAOLayout.entries`): any directory; the entries its files' metadata describes
+with a torchao class are rebuilt by torchao's allow-listed decoder (``object_from_dict``, nothing
+unpickled); a directory without such metadata has no quantized entries.
 """
 
 from __future__ import annotations
@@ -72,10 +70,11 @@ def part_name(key: str, part: str) -> str:
     return f"{module}._{name}_{part}"
 
 
-def _parts(t: torch.Tensor) -> list[str]:
-    """The inner tensors torchao's flatten writes for ``t``: the data names present, optional ones first."""
+def _inner(t: torch.Tensor, key: str) -> dict[str, torch.Tensor]:
+    """The inner tensors torchao's flatten writes for entry ``key`` (``t``), by name: the data names
+    present, optional ones first."""
     names = list(getattr(t, "optional_tensor_data_names", None) or []) + list(t.tensor_data_names)
-    return [n for n in names if getattr(t, n) is not None]
+    return {part_name(key, n): getattr(t, n) for n in names if getattr(t, n) is not None}
 
 
 class TorchAOLayout(HFLayout):
@@ -109,8 +108,7 @@ class TorchAOLayout(HFLayout):
                                    "a key without a module prefix has no such name")
         t = self.instance(stored_on_meta(src.spec), src.key)
         encoder = _torchao(_SAFETENSORS, "TensorSubclassAttributeJSONEncoder")
-        tensors = tuple(TensorOut(part_name(src.key, p), tuple(getattr(t, p).shape), getattr(t, p).dtype)
-                        for p in _parts(t))
+        tensors = tuple(TensorOut(n, tuple(v.shape), v.dtype) for n, v in _inner(t, src.key).items())
         return EntryPlan(src.key, tensors, {src.key: json.dumps(t, cls=encoder)}, scheme=ao_config(t))
 
     def plan_plain(self, key, shape, dtype, *, dequantized=False):
@@ -120,8 +118,7 @@ class TorchAOLayout(HFLayout):
         return EntryPlan(key, plan.tensors, {key: PLAIN_METADATA}, dequantized=dequantized)
 
     def produce(self, plan, stored):
-        t = self.instance(stored, plan.key)
-        return {part_name(plan.key, p): getattr(t, p) for p in _parts(t)}
+        return _inner(self.instance(stored, plan.key), plan.key)
 
     def file_metadata(self, plans, directory):
         """Every file carries the whole directory's metadata (each entry's description, and
@@ -158,15 +155,12 @@ class TorchAOLayout(HFLayout):
         described: dict[str, tuple[str, str]] = {}
         for file, meta in directory.file_metadata.items():
             for key in json.loads(meta.get("tensor_names", "[]")):
-                desc = meta.get(key, "{}")
-                if key in described and described[key][1] != desc:
-                    raise CheckpointFormatError(f"key {key!r}: {described[key][0]} and {file} describe it "
-                                                f"differently in their torchao metadata; which one holds its "
-                                                f"tensors is unknown")
-                described.setdefault(key, (file, desc))
-        parsed = {key: json.loads(desc) for key, (_, desc) in described.items()}
-        return [_presented(directory, key, desc) for key, desc in parsed.items()
-                if desc.get("_type") not in (None, "Tensor")]
+                first, desc = described.setdefault(key, (file, meta.get(key, "{}")))
+                if desc != meta.get(key, "{}"):
+                    raise CheckpointFormatError(f"key {key!r}: {first} and {file} describe it differently in their "
+                                                f"torchao metadata; which one holds its tensors is unknown")
+        return [_presented(directory, key, parsed) for key, (_, desc) in described.items()
+                if (parsed := json.loads(desc)).get("_type") not in (None, "Tensor")]
 
 
 def ao_config(t: torch.Tensor) -> Any:

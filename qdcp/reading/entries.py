@@ -7,6 +7,7 @@ checksums).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any, Mapping, Sequence
@@ -69,10 +70,13 @@ class CheckpointEntries:
         entry = self.specs.get(key)
         if entry is not None and entry.storage == qspec.RAW:
             return sum(math.prod(c.shape) * c.dtype.itemsize for c in entry.components)
-        item = self.metadata.state_dict_metadata.get(key)
-        if item is None:
-            raise KeyError(f"key {key!r} is not in the checkpoint at {os.fspath(self.path)!r}")
+        item = self._item(key)
         return math.prod(item.size) * item.properties.dtype.itemsize if isinstance(item, TensorStorageMetadata) else 0
+
+    def _item(self, key: str):
+        if key not in self.metadata.state_dict_metadata:
+            raise KeyError(f"key {key!r} is not in the checkpoint at {os.fspath(self.path)!r}")
+        return self.metadata.state_dict_metadata[key]
 
     def _raw_spec(self, key: str) -> qspec.EntrySpec:
         entry = self.specs.get(key)
@@ -84,7 +88,7 @@ class CheckpointEntries:
         """The raw entry ``key`` as stored: decoded attributes and canonical components."""
         entry = self._raw_spec(key)
         comps = self.components(key, [c.name for c in entry.components])
-        return StoredEntry(entry.type, decoded_attrs(entry), entry.shape, entry.dtype, comps)
+        return dataclasses.replace(stored_on_meta(entry), components=comps)
 
     def components(self, key: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """Components ``names`` of the raw entry ``key`` (whole, canonical), the entry's spec checked first."""
@@ -144,10 +148,7 @@ class CheckpointEntries:
                 raise
             except Exception as e:  # the library's own error on attributes it does not take
                 raise rebuild_error(key, entry.type, e) from e
-        item = self.metadata.state_dict_metadata.get(key)
-        if item is None:
-            raise KeyError(f"key {key!r} is not in the checkpoint at {os.fspath(self.path)!r}")
-        if not isinstance(item, TensorStorageMetadata):
+        if not isinstance(self._item(key), TensorStorageMetadata):
             return self.object_item(key)
         value = self.tensor_items([key])[key]
         if dtype is not None and value.is_floating_point():
@@ -242,18 +243,13 @@ def read_stored(path: str | os.PathLike, key: str, metadata: Metadata | None = N
     return CheckpointEntries(path, metadata).stored(key)
 
 
-def decoded_attrs(entry: qspec.EntrySpec) -> dict[str, Any]:
-    """The attributes of a stored entry, decoded with its adapter's classes (no tensor library needed)."""
-    adapter = adapter_for_type(entry.type, entry.fqn)
-    where = f"key {entry.fqn!r}: "
-    return {k: qspec.decode_value(v, adapter.attribute_classes(), where) for k, v in entry.attrs.items()}
-
-
 def stored_on_meta(entry: qspec.EntrySpec) -> StoredEntry:
-    """A raw entry as :func:`read_stored` returns it, but with components on the meta device: what
-    its shapes, dtypes and attributes imply, read nothing."""
+    """A raw entry as :func:`read_stored` returns it (attributes decoded with its adapter's classes:
+    no tensor library needed), but with components on the meta device: read nothing."""
+    classes = adapter_for_type(entry.type, entry.fqn).attribute_classes()
+    attrs = {k: qspec.decode_value(v, classes, f"key {entry.fqn!r}: ") for k, v in entry.attrs.items()}
     comps = {c.name: torch.empty(c.shape, dtype=c.dtype, device="meta") for c in entry.components}
-    return StoredEntry(entry.type, decoded_attrs(entry), entry.shape, entry.dtype, comps)
+    return StoredEntry(entry.type, attrs, entry.shape, entry.dtype, comps)
 
 
 def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = None, *,
