@@ -457,21 +457,28 @@ def describe_tensor(t: torch.Tensor, adapter: Adapter, fqn: str) -> tuple[dict, 
     return attrs, adapter.layouts(t)
 
 
-def check_rebuildable(adapter: Adapter, stored: StoredEntry, key: str) -> None:
-    """Refuse a stored entry its library would not rebuild, found by rebuilding and dequantizing it
-    on the meta device (its components' shapes and dtypes, nothing allocated or read): the
-    library's own checks of the attributes against the components, for every reader alike (a load
-    that copies components raw, ``verify``, ``convert``). ``stored``'s components: anything with a
-    shape and a dtype (the spec's)."""
-    meta = {n: torch.empty(c.shape, dtype=c.dtype, device="meta") for n, c in stored.components.items()}
+def stored_on_meta(entry: qspec.EntrySpec) -> StoredEntry:
+    """A raw entry as :func:`read_stored` returns it (attributes decoded with its adapter's classes:
+    no tensor library needed), but with components on the meta device: read nothing."""
+    classes = adapter_for_type(entry.type, entry.fqn).attribute_classes()
+    attrs = {k: qspec.decode_value(v, classes, f"key {entry.fqn!r}: ") for k, v in entry.attrs.items()}
+    comps = {c.name: torch.empty(c.shape, dtype=c.dtype, device="meta") for c in entry.components}
+    return StoredEntry(entry.type, attrs, entry.shape, entry.dtype, comps)
+
+
+def check_rebuildable(entry: qspec.EntrySpec, key: str) -> None:
+    """Refuse a raw entry its library would not rebuild, found by rebuilding and dequantizing it on
+    the meta device (:func:`stored_on_meta`: nothing allocated or read): the library's own checks
+    of the attributes against the components, for every reader alike (a load that keeps the
+    components as stored, ``verify``, ``convert``)."""
     try:
-        adapter.dequantize_stored(dataclasses.replace(stored, components=meta))
+        adapter_for_type(entry.type, key).dequantize_stored(stored_on_meta(entry))
     except UnsupportedTensorError:
         return  # an entry its adapter cannot rebuild alone: said where it is read
     except QdcpError:
         raise
     except Exception as e:  # noqa: BLE001 (the library's own refusal of these attributes)
-        raise rebuild_error(key, stored.type_name, e) from e
+        raise rebuild_error(key, entry.type, e) from e
 
 
 def rebuild_error(key: str, type_name: str, e: BaseException) -> CheckpointFormatError:

@@ -25,14 +25,13 @@ from typing import Mapping, Sequence
 import torch
 
 from qdcp.adapters import compressed_tensors as ct
-from qdcp.adapters.base import RawInterchangeAdapter, StoredEntry, adapter_for_type
+from qdcp.adapters.base import RawInterchangeAdapter, StoredEntry, adapter_for_type, stored_on_meta
 from qdcp.adapters.formats import MXFP8_FORMS, NVFP4_ROW16, nvfp4_decode_scale, parse_affine_form
 from qdcp.errors import CheckpointFormatError
 from qdcp.hf.directory import HFDirectory
 from qdcp.hf.layout import ComponentReader, EntryPlan, HFLayout, Item, Presented, Source, UnsupportedEntry, presented
 from qdcp.hf.safetensors_files import RowBlocks, TensorOut
 from qdcp.layouts import Blocked, Replicated, ceil_div
-from qdcp.reading.entries import stored_on_meta
 
 CT_VERSION = "0.20.0"  # the compressed-tensors release whose layout this writes
 _MXFP8 = MXFP8_FORMS[torch.float8_e4m3fn]

@@ -33,6 +33,7 @@ from qdcp.adapters.base import (
     describe_tensor,
     find_adapter,
     find_type_adapter,
+    stored_on_meta,
 )
 from qdcp.adapters.torchao import granularity_from_block
 from qdcp.errors import CheckpointFormatError, UnsupportedTensorError
@@ -49,7 +50,6 @@ from qdcp.hf.layout import (
     presented,
 )
 from qdcp.hf.safetensors_files import TensorOut
-from qdcp.reading.entries import stored_on_meta
 
 _SAFETENSORS = "torchao.prototype.safetensors.safetensors_utils"
 _FORM_BUILDERS = ("torchao.MXTensor", "torchao.NVFP4Tensor")

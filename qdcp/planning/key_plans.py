@@ -18,7 +18,6 @@ from qdcp import spec as qspec
 from qdcp.adapters.base import (
     Adapter,
     GroupAdapter,
-    StoredEntry,
     adapter_for_type,
     check_rebuildable,
     describe_tensor,
@@ -129,7 +128,7 @@ class KeyPlanner:
         if is_empty(placed.chunk):
             return None
         if adapter is not None and self._cached(_same_config, adapter, placed, source, fqn):
-            _check_raw(source_adapter, source, decoded, fqn)
+            _check_raw(source_adapter, source, fqn)
             try:
                 return self._in_place(fqn, placed, adapter, source, src_fqn=src_fqn, layouts=decoded.layouts)
             except AlignmentError:  # the shard cuts the source's blocks: quantized like it, where it can be
@@ -137,14 +136,14 @@ class KeyPlanner:
                     raise
         if adapter is not None and adapter.block_attributes and adapter.type_name(placed.local) == source.type \
                 and self._cached(_reblockable, adapter, placed, source, decoded, fqn):
-            _check_raw(source_adapter, source, decoded, fqn)  # codes re-blocked, not rebuilt
+            _check_raw(source_adapter, source, fqn)  # codes re-blocked, not rebuilt
             return self._dequantizing(fqn, placed, adapter, source, src_fqn=src_fqn, decoded=decoded,
                                       exact=adapter.layouts(placed.local))
         if adapter is not None:
             conversion = raw_conversion(adapter, placed.local, source_adapter, source_type=source.type,
                                         source_attrs=decoded.attrs)
             if conversion:
-                _check_raw(source_adapter, source, decoded, fqn)
+                _check_raw(source_adapter, source, fqn)
             action = (self._raw_copy(fqn, placed, source, src_fqn=src_fqn, conversion=conversion,
                                      layouts=decoded.layouts) if conversion else None)
             if action is not None:
@@ -352,7 +351,7 @@ class KeyPlanner:
 _REBUILDABLE: set[tuple[type, str]] = set()  # (adapter class, structure) checked rebuildable in this process
 
 
-def _check_raw(adapter: Adapter, source: qspec.EntrySpec, decoded: StoredSource, fqn: str) -> None:
+def _check_raw(adapter: Adapter, source: qspec.EntrySpec, fqn: str) -> None:
     """Before a load copies a raw entry's components into a target without rebuilding it: refuse
     what its library would not rebuild (:func:`~qdcp.adapters.base.check_rebuildable`, as
     ``verify`` and ``convert`` would), once per structure in a process. A load that dequantizes
@@ -360,8 +359,7 @@ def _check_raw(adapter: Adapter, source: qspec.EntrySpec, decoded: StoredSource,
     key = (type(adapter), _structure_key(source))
     if key in _REBUILDABLE or isinstance(adapter, GroupAdapter):
         return
-    check_rebuildable(adapter, StoredEntry(source.type, decoded.attrs, source.shape, source.dtype,
-                                           {c.name: c for c in source.components}), fqn)
+    check_rebuildable(source, fqn)
     if len(_REBUILDABLE) > 4096:
         _REBUILDABLE.clear()
     _REBUILDABLE.add(key)

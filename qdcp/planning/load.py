@@ -365,8 +365,7 @@ def _missing_key_hint(target_keys: list[str], metadata: Metadata, specs):
 def _refuse_orphans(target_keys: list[str], metadata: Metadata, specs) -> None:
     """A target key the checkpoint stores component items of but has no spec entry for: damage
     (as the readers without a target say), not a missing key."""
-    owners = {k.split(qspec.COMPONENT_SEPARATOR)[0] for k in metadata.state_dict_metadata
-              if qspec.COMPONENT_SEPARATOR in k}
+    owners = qspec.stored_components(metadata.state_dict_metadata)
     for key in target_keys:
         if key not in specs and key in owners:
             raise CheckpointFormatError(

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from qdcp import spec as qspec
-from qdcp.adapters.base import StoredEntry, adapter_for_type, rebuild_error
+from qdcp.adapters.base import StoredEntry, adapter_for_type, rebuild_error, stored_on_meta
 from qdcp.dcp_copies import read_items
 from qdcp.errors import CheckpointFormatError, QdcpError, UnsupportedTensorError
 from qdcp.layouts import ceil_div, narrow
@@ -241,15 +241,6 @@ def read_stored(path: str | os.PathLike, key: str, metadata: Metadata | None = N
     canonical components, on CPU, checked as a loader checks them. Needs no tensor library.
     Memory: this entry only. (Reading many entries: :class:`CheckpointEntries`.)"""
     return CheckpointEntries(path, metadata).stored(key)
-
-
-def stored_on_meta(entry: qspec.EntrySpec) -> StoredEntry:
-    """A raw entry as :func:`read_stored` returns it (attributes decoded with its adapter's classes:
-    no tensor library needed), but with components on the meta device: read nothing."""
-    classes = adapter_for_type(entry.type, entry.fqn).attribute_classes()
-    attrs = {k: qspec.decode_value(v, classes, f"key {entry.fqn!r}: ") for k, v in entry.attrs.items()}
-    comps = {c.name: torch.empty(c.shape, dtype=c.dtype, device="meta") for c in entry.components}
-    return StoredEntry(entry.type, attrs, entry.shape, entry.dtype, comps)
 
 
 def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = None, *,
