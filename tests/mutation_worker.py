@@ -87,18 +87,22 @@ def same(a: dict, b: dict) -> bool:
 
 def outcome(call) -> tuple[str, BaseException | None]:
     """``("loaded", None)``, ``("refused", e)`` for a qdcp error, ``("raw", e)`` for any other."""
+    return outcome_of(call)[:2]
+
+
+def outcome_of(call) -> tuple[str, BaseException | None, object]:
+    """:func:`outcome`, and what ``call`` returned (None where it raised)."""
     from worker_results import qdcp_error_in
 
     try:
-        call()
-        return "loaded", None
+        return "loaded", None, call()
     except BaseException as e:  # noqa: BLE001 (judged below)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         found = qdcp_error_in(e)
         if found is None and isinstance(e, AssertionError) and "metadata read failed" in str(e):
             found = e  # dcp.load quotes a reader's .metadata refusal in its own AssertionError
-        return ("refused", found) if found is not None else ("raw", e)
+        return ("refused", found, None) if found is not None else ("raw", e, None)
 
 
 def _text(e: BaseException | None) -> str:
@@ -128,6 +132,15 @@ def safe_doors(path: Path, make, genuine: dict) -> dict[str, tuple[str, str]]:
     return out
 
 
+PLAIN = "dcp.load (DCP's reader)"
+
+
+def plain_door(path: Path, target: dict, genuine: dict) -> tuple[str, str]:
+    """The plain path's verdict: ``dcp.load`` with qdcp's planner through DCP's own reader."""
+    verdict, err = outcome(lambda: dcp.load(target, checkpoint_id=path, planner=qdcp.QuantizedLoadPlanner()))
+    return ("wrong values" if verdict == "loaded" and not same(target, genuine) else verdict), _text(err)
+
+
 def one_rank_case(src: Path, work: Path, seed: int, genuine: dict, consolidated: dict) -> dict:
     from cli_in_process import qdcp_cli
 
@@ -137,10 +150,9 @@ def one_rank_case(src: Path, work: Path, seed: int, genuine: dict, consolidated:
     shutil.copytree(src, path)
     label, resealed, outside = mutations.mutate(path, seed)
     doors = safe_doors(path, lambda: state(99), genuine)
-    verdict, err = outcome(lambda: qdcp.consolidate(path))
-    if verdict == "loaded":
-        got = qdcp.consolidate(path)
-        verdict = "loaded" if same(got, consolidated) else "wrong values"
+    verdict, err, got = outcome_of(lambda: qdcp.consolidate(path))
+    if verdict == "loaded" and not same(got, consolidated):
+        verdict = "wrong values"
     doors["consolidate"] = (verdict, _text(err))
     try:
         done = qdcp_cli("verify", str(path))
@@ -148,19 +160,15 @@ def one_rank_case(src: Path, work: Path, seed: int, genuine: dict, consolidated:
                            (done.stdout + done.stderr).strip()[-300:])
     except BaseException as e:  # noqa: BLE001
         doors["verify"] = ("raw", _text(e))
-    target = state(99)
-    verdict, err = outcome(lambda: dcp.load(target, checkpoint_id=path, planner=qdcp.QuantizedLoadPlanner()))
-    if verdict == "loaded" and not same(target, genuine):
-        verdict = "wrong values"
-    doors["dcp.load (DCP's reader)"] = (verdict, _text(err))
+    doors[PLAIN] = plain_door(path, state(99), genuine)
     return {"seed": seed, "label": label, "doors": doors, "problems": judge(doors, outside)}
 
 
 def judge(doors: dict, outside: bool) -> list[str]:
     """The oracle's findings (module docstring of tests/mutations.py)."""
     problems = [f"{d}: {v} {e}" for d, (v, e) in doors.items()
-                if v in ("wrong values", "target changed") or (v == "raw" and d != "dcp.load (DCP's reader)")]
-    safe = {d: v for d, (v, _) in doors.items() if d != "dcp.load (DCP's reader)" and v in ("loaded", "refused")}
+                if v in ("wrong values", "target changed") or (v == "raw" and d != PLAIN)]
+    safe = {d: v for d, (v, _) in doors.items() if d != PLAIN and v in ("loaded", "refused")}
     if len(set(safe.values())) > 1:
         problems.append(f"the doors disagree: {safe}")
     if outside:
@@ -223,19 +231,17 @@ def rank_case(src: Path, root: Path, seed: int, genuine: dict) -> dict:
     import torch.distributed as dist
 
     path = root / f"case{seed}" / "c"
-    label = outside = None
+    told = [None]
     if dist.get_rank() == 0:
         shutil.copytree(src, path)
-        label, _, outside = mutations.mutate(path, seed)
-    dist.barrier()
+        told = [mutations.mutate(path, seed)]
+    dist.broadcast_object_list(told, src=0)  # every rank judges with the case's label (and after the edit)
+    label, _, outside = told[0]
     doors = safe_doors(path, lambda: sharded(99), genuine)
-    target = sharded(99)
-    verdict, err = outcome(lambda: dcp.load(target, checkpoint_id=path, planner=qdcp.QuantizedLoadPlanner()))
-    doors["dcp.load (DCP's reader)"] = ("wrong values" if verdict == "loaded" and not same(target, genuine)
-                                        else verdict, _text(err))
+    doors[PLAIN] = plain_door(path, sharded(99), genuine)
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, {d: v for d, (v, _) in doors.items()})
-    problems = judge(doors, bool(outside)) if dist.get_rank() == 0 else judge(doors, False)
+    problems = judge(doors, outside)
     problems += [f"the ranks disagree: {every}"] if any(e != every[0] for e in every) else []
     return {"seed": seed, "label": label, "doors": doors, "problems": problems}
 

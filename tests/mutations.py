@@ -29,6 +29,7 @@ without an error. Every case runs under a time and a memory limit (tests/mutatio
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import pickle
@@ -106,7 +107,7 @@ def _edit_spec(md, rng: random.Random, kind: str) -> str:
             parent = parent[k]
         if kind == "spec_drop":
             label = f"spec {name!r} {list(at)}: dropped"
-            parent.pop(at[-1]) if isinstance(parent, list) else parent.pop(at[-1])
+            parent.pop(at[-1])
         else:
             old = parent[at[-1]]
             new = rng.choice([_near(old, rng), rng.choice(HOSTILE), DEEP])
@@ -127,19 +128,14 @@ def _edit_storage(md, path: Path, rng: random.Random) -> str:
             shutil.copyfile(path / info.relative_path, outside)
         new = rng.choice([rng.choice(files), ".metadata", "missing.distcp", f"../{outside.name}", str(outside),
                           f"sub/../{info.relative_path}", "./" + info.relative_path])
-        md.storage_data[index] = type(info)(new, info.offset, info.length, *_rest(info))
+        md.storage_data[index] = dataclasses.replace(info, relative_path=new)
         if new.startswith("../") or os.path.isabs(new):
             return f"storage {index.fqn}@{list(index.offset or [])}: file -> {new} [outside]"
     else:
         old = getattr(info, what)
         new = max(0, rng.choice([old + 1, old - 1, old + 4096, 0, 2**40, old * 2, old + 64]))
-        kw = {"relative_path": info.relative_path, "offset": info.offset, "length": info.length, what: new}
-        md.storage_data[index] = type(info)(kw["relative_path"], kw["offset"], kw["length"], *_rest(info))
+        md.storage_data[index] = dataclasses.replace(info, **{what: new})
     return f"storage {index.fqn}@{list(index.offset or [])}: {what} -> {md.storage_data[index]}"
-
-
-def _rest(info) -> tuple:
-    return (info.transform_descriptors,) if hasattr(info, "transform_descriptors") else ()
 
 
 def _edit_tensor_md(md, rng: random.Random) -> str:
