@@ -105,10 +105,46 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     upload.add_done_callback(lambda done: _log_upload(done, path, start))
     _in_flight_on(group).add(upload)
     where = _where(path, no_dist)
+    uploaded = _own_errors(upload, writer, where)
+    _wait_at_exit(uploaded, where)
     if isinstance(result, Future):
-        return _own_errors(result, writer, where)
+        return uploaded
     return dataclasses.replace(result, staging_completion=_own_errors(result.staging_completion, writer, where),
-                               upload_completion=_own_errors(upload, writer, where))
+                               upload_completion=uploaded)
+
+
+# this process's async saves not yet done (their Future: where), waited for at exit by one hook
+_at_exit: dict[Future, str] = {}
+_exit_hook: list[bool] = []
+
+
+def _wait_at_exit(upload: Future, where: str) -> None:
+    """Have the interpreter's exit wait for ``upload``. A script that ends while an async save is
+    running would otherwise lose it without a word: at exit ``concurrent.futures`` refuses the work
+    the save still hands its pools. The hook runs from threading's exit hooks, before that refusal
+    (``threading._register_atexit``; atexit's run after it); it says once that it waits, and how a
+    save that failed meanwhile failed."""
+    with _uploads_lock:
+        if not _exit_hook:
+            threading._register_atexit(_finish_at_exit)
+            _exit_hook.append(True)
+        _at_exit[upload] = where
+    upload.add_done_callback(lambda done: _at_exit.pop(done, None))
+
+
+def _finish_at_exit() -> None:
+    with _uploads_lock:
+        pending = dict(_at_exit)
+        _at_exit.clear()
+    if not pending:
+        return
+    logger.warning("qdcp: waiting at exit for %d async save(s) still running (%s); wait on the Future "
+                   "async_save returns before the script ends", len(pending), "; ".join(pending.values()))
+    for upload in pending:
+        try:
+            upload.result()
+        except BaseException as e:  # noqa: BLE001 (the interpreter is exiting: said, not raised)
+            logger.error("qdcp: the async save failed: %s: %s", type(e).__name__, _short(e))
 
 
 # (the default group it was made for, the group): one checkpoint group per default group

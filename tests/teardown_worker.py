@@ -1,7 +1,8 @@
 """A job that destroys its process group while an async save is still running, as a user's script
 that forgets to wait would: ``torchrun ... teardown_worker.py DOOR ROOT`` (run by
 tests/test_async_teardown.py). Each rank writes ``ROOT/outcome-<rank>.json``: what the save's
-future raised (the process group is gone, so nothing is gathered)."""
+future raised (the process group is gone, so nothing is gathered). DOOR ``exit``: each rank's script
+ends with its save still running, its process group kept."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def main(door: str, root: str) -> None:
              for i in range(4)}
     group = dist.new_group(backend="gloo")
     path = os.path.join(root, "step_3")
+    if door == "exit":  # the script ends with the save running: the interpreter's exit waits for it
+        qdcp.async_save({"model": model}, path, stager=qdcp.QuantizedStager(async_staging=True))
+        return
     if door == "qdcp":
         result = qdcp.async_save({"model": model}, path, stager=qdcp.QuantizedStager(async_staging=True),
                                  process_group=group)
