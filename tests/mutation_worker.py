@@ -161,7 +161,13 @@ def one_rank_case(src: Path, work: Path, seed: int, genuine: dict, consolidated:
     except BaseException as e:  # noqa: BLE001
         doors["verify"] = ("raw", _text(e))
     doors[PLAIN] = plain_door(path, state(99), genuine)
-    return {"seed": seed, "label": label, "doors": doors, "problems": judge(doors, outside)}
+    return {"seed": seed, "label": label, "doors": doors, "problems": judge(doors, outside) + ran_code(path)}
+
+
+def ran_code(path: Path) -> list[str]:
+    """A door unpickled code the checkpoint carries: what it would have run, it ran."""
+    return [f"a reader ran code from the checkpoint ({mutations.MARKER} made)"] \
+        if (path.parent / mutations.MARKER).exists() else []
 
 
 def judge(doors: dict, outside: bool) -> list[str]:
@@ -241,7 +247,7 @@ def rank_case(src: Path, root: Path, seed: int, genuine: dict) -> dict:
     doors[PLAIN] = plain_door(path, sharded(99), genuine)
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, {d: v for d, (v, _) in doors.items()})
-    problems = judge(doors, outside)
+    problems = judge(doors, outside) + ran_code(path)
     problems += [f"the ranks disagree: {every}"] if any(e != every[0] for e in every) else []
     return {"seed": seed, "label": label, "doors": doors, "problems": problems}
 

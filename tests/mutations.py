@@ -12,7 +12,12 @@ A *mutation* is one structural edit of a copy of a real checkpoint, drawn from a
 - of the checksum record: dropped, one hash dropped or flipped, its algorithm renamed, the seal
   mark dropped;
 - of a data file: truncated, one byte flipped, bytes appended, replaced by a symlink to a copy
-  outside, removed.
+  outside, removed;
+- of an item's own ``torch.save`` archive (written anew at the end of its file, its storage record
+  pointed there): a pickle that would run code (make the directory :data:`MARKER` beside the
+  checkpoint), the same bytes as another dtype of the same size or in another shape (their checksum
+  still matches: only the dtype and shape checks stand), a larger storage than the tensor needs, the
+  zip records deflated, a non-tensor in place of a tensor.
 
 A metadata edit is written as damage would leave it, or *resealed* (its digest recomputed, as a
 forger would), so that only the structural checks stand between it and a reader.
@@ -23,18 +28,21 @@ each of ``qdcp.load``, ``dcp.load`` with ``QuantizedLoadPlanner`` through qdcp's
 2, its problems named) and ``qdcp.load``'s targets are left as they were, or gives the genuine
 values bit for bit (a harmless edit); the four agree; a checkpoint whose edit points outside
 never loads; ``dcp.load`` through DCP's own reader (the plain path) never gives wrong values
-without an error. Every case runs under a time and a memory limit (tests/mutation_worker.py).
+without an error; no door runs code a checkpoint carries (:data:`MARKER` never made). Every case
+runs under a time and a memory limit (tests/mutation_worker.py).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import json
 import os
 import pickle
 import random
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
@@ -43,7 +51,21 @@ HOSTILE = (0, -1, 1, 2, 3, 7, 2**25, 2**40, -2**63, 0.5, float("nan"), None, Tru
            [1, 1], [1, 16], [2**40, 1], {}, {"dtype": "float16"}, "float8_e5m2")
 DEEP = [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[0]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]
 KINDS = ("spec_value", "spec_value", "spec_value", "spec_drop", "spec_entry", "storage", "storage",
-         "tensor_md", "record", "file", "file")
+         "tensor_md", "record", "file", "file", "archive", "archive")
+MARKER = "CODE-RAN"  # made beside the checkpoint by a hostile pickle that a reader unpickled
+# dtypes of one element size: the same stored bytes read as another of them
+SAME_SIZE = ((torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2), (torch.float16, torch.bfloat16,
+             torch.int16), (torch.float32, torch.int32), (torch.float64, torch.int64))
+
+
+class _RunsCode:
+    """Pickles as a call of ``os.mkdir(where)``: what unpickling it would run."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __reduce__(self):
+        return os.mkdir, (self.where,)
 
 
 def load_md(path: Path):
@@ -208,6 +230,49 @@ def _edit_file(path: Path, md, rng: random.Random) -> str:
     return f"data file {name}: {what}"
 
 
+def _archive(value) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _deflated(raw: bytes) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(raw)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    return out.getvalue()
+
+
+def _edit_archive(md, path: Path, rng: random.Random) -> str:
+    index = rng.choice(sorted(md.storage_data, key=lambda i: (i.fqn, tuple(i.offset or ()), i.index or 0)))
+    info = md.storage_data[index]
+    f = path / info.relative_path
+    data = f.read_bytes()
+    raw = data[info.offset:info.offset + info.length]
+    value = torch.load(io.BytesIO(raw), weights_only=True)
+    choices = ["runs code", "deflated", "not a tensor"]
+    if isinstance(value, torch.Tensor):
+        choices += ["another dtype", "another shape", "larger storage"]
+    what = rng.choice(choices)
+    if what == "runs code":
+        new = _archive(_RunsCode(str(path.parent / MARKER)))
+    elif what == "deflated":  # (of torch.save's own archive: qdcp's writer may leave the zip CRC-32s unset)
+        new = _deflated(_archive(value))
+    elif what == "not a tensor":
+        new = _archive(rng.choice([[1, 2], 3, "x", {"a": torch.zeros(2)}]))
+    elif what == "another dtype":
+        size = next(group for group in SAME_SIZE if value.dtype in group)
+        new = _archive(value.view(rng.choice([d for d in size if d != value.dtype])))
+    elif what == "another shape":
+        new = _archive(value.reshape(-1) if value.dim() != 1 else value.reshape(1, -1))
+    else:
+        new = _archive(torch.cat([value.reshape(-1), value.reshape(-1)])[:value.numel()].view(value.shape))
+    f.write_bytes(data + new)
+    md.storage_data[index] = dataclasses.replace(info, offset=len(data), length=len(new))
+    return f"archive of {index.fqn}@{list(index.offset or [])}: {what}"
+
+
 def mutate(path: Path, seed: int) -> tuple[str, bool, bool]:
     """Apply mutation ``seed`` to the checkpoint copy at ``path``: its label, whether it was resealed,
     and whether it points a reader outside the checkpoint."""
@@ -223,6 +288,8 @@ def mutate(path: Path, seed: int) -> tuple[str, bool, bool]:
         label = _edit_storage(md, path, rng)
     elif kind == "tensor_md":
         label = _edit_tensor_md(md, rng)
+    elif kind == "archive":
+        label = _edit_archive(md, path, rng)
     else:
         label = _edit_record(md, rng)
     reseal = rng.random() < 0.5 and kind != "record"
