@@ -63,6 +63,11 @@ def _te_tensor_module():
     return sys.modules.get(_TE_TENSOR_MODULE)
 
 
+def is_te_class(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether ``cls`` or a base of it is a TransformerEngine class named one of ``names``."""
+    return any(c.__name__ in names and c.__module__.startswith("transformer_engine.") for c in cls.__mro__)
+
+
 def _te_dtype(code: int):
     constants = sys.modules.get("transformer_engine.pytorch.constants")
     return constants.DType(code) if constants is not None else code
@@ -87,8 +92,7 @@ class TEAdapter(TraceableAdapter, RawInterchangeAdapter):
         self.type_names = (f"transformer_engine.{self.cls_name}",)
 
     def matches(self, cls: type) -> bool:
-        return any(c.__name__ == self.cls_name and c.__module__.startswith("transformer_engine.")
-                   for c in cls.__mro__)
+        return is_te_class(cls, (self.cls_name,))
 
     def allow_pickled(self, qualified_name: str) -> bool:
         """A TE tensor stock DCP pickled (TE's reduce functions, its classes): loadable where the
@@ -147,21 +151,23 @@ class TEAdapter(TraceableAdapter, RawInterchangeAdapter):
 
     # layouts / components / native_components do not refuse a non-2-D tensor: a dequantized save
     # describes and dequantizes (from the rowwise components) tensors of any rank.
+    def _each(self, t, fn) -> dict[str, Any]:
+        """``fn(component, attrs)`` of each present component of ``t``, by name (``None`` results left out)."""
+        attrs = self.attributes(t)
+        out = {c.name: fn(c, attrs) for c in self.present_components(t, attrs, check_2d=False)}
+        return {k: v for k, v in out.items() if v is not None}
+
     def layouts(self, t):
         """Each present component's declared layout (replicated: its whole native buffer)."""
-        attrs = self.attributes(t)
-        return {c.name: c.layout_for(t, attrs) for c in self.present_components(t, attrs, check_2d=False)}
+        return self._each(t, lambda c, attrs: c.layout_for(t, attrs))
 
     def components(self, t):
         """Each present component in canonical form, as its declared dtype."""
-        attrs = self.attributes(t)
-        return {c.name: c.canonical(t, attrs) for c in self.present_components(t, attrs, check_2d=False)}
+        return self._each(t, lambda c, attrs: c.canonical(t, attrs))
 
     def native_components(self, t):
         """The present components whose canonical form is their TE buffer (views of it)."""
-        attrs = self.attributes(t)
-        return {c.name: c.canonical(t, attrs) for c in self.present_components(t, attrs, check_2d=False)
-                if c.is_in_place(t)}
+        return self._each(t, lambda c, attrs: c.canonical(t, attrs) if c.is_in_place(t) else None)
 
     def copy_into(self, target, components):
         """Write canonical ``components`` into ``target``'s buffers (padding zero, swizzle and
