@@ -31,38 +31,25 @@ class StoredEntry:
 class Adapter(abc.ABC):
     """One family of quantized tensors. Subclass and register an instance with :func:`register_adapter`.
 
-    Who calls what (this is the whole core contract: no qdcp module calls anything else of an
-    adapter, except the optional contracts below, which a caller first tests with ``isinstance``):
+    Who calls what (no qdcp module calls anything else of an adapter, except the optional
+    contracts, which a caller first tests with ``isinstance``):
 
-    - the registry (:func:`find_adapter`): :attr:`type_names`, :meth:`matches`;
-    - the save planner: :meth:`type_name`, :meth:`attributes`, :meth:`info`, :meth:`components`
-      (through :meth:`component_names` by default), :meth:`layouts` (raw entries),
-      :meth:`dequantize` (dequantized entries; a large one a block of rows at a time through
-      :meth:`attribute_classes` and :meth:`dequantize_stored`, :mod:`qdcp.adapters.rows`),
-      :meth:`unwrap` (wrappers stored as their tensor);
-    - the load planner: the same, plus :meth:`attribute_classes` (decoding stored attributes),
-      :meth:`native_components`, :meth:`copy_into` (same type), :meth:`dequantize_stored` and
-      :meth:`quantize_like` / :meth:`needs_global_amax` / :meth:`quantize_unsupported` (other types);
-    - the stager and :func:`qdcp.to_device`: :meth:`inner_buffers`, :meth:`from_inner_buffers`;
-    - ``qdcp.export`` (Hugging Face layouts): :meth:`rebuild`;
-    - ``qdcp.read_entry`` and the CLI: :meth:`rebuild` (a live instance; needs the library),
-      :meth:`dequantize_stored` (values; works without the library where the adapter can) and
-      :meth:`attribute_classes` (``qdcp inspect`` shows what the save recorded of :meth:`info`).
+    - registry: :attr:`type_names`, :meth:`matches`;
+    - save planner: :meth:`type_name`, :meth:`attributes`, :meth:`info`, :meth:`components`,
+      :meth:`layouts`, :meth:`dequantize` (large entries by rows: :mod:`qdcp.adapters.rows`), :meth:`unwrap`;
+    - load planner: the same, plus :meth:`attribute_classes`, :meth:`native_components`,
+      :meth:`copy_into`, :meth:`dequantize_stored`, :meth:`quantize_like`, :meth:`needs_global_amax`,
+      :meth:`quantize_unsupported`;
+    - stager and :func:`qdcp.to_device`: :meth:`inner_buffers`, :meth:`from_inner_buffers`;
+    - ``qdcp.export``, ``qdcp.read_entry`` and the CLI: :meth:`rebuild`, :meth:`dequantize_stored`,
+      :meth:`attribute_classes`.
 
-    Optional contracts are ``runtime_checkable`` protocols (as DCP states ``AsyncStager``) that an
-    adapter subclasses beside this class, for the defaults of the methods it does not write:
+    Optional contracts (``runtime_checkable`` protocols, subclassed beside this class):
     :class:`RawInterchangeAdapter`, :class:`GroupAdapter`, :class:`OpRegisteringAdapter`,
-    :class:`PicklingAdapter`.
-
-    ``examples/custom_adapter.py`` is a complete adapter exercised through the core contract.
-
-    Required (abstract: a subclass missing one cannot be instantiated): :meth:`matches`,
-    :meth:`component_names`, :meth:`layouts`, :meth:`attributes`, :meth:`dequantize`,
-    :meth:`rebuild`, :meth:`quantize_like`, :meth:`from_inner_buffers`; and :attr:`type_names`
-    (checked by :func:`register_adapter`). The defaults of the rest assume components are plain
-    attributes of the instance, stored as is. :class:`TraceableAdapter` gives the stager's two for
-    a class that speaks PyTorch's traceable-subclass protocol; a stored format with no tensor class
-    subclasses :class:`StoredOnlyAdapter` instead.
+    :class:`PicklingAdapter`. The abstract methods are required; the defaults of the rest assume
+    components are plain attributes stored as is. :class:`TraceableAdapter` and
+    :class:`StoredOnlyAdapter` are ready-made bases (docs/adapters.md, *Writing one*;
+    ``examples/custom_adapter.py``).
     """
 
     #: registry names of the types this adapter handles, e.g. ``("torchao.Int8Tensor",)``
@@ -71,7 +58,6 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def matches(self, cls: type) -> bool:
         """Whether live instances of ``cls`` belong to this adapter."""
-        raise NotImplementedError
 
     def type_name(self, t: torch.Tensor) -> str:
         """Registry name of ``t``'s type (one of :attr:`type_names`; default the first)."""
@@ -80,7 +66,6 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def attributes(self, t: torch.Tensor) -> dict[str, Any]:
         """Configuration of ``t`` as Python values that :func:`qdcp.spec.encode_value` accepts."""
-        raise NotImplementedError
 
     def info(self, t: torch.Tensor) -> dict[str, Any]:
         """Descriptive facts about ``t`` for ``qdcp inspect`` (JSON), e.g. its recipe or native scale
@@ -94,7 +79,6 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def component_names(self, t: torch.Tensor) -> list[str]:
         """Names of the components present on ``t``, in a fixed order."""
-        raise NotImplementedError
 
     def components(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
         """Components of ``t`` in canonical (stored) form. Must not copy when canonical == native."""
@@ -111,7 +95,6 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def from_inner_buffers(self, t: torch.Tensor, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """A new instance like ``t`` whose data lives in ``buffers`` (same keys as :meth:`inner_buffers`)."""
-        raise NotImplementedError
 
     def unwrap(self, t: torch.Tensor) -> torch.Tensor | None:
         """For a wrapper whose values are one high-precision tensor (torchao's quantized-training
@@ -122,7 +105,6 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def layouts(self, t: torch.Tensor) -> dict[str, Layout]:
         """How each component shards with the logical tensor (shard-invariant)."""
-        raise NotImplementedError
 
     #: True where the library groups the elements of each shard on its own (torchao's optimizer
     #: states are made per local tensor): a shard that is no row range of a :class:`~qdcp.layouts.Flat`
@@ -143,14 +125,12 @@ class Adapter(abc.ABC):
         """The high-precision tensor ``t`` stands for, computed the way its library does, as
         ``dtype`` (default: ``t``'s logical dtype). A wider ``dtype`` is computed in that precision
         where the library can, never rounded through the logical dtype first."""
-        raise NotImplementedError
 
     @abc.abstractmethod
     def rebuild(self, stored: StoredEntry) -> torch.Tensor:
         """A live instance of the library's class holding ``stored`` (any chunk's worth). Always a
         tensor: raises :class:`~qdcp.UnsupportedTensorError`, naming the library, where it cannot
         be imported."""
-        raise NotImplementedError
 
     def dequantize_stored(self, stored: StoredEntry, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The values of a stored entry, as :meth:`dequantize` gives them for the live instance.
@@ -168,7 +148,6 @@ class Adapter(abc.ABC):
         its abs-max; for a shard of one member of a group, ``hp`` is the shard and ``global_amax``
         the whole member's abs-max, which a per-tensor scale must use.
         """
-        raise NotImplementedError
 
     def quantize_unsupported(self, target: torch.Tensor) -> str | None:
         """Why :meth:`quantize_like` cannot fill ``target`` on this machine (e.g. it needs a GPU

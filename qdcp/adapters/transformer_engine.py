@@ -1,16 +1,13 @@
 """Adapters for TransformerEngine's quantized tensors (TE 2.20): Float8, MXFP8, blockwise FP8, NVFP4.
 
-TE is optional and never imported here: classes are recognised by module prefix
-``transformer_engine.`` and class name along the MRO, and TE is used to rebuild a tensor only if
-``transformer_engine.pytorch.tensor`` is already imported. Everything numeric is plain torch on
-CPU: canonical components (unswizzled, unpadded scales; data in logical row order), dequantize,
-and the inverse transforms that rebuild TE's native buffers. Quantizing would need TE's CUDA
-kernels, which qdcp does not drive, so loading into a TE tensor of another format or from plain
-values raises :class:`UnsupportedTensorError` (at load planning).
-
-Each adapter declares its canonical components (``COMPONENTS``, of
-:class:`~qdcp.adapters.te_components.Component`), from which :class:`TEAdapter` derives every
-per-component method; docs/adapters.md tables them per type.
+TE is never imported here: classes are recognised by module prefix and class name along the MRO,
+and TE rebuilds a tensor only if the program imported it. The rest is plain torch on CPU:
+canonical components (unswizzled, unpadded scales; data in logical row order), dequantize, and
+the transforms back to TE's native buffers. Quantizing needs TE's CUDA kernels, so a load into a
+TE tensor of another format or from plain values is refused at planning
+(:class:`UnsupportedTensorError`). Each adapter declares its components (``COMPONENTS``, of
+:class:`~qdcp.adapters.te_components.Component`; docs/adapters.md tables them), from which
+:class:`TEAdapter` derives every per-component method.
 """
 
 from __future__ import annotations
@@ -76,10 +73,8 @@ def _te_dtype(code: int):
 # ----------------------------------------------------------------------------- adapter base
 
 class TEAdapter(TraceableAdapter, RawInterchangeAdapter):
-    """Shared machinery: recognition, rebuilding through TE, GPU-only errors, and every
-    per-component method, derived from the subclass's declared :attr:`COMPONENTS`
-    (:mod:`qdcp.adapters.te_components`). A subclass adds only what is format-specific: its
-    attributes, the dequantize math and TE's constructor keywords."""
+    """Recognition, rebuilding through TE, GPU-only errors and every per-component method (from
+    :attr:`COMPONENTS`); a subclass adds its attributes, dequantize math and TE's constructor keywords."""
 
     cls_name: str = ""
     format_name: str = ""
