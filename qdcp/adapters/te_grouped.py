@@ -31,17 +31,12 @@ _GROUPED_MODULE = "transformer_engine.pytorch.tensor.grouped_tensor"
 
 # recipe name -> single-tensor adapter of its members (both Float8 recipes give Float8Tensor members)
 _FLOAT8 = qte.TEFloat8TensorAdapter()
-_SINGLE: dict[str, qte.TEAdapter] = {
-    "mxfp8": qte.TEMXFP8TensorAdapter(),
-    "delayed": _FLOAT8,
-    "current": _FLOAT8,
-    "blockwise": qte.TEFloat8BlockwiseQTensorAdapter(),
-    "nvfp4": qte.TENVFP4TensorAdapter(),
-}
+_SINGLE: dict[str, qte.TEAdapter] = {"mxfp8": qte.TEMXFP8TensorAdapter(), "delayed": _FLOAT8, "current": _FLOAT8,
+                                     "blockwise": qte.TEFloat8BlockwiseQTensorAdapter(),
+                                     "nvfp4": qte.TENVFP4TensorAdapter()}
 
 # Per-group Float8 buffers that no member references, by recipe (stored beside the members).
 _GROUP_EXTRAS = {"delayed": ("amax",), "current": ("amax", "scale")}
-
 
 # recipe name -> the predicate of TE's Recipe that is true for it
 _RECIPE_TESTS = {"mxfp8": "mxfp8", "delayed": "delayed", "current": "float8_current_scaling",
