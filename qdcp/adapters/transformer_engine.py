@@ -47,14 +47,6 @@ _FP8_CODES = {v: k for k, v in _FP8_NAMES.items()}
 _FP4_CODE = 10
 
 
-def dequantize_mxfp8(data: torch.Tensor, fp8: str, scale: torch.Tensor, *, block_rows: int,
-                     block_cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """MXFP8: ``fp8 * 2^(e-127)``, one E8M0 ``scale`` item per ``block_rows x block_cols`` block."""
-    x = bits_as(data, _FP8_TORCH[fp8]).float()
-    s = bits_as(scale, torch.float8_e8m0fnu).float()
-    return (x * repeat_blocks(s, block_rows, block_cols, x.shape)).to(dtype)
-
-
 def _te_tensor_module():
     """TE's tensor package if the program has already imported it (never imported here)."""
     return sys.modules.get(_TE_TENSOR_MODULE)
@@ -90,9 +82,8 @@ class TEAdapter(TraceableAdapter, RawInterchangeAdapter):
         return is_te_class(cls, (self.cls_name,))
 
     def allow_pickled(self, qualified_name: str) -> bool:
-        """A TE tensor stock DCP pickled (TE's reduce functions, its classes): loadable where the
-        program has imported TE (which allows its own in weights-only loads); qdcp never imports
-        TE, so without it the error says to."""
+        """A TE tensor stock DCP pickled: loadable where the program imported TE (which allows its
+        classes in weights-only loads); without it, an error says to import it."""
         if not qualified_name.startswith("transformer_engine."):
             return False
         if _te_tensor_module() is None:
@@ -161,7 +152,7 @@ class TEAdapter(TraceableAdapter, RawInterchangeAdapter):
         return self._each(t, lambda c, attrs: c.canonical(t, attrs))
 
     def native_components(self, t):
-        """The present components whose canonical form is their TE buffer (views of it)."""
+        """The present components whose canonical form is their TE buffer."""
         return self._each(t, lambda c, attrs: c.canonical(t, attrs) if c.is_in_place(t) else None)
 
     def copy_into(self, target, components):
@@ -181,8 +172,8 @@ class TEAdapter(TraceableAdapter, RawInterchangeAdapter):
                 copy_bits(buf, native)
 
     def _native_kwargs(self, attrs, comps) -> dict[str, Any]:
-        """TE constructor keywords (buffer names without the underscore) holding canonical ``comps``
-        in the compact, unswizzled native layout; None for declared buffers ``comps`` does not fill."""
+        """TE constructor keywords (buffer names, no underscore) holding ``comps`` natively, unswizzled;
+        None for declared buffers ``comps`` does not fill."""
         declared = {c.name: c for c in self.declared(attrs)}
         kw: dict[str, Any] = {a.lstrip("_"): None for c in declared.values()
                               for a in (c.buffer, *(d for d, _ in c.derived))}
@@ -445,12 +436,11 @@ class TEMXFP8TensorAdapter(TEAdapter):
         return MXFP8_FORMS.get(_FP8_TORCH.get(attrs.get("fp8_dtype")))
 
     def _dequantize(self, attrs, shape, dtype, comps):
-        fp8 = attrs["fp8_dtype"]
-        if "rowwise_data" in comps:
-            data, scale = comps["rowwise_data"], comps["rowwise_scale_inv"]
-            return dequantize_mxfp8(data, fp8, scale, block_rows=1, block_cols=32, dtype=dtype)
-        return dequantize_mxfp8(comps["columnwise_data"], fp8, comps["columnwise_scale_inv"], block_rows=32,
-                                block_cols=1, dtype=dtype)
+        # fp8 * 2^(e-127), one E8M0 item per 1x32 (rowwise) or 32x1 (columnwise) block
+        usage, block = ("rowwise", (1, 32)) if "rowwise_data" in comps else ("columnwise", (32, 1))
+        x = bits_as(comps[f"{usage}_data"], _FP8_TORCH[attrs["fp8_dtype"]]).float()
+        s = bits_as(comps[f"{usage}_scale_inv"], torch.float8_e8m0fnu).float()
+        return (x * repeat_blocks(s, *block, x.shape)).to(dtype)
 
     def _te_kwargs(self, attrs, comps):
         return {"with_gemm_swizzled_scales": False, **self._native_kwargs(attrs, comps)}
