@@ -1,11 +1,8 @@
 """Adapters: one per family of quantized tensors, and the registry that finds them.
 
-``base`` states the contract (:class:`Adapter`, and the optional contracts a caller tests with
-``isinstance``: :class:`RawInterchangeAdapter`, :class:`GroupAdapter`, :class:`OpRegisteringAdapter`,
-:class:`PicklingAdapter`);
-``torchao`` (a package, one module per family), ``torchao_training``, ``transformer_engine``,
-``te_grouped`` and ``compressed_tensors`` hold the built-in families; ``formats`` the neutral forms
-two families convert through.
+``base`` states the contract (:class:`Adapter` and the optional protocols); ``torchao``,
+``torchao_training``, ``transformer_engine``, ``te_grouped`` and ``compressed_tensors`` hold the
+built-in families; ``formats`` the neutral forms two families convert through.
 """
 
 from qdcp.adapters.base import (

@@ -31,38 +31,25 @@ class StoredEntry:
 class Adapter(abc.ABC):
     """One family of quantized tensors. Subclass and register an instance with :func:`register_adapter`.
 
-    Who calls what (this is the whole core contract: no qdcp module calls anything else of an
-    adapter, except the optional contracts below, which a caller first tests with ``isinstance``):
+    Who calls what (no qdcp module calls anything else of an adapter, except the optional
+    contracts, which a caller first tests with ``isinstance``):
 
-    - the registry (:func:`find_adapter`): :attr:`type_names`, :meth:`matches`;
-    - the save planner: :meth:`type_name`, :meth:`attributes`, :meth:`info`, :meth:`components`
-      (through :meth:`component_names` by default), :meth:`layouts` (raw entries),
-      :meth:`dequantize` (dequantized entries; a large one a block of rows at a time through
-      :meth:`attribute_classes` and :meth:`dequantize_stored`, :mod:`qdcp.adapters.rows`),
-      :meth:`unwrap` (wrappers stored as their tensor);
-    - the load planner: the same, plus :meth:`attribute_classes` (decoding stored attributes),
-      :meth:`native_components`, :meth:`copy_into` (same type), :meth:`dequantize_stored` and
-      :meth:`quantize_like` / :meth:`needs_global_amax` / :meth:`quantize_unsupported` (other types);
-    - the stager and :func:`qdcp.to_device`: :meth:`inner_buffers`, :meth:`from_inner_buffers`;
-    - ``qdcp.export`` (Hugging Face layouts): :meth:`rebuild`;
-    - ``qdcp.read_entry`` and the CLI: :meth:`rebuild` (a live instance; needs the library),
-      :meth:`dequantize_stored` (values; works without the library where the adapter can) and
-      :meth:`attribute_classes` (``qdcp inspect`` shows what the save recorded of :meth:`info`).
+    - registry: :attr:`type_names`, :meth:`matches`;
+    - save planner: :meth:`type_name`, :meth:`attributes`, :meth:`info`, :meth:`components`,
+      :meth:`layouts`, :meth:`dequantize` (large entries by rows: :mod:`qdcp.adapters.rows`), :meth:`unwrap`;
+    - load planner: the same, plus :meth:`attribute_classes`, :meth:`native_components`,
+      :meth:`copy_into`, :meth:`dequantize_stored`, :meth:`quantize_like`, :meth:`needs_global_amax`,
+      :meth:`quantize_unsupported`;
+    - stager and :func:`qdcp.to_device`: :meth:`inner_buffers`, :meth:`from_inner_buffers`;
+    - ``qdcp.export``, ``qdcp.read_entry`` and the CLI: :meth:`rebuild`, :meth:`dequantize_stored`,
+      :meth:`attribute_classes`.
 
-    Optional contracts are ``runtime_checkable`` protocols (as DCP states ``AsyncStager``) that an
-    adapter subclasses beside this class, for the defaults of the methods it does not write:
+    Optional contracts (``runtime_checkable`` protocols, subclassed beside this class):
     :class:`RawInterchangeAdapter`, :class:`GroupAdapter`, :class:`OpRegisteringAdapter`,
-    :class:`PicklingAdapter`.
-
-    ``examples/custom_adapter.py`` is a complete adapter exercised through the core contract.
-
-    Required (abstract: a subclass missing one cannot be instantiated): :meth:`matches`,
-    :meth:`component_names`, :meth:`layouts`, :meth:`attributes`, :meth:`dequantize`,
-    :meth:`rebuild`, :meth:`quantize_like`, :meth:`from_inner_buffers`; and :attr:`type_names`
-    (checked by :func:`register_adapter`). The defaults of the rest assume components are plain
-    attributes of the instance, stored as is. :class:`TraceableAdapter` gives the stager's two for
-    a class that speaks PyTorch's traceable-subclass protocol; a stored format with no tensor class
-    subclasses :class:`StoredOnlyAdapter` instead.
+    :class:`PicklingAdapter`. The abstract methods are required; the defaults of the rest assume
+    components are plain attributes stored as is. :class:`TraceableAdapter` and
+    :class:`StoredOnlyAdapter` are ready-made bases (docs/adapters.md, *Writing one*;
+    ``examples/custom_adapter.py``).
     """
 
     #: registry names of the types this adapter handles, e.g. ``("torchao.Int8Tensor",)``
@@ -71,7 +58,6 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def matches(self, cls: type) -> bool:
         """Whether live instances of ``cls`` belong to this adapter."""
-        raise NotImplementedError
 
     def type_name(self, t: torch.Tensor) -> str:
         """Registry name of ``t``'s type (one of :attr:`type_names`; default the first)."""
@@ -80,7 +66,6 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def attributes(self, t: torch.Tensor) -> dict[str, Any]:
         """Configuration of ``t`` as Python values that :func:`qdcp.spec.encode_value` accepts."""
-        raise NotImplementedError
 
     def info(self, t: torch.Tensor) -> dict[str, Any]:
         """Descriptive facts about ``t`` for ``qdcp inspect`` (JSON), e.g. its recipe or native scale
@@ -94,7 +79,6 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def component_names(self, t: torch.Tensor) -> list[str]:
         """Names of the components present on ``t``, in a fixed order."""
-        raise NotImplementedError
 
     def components(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
         """Components of ``t`` in canonical (stored) form. Must not copy when canonical == native."""
@@ -111,31 +95,24 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def from_inner_buffers(self, t: torch.Tensor, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """A new instance like ``t`` whose data lives in ``buffers`` (same keys as :meth:`inner_buffers`)."""
-        raise NotImplementedError
 
     def unwrap(self, t: torch.Tensor) -> torch.Tensor | None:
-        """For a wrapper whose values are one high-precision tensor (torchao's quantized-training
-        weights): that tensor (same shape and dtype as ``t``). Planners store and load such an
-        entry as that plain tensor, in place. None (default) for tensors holding quantized data."""
+        """For a wrapper whose values are one high-precision tensor of its shape and dtype (torchao's
+        training weights): that tensor, which planners store and load in place. Default None."""
         return None
 
     @abc.abstractmethod
     def layouts(self, t: torch.Tensor) -> dict[str, Layout]:
         """How each component shards with the logical tensor (shard-invariant)."""
-        raise NotImplementedError
 
-    #: True where the library groups the elements of each shard on its own (torchao's optimizer
-    #: states are made per local tensor): a shard that is no row range of a :class:`~qdcp.layouts.Flat`
-    #: component then stores it as the :class:`~qdcp.layouts.Blocked` grid its groups form
-    #: (:func:`qdcp.layouts.for_shard`), and :meth:`dequantize_stored` must take such components.
-    #: False (default): groups are over the whole logical tensor, and such a shard is refused.
+    #: True where the library groups each shard's own elements (torchao's optimizer states): a shard
+    #: that is no row range of a ``Flat`` component stores it as the ``Blocked`` grid its groups form
+    #: (:func:`qdcp.layouts.for_shard`), which :meth:`dequantize_stored` must take. False: refused.
     groups_per_shard: bool = False
 
-    #: Attributes that only say how the elements are cut into scale blocks (torchao's
-    #: ``block_size``). A target of the same type whose other attributes, component names and
-    #: dtypes are the source's may take the source's bits with other blocks, where its blocks can
-    #: hold them (:func:`qdcp.layouts.held_exactly`; docs/api.md, *When a target gets the source's
-    #: bits*). Empty (default): only an equal configuration is loaded raw.
+    #: Attributes that only cut the elements into scale blocks (torchao's ``block_size``): a target
+    #: otherwise like the source may take its bits with other blocks where they hold them exactly
+    #: (:func:`qdcp.layouts.held_exactly`; docs/api.md). Empty: only an equal configuration loads raw.
     block_attributes: tuple[str, ...] = ()
 
     @abc.abstractmethod
@@ -143,19 +120,15 @@ class Adapter(abc.ABC):
         """The high-precision tensor ``t`` stands for, computed the way its library does, as
         ``dtype`` (default: ``t``'s logical dtype). A wider ``dtype`` is computed in that precision
         where the library can, never rounded through the logical dtype first."""
-        raise NotImplementedError
 
     @abc.abstractmethod
     def rebuild(self, stored: StoredEntry) -> torch.Tensor:
-        """A live instance of the library's class holding ``stored`` (any chunk's worth). Always a
-        tensor: raises :class:`~qdcp.UnsupportedTensorError`, naming the library, where it cannot
-        be imported."""
-        raise NotImplementedError
+        """A live instance of the library's class holding ``stored`` (any chunk's worth); raises
+        :class:`~qdcp.UnsupportedTensorError`, naming the library, where it cannot be imported."""
 
     def dequantize_stored(self, stored: StoredEntry, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The values of a stored entry, as :meth:`dequantize` gives them for the live instance.
-        Default: :meth:`rebuild` then :meth:`dequantize`; adapters that can compute them without
-        the library (TransformerEngine's, in plain torch) override it."""
+        """A stored entry's values as :meth:`dequantize` gives them (default: of :meth:`rebuild`;
+        TE's adapters compute them in plain torch)."""
         return self.dequantize(self.rebuild(stored), dtype)
 
     @abc.abstractmethod
@@ -168,7 +141,6 @@ class Adapter(abc.ABC):
         its abs-max; for a shard of one member of a group, ``hp`` is the shard and ``global_amax``
         the whole member's abs-max, which a per-tensor scale must use.
         """
-        raise NotImplementedError
 
     def quantize_unsupported(self, target: torch.Tensor) -> str | None:
         """Why :meth:`quantize_like` cannot fill ``target`` on this machine (e.g. it needs a GPU
@@ -176,9 +148,8 @@ class Adapter(abc.ABC):
         return None
 
     def needs_global_amax(self, target: torch.Tensor) -> bool:
-        """Whether ``target`` holds values once for the whole tensor (a per-tensor scale, NF4's
-        scaler mean): a shard of it quantized like itself is then the whole tensor's values
-        quantized like it and cut to the shard, as torchao's slicing would cut it."""
+        """Whether ``target`` holds values once for the whole tensor (a per-tensor scale, NF4's scaler
+        mean): a shard of it is then quantized from the whole tensor and cut, as torchao slices."""
         return False
 
     def copy_into(self, target: torch.Tensor, components: Mapping[str, torch.Tensor]) -> None:
@@ -197,9 +168,8 @@ def refuse_unknown(target_name: str, components: Mapping[str, Any], known) -> No
 
 
 class TraceableAdapter(Adapter):
-    """An adapter of a class that speaks PyTorch's traceable-subclass protocol: its inner buffers are
-    the tensors ``__tensor_flatten__`` names, and ``__tensor_unflatten__`` with the instance's
-    flatten context rebuilds it over new ones."""
+    """An adapter of a traceable tensor subclass: inner buffers are what ``__tensor_flatten__`` names,
+    rebuilt over new ones by ``__tensor_unflatten__``."""
 
     def inner_buffers(self, t):
         return {n: getattr(t, n) for n in t.__tensor_flatten__()[0]}
@@ -212,9 +182,8 @@ class TraceableAdapter(Adapter):
 
 
 class StoredOnlyAdapter(Adapter):
-    """An adapter for a stored format with no live tensor class (compressed-tensors' parameter
-    sets): it describes stored entries (:meth:`rebuild`, :meth:`dequantize_stored`, raw forms) and
-    never matches a live tensor, so the live-tensor methods refuse, naming the family."""
+    """An adapter of a stored format with no live tensor class (compressed-tensors' parameter sets):
+    it never matches a live tensor, and the live-tensor methods refuse, naming the family."""
 
     def matches(self, cls: type) -> bool:
         return False
@@ -231,16 +200,14 @@ class StoredOnlyAdapter(Adapter):
 
 @runtime_checkable
 class RawInterchangeAdapter(Protocol):
-    """An adapter that fills a target of another type with a stored entry's bits, no requantization:
-    within its own family, or across families through a library-neutral *form* of the bits
-    (:mod:`qdcp.adapters.formats`). :func:`raw_conversion` picks the path. Subclass it beside
-    :class:`Adapter`: the defaults here offer nothing."""
+    """An adapter that fills a target of another type with a stored entry's bits, within its family or
+    through a library-neutral *form* (:mod:`qdcp.adapters.formats`); :func:`raw_conversion` picks
+    the path. The defaults offer nothing."""
 
     def raw_load_sources(self, target: torch.Tensor, source_type: str,
                          source_attrs: dict[str, Any]) -> list[str] | None:
-        """For a raw checkpoint entry of *another* type of this adapter's own family (or ``target``
-        of another type of it): the source components from which :meth:`raw_load` fills ``target``
-        exactly, or None (default) when it cannot. Asked of the target's adapter, then of the source's."""
+        """For a raw entry and ``target`` of two types of this family: the source components from
+        which :meth:`raw_load` fills ``target`` exactly, or None. Asked of the target's adapter first."""
         return None
 
     def raw_load(self, target: torch.Tensor, source_type: str, source_attrs: dict[str, Any],
@@ -250,8 +217,7 @@ class RawInterchangeAdapter(Protocol):
         raise NotImplementedError
 
     def raw_forms_out(self, type_name: str, attrs: Mapping[str, Any]) -> Mapping[str, list[str]]:
-        """Forms a stored entry of ``type_name`` / ``attrs`` can be stated in exactly, each with the
-        canonical components it needs. Default: none."""
+        """Forms a stored entry of ``type_name`` / ``attrs`` states exactly, each with the components it needs."""
         return {}
 
     def to_raw_form(self, type_name: str, attrs: Mapping[str, Any], form: str,
@@ -269,8 +235,8 @@ class RawInterchangeAdapter(Protocol):
 
     def new_from_raw_form(self, form: str, tensors: Mapping[str, torch.Tensor], *, shape: tuple[int, ...],
                           dtype: torch.dtype) -> torch.Tensor | None:
-        """A new instance of this family (logical ``shape`` / ``dtype``, default configuration)
-        holding the tensors of ``form`` exactly, or None (default) for forms it does not build."""
+        """A new instance of this family (default configuration) holding the tensors of ``form``
+        exactly, or None for forms it does not build."""
         return None
 
 
@@ -298,19 +264,16 @@ class GroupAdapter(Protocol):
         return None
 
     def members_loaded(self, t: torch.Tensor) -> None:
-        """Called once after every member of ``t`` was loaded from its own checkpoint key: bring
-        group-only state (buffers no member references) in line. Default: nothing."""
+        """Called once every member of ``t`` was loaded from its own key: bring group-only buffers in line."""
 
 
 @runtime_checkable
 class OpRegisteringAdapter(Protocol):
-    """An adapter that fills aten ops its library lacks through the library's own op registry (DCP's
-    default stager needs a same-size ``new_empty``: qdcp.staging.new_empty). Subclass it beside
-    :class:`Adapter`."""
+    """An adapter that fills aten ops its library lacks (the same-size ``new_empty`` DCP's default
+    stager needs: qdcp.staging.new_empty) through the library's own op registry."""
 
     def loaded_classes(self) -> list[type]:
-        """The tensor classes of this family whose modules are already imported (imports nothing).
-        Default: none."""
+        """The tensor classes of this family whose modules are already imported (imports nothing)."""
         return []
 
     def add_op(self, cls: type, op: Any, impl: Callable[..., Any]) -> Callable[[], None] | None:

@@ -1,13 +1,11 @@
 """Entries of a ``compressed-tensors`` checkpoint, as :class:`qdcp.QuantizedHFReader` presents them.
 
 compressed-tensors has no tensor class: a quantized ``<module>.weight`` is a set of parameters
-(``weight_packed``, ``weight_scale``...). These adapters describe such a stored entry so the load
-planner can fill any target from it: raw into torchao's or TransformerEngine's NVFP4 / MXFP8 types
-and torchao's Float8Tensor / Int8Tensor / IntxUnpackedToInt8Tensor through the neutral forms, and
-plain targets (or other types, dequantized then quantized like the target) with the values
-compressed-tensors' own decompression computes, in plain torch: NVFP4 and MXFP8 in bf16, the
-others in the scale's dtype. Integer weights are presented unpacked (int8
-values; asymmetric ones with their unpacked zero points), so they shard like the logical tensor.
+(``weight_packed``, ``weight_scale``...). The adapter describes such an entry so any target loads
+from it: raw (through the neutral forms) into torchao's and TE's NVFP4 / MXFP8 types and torchao's
+affine ones, else with the values compressed-tensors' decompression computes, in plain torch
+(NVFP4 and MXFP8 in bf16, the others in the scale's dtype). Integer weights are presented unpacked
+(int8 values and zero points), so they shard like the logical tensor.
 """
 
 from __future__ import annotations

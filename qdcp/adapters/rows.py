@@ -1,12 +1,9 @@
 """Dequantizing a stored entry (or a chunk of one) a block of rows at a time.
 
-The libraries dequantize a whole tensor at once, through intermediates of its full size (torchao's
-``Int8Tensor``: a bf16 copy, a float32 product, a bf16 result), fresh memory each time. Computed a
-block of rows at a time, each block as the adapter dequantizes a chunk of that size (the chunks a
-sharded load reads anyway), into one output, the intermediates stay a few MiB and the values are
-the same, element for element: every component's blocks are whole in each block of rows, and a
-block's values depend on its own elements and block scales only (tests/test_chunked_dequantize.py
-checks it for every family against the library's ``dequantize()`` of the whole tensor).
+The libraries dequantize a whole tensor at once, through full-size intermediates. Block by block
+(each as the adapter dequantizes a chunk of that size, into one output) they stay a few MiB and the
+values are the same, element for element: each block of rows holds whole component blocks, and a
+block's values depend on its own elements and scales only (tests/test_chunked_dequantize.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Declared components of TransformerEngine tensors: what an adapter states instead of code.
 
-A TE adapter (:mod:`qdcp.adapters.transformer_engine`) lists its canonical components as a
-class-level tuple of :class:`Component` -- the way torchao's ``TorchAOBaseTensor`` declares
-``tensor_data_names`` -- and ``TEAdapter`` derives ``component_names``, ``layouts``,
-``components``, ``native_components`` and the copy of each component into a live tensor from that
-one declaration (the fields of :class:`Component` say what each states). Nothing here imports
-TransformerEngine: the transforms read TE's attributes by name.
+A TE adapter lists its canonical components as a tuple of :class:`Component` (as torchao's
+``TorchAOBaseTensor`` declares ``tensor_data_names``); ``TEAdapter`` derives its per-component
+methods from it. Nothing here imports TransformerEngine: the transforms read TE's attributes by name.
 """
 
 from __future__ import annotations

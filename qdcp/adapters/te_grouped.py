@@ -31,17 +31,12 @@ _GROUPED_MODULE = "transformer_engine.pytorch.tensor.grouped_tensor"
 
 # recipe name -> single-tensor adapter of its members (both Float8 recipes give Float8Tensor members)
 _FLOAT8 = qte.TEFloat8TensorAdapter()
-_SINGLE: dict[str, qte.TEAdapter] = {
-    "mxfp8": qte.TEMXFP8TensorAdapter(),
-    "delayed": _FLOAT8,
-    "current": _FLOAT8,
-    "blockwise": qte.TEFloat8BlockwiseQTensorAdapter(),
-    "nvfp4": qte.TENVFP4TensorAdapter(),
-}
+_SINGLE: dict[str, qte.TEAdapter] = {"mxfp8": qte.TEMXFP8TensorAdapter(), "delayed": _FLOAT8, "current": _FLOAT8,
+                                     "blockwise": qte.TEFloat8BlockwiseQTensorAdapter(),
+                                     "nvfp4": qte.TENVFP4TensorAdapter()}
 
 # Per-group Float8 buffers that no member references, by recipe (stored beside the members).
 _GROUP_EXTRAS = {"delayed": ("amax",), "current": ("amax", "scale")}
-
 
 # recipe name -> the predicate of TE's Recipe that is true for it
 _RECIPE_TESTS = {"mxfp8": "mxfp8", "delayed": "delayed", "current": "float8_current_scaling",
@@ -122,11 +117,9 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
 
     type_names = (TYPE_NAME,)
     # members keyed <key><i> (GroupAdapter.member_key's default), as TE GroupedLinear names them
-    _cls_names = ("GroupedTensor", "GroupedTensorStorage")
 
     def matches(self, cls):
-        return any(c.__name__ in self._cls_names and c.__module__.startswith("transformer_engine.")
-                   for c in cls.__mro__)
+        return qte.is_te_class(cls, ("GroupedTensor", "GroupedTensorStorage"))
 
     # ------------------------------------------------------------------ members
     def members(self, t) -> list:
@@ -183,28 +176,25 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
     def component_names(self, t):
         return list(self.layouts(t))
 
-    def layouts(self, t):
+    def _group(self, t):
+        """``t``'s recipe, members, member shapes and the group-only buffers (:data:`_GROUP_EXTRAS`) it holds."""
         recipe = _recipe(t)
-        members = self.members(t)
-        shapes = self._shapes(t)
         extras = [n for n in _GROUP_EXTRAS.get(recipe, ()) if getattr(t, n) is not None]
+        return recipe, self.members(t), self._shapes(t), extras
+
+    def layouts(self, t):
+        recipe, members, shapes, extras = self._group(t)
         out: dict[str, Layout] = {}
         if self._stacked(t, shapes):
             first = members[0]
             for name, lay in ({"data": Blocked((1,) * first.ndim)} if recipe == "none"
                               else _SINGLE[recipe].layouts(first)).items():
                 out[name] = Blocked((1, *lay.block)) if isinstance(lay, Blocked) else Blocked((1, 0, 0))
-            for name in extras:
-                out[name] = Blocked((1, 0, 0))
-            return out
+            return out | dict.fromkeys(extras, Blocked((1, 0, 0)))
         if recipe == "none" and all(len(s) == 1 and s == shapes[0] for s in shapes):
             return {"data": Blocked((1, 1))}  # 1-D members: [n, L]
-        for i, member in enumerate(members):
-            for name, c in self._member_parts(recipe, member).items():
-                out[_member_key(i, name)] = Replicated(tuple(c.shape))
-        for name in extras:
-            out[name] = Replicated((int(t.num_tensors),))
-        return out
+        per = [self._member_parts(recipe, m) for m in members]
+        return {k: Replicated(tuple(v.shape)) for k, v in _by_member(t, per, extras).items()}
 
     # ------------------------------------------------------------------ components
     @staticmethod
@@ -215,29 +205,19 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
         return _SINGLE[recipe].native_components(member) if native else _SINGLE[recipe].components(member)
 
     def _collect(self, t, native: bool) -> dict[str, torch.Tensor]:
-        recipe = _recipe(t)
-        members = self.members(t)
-        shapes = self._shapes(t)
+        recipe, members, shapes, extras = self._group(t)
         per = [self._member_parts(recipe, m, native) for m in members]
-        extras = [n for n in _GROUP_EXTRAS.get(recipe, ()) if getattr(t, n) is not None]
+        if not (self._stacked(t, shapes) or (recipe == "none" and len(shapes[0]) == 1)):
+            return _by_member(t, per, extras)
         out: dict[str, torch.Tensor] = {}
-        if self._stacked(t, shapes) or (recipe == "none" and len(shapes[0]) == 1):
-            for name in per[0]:
-                views = [p[name] for p in per]
-                if views[0].ndim < len(shapes[0]):  # per-member scalar (1,) -> (1, 1)
-                    views = [v.reshape(1, 1) for v in views]
-                stacked, is_view = _stack(views)
-                if is_view or not native:
-                    out[name] = stacked
-            for name in extras:
-                out[name] = getattr(t, name).view(-1, 1, 1)
-            return out
-        for i, p in enumerate(per):
-            for name, value in p.items():
-                out[_member_key(i, name)] = value
-        for name in extras:
-            out[name] = getattr(t, name)
-        return out
+        for name in per[0]:
+            views = [p[name] for p in per]
+            if views[0].ndim < len(shapes[0]):  # per-member scalar (1,) -> (1, 1)
+                views = [v.reshape(1, 1) for v in views]
+            stacked, is_view = _stack(views)
+            if is_view or not native:
+                out[name] = stacked
+        return out | {name: getattr(t, name).view(-1, 1, 1) for name in extras}
 
     def components(self, t):
         return self._collect(t, native=False)
@@ -387,6 +367,12 @@ class TEGroupedTensorAdapter(Adapter, GroupAdapter, RawInterchangeAdapter):
                 raise LoadMismatchError(f"a single tensor takes one member of a group, got {value.shape[0]}")
             comps[name] = value[0]
         single.copy_into(target, comps)
+
+
+def _by_member(g, per: list[dict[str, torch.Tensor]], extras: list[str]) -> dict[str, torch.Tensor]:
+    """The *members* layout: member ``i``'s components as ``m{i}.C``, then the group's ``extras``."""
+    out = {_member_key(i, name): value for i, p in enumerate(per) for name, value in p.items()}
+    return out | {name: getattr(g, name) for name in extras}
 
 
 def _compatible(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:

@@ -9,10 +9,9 @@
 - **Weights that hold quantized data** (``Int8QuantizedTrainingLinearWeight``,
   ``BitNetPacked2bitLinearWeight``) are stored raw with a spec, like torchao's inference types.
 
-DCP's default async stager copies a tensor through ``new_empty``: the wrappers answer it with a
-plain, uninitialised tensor (their dispatch unwraps every op it does not list), which DCP then
-writes. qdcp fills a same-size ``new_empty`` that builds a real wrapper (qdcp.staging.new_empty),
-through ``torch.library.register_torch_dispatch`` (their ``__torch_dispatch__`` has no op table).
+DCP's default async stager copies through ``new_empty``, which the wrappers answer with a plain,
+uninitialised tensor; qdcp adds a same-size ``new_empty`` that builds a real wrapper
+(qdcp.staging.new_empty) through ``torch.library.register_torch_dispatch``.
 """
 
 from __future__ import annotations
@@ -26,11 +25,13 @@ from qdcp.layouts import Blocked, Replicated
 
 
 class _WrapperAdapter(TorchAOClassAdapter):
-    """A wrapper whose values are one high-precision tensor, ``inner`` (plus derived state)."""
+    """A wrapper whose values are one high-precision tensor, ``inner`` (plus derived state): the
+    MoE float8 / MXFP8, int8 mixed-precision and BitNet training weights (``_data``) are instances."""
 
     inner = "_data"
 
-    def __init__(self) -> None:
+    def __init__(self, cls_name: str = "") -> None:
+        self.cls_name = cls_name or self.cls_name
         super().__init__()
         self._libraries: dict[type, torch.library.Library] = {}
 
@@ -90,31 +91,6 @@ class Float8TrainingWeightAdapter(_WrapperAdapter):
         return type(t)(buffers[self.inner], t._linear_mm_config, t._dtype, buffers.get("_precomputed_scale"))
 
 
-class MoEFloat8TrainingWeightAdapter(_WrapperAdapter):
-    """``torchao.prototype.moe_training.tensor.Float8TrainingWeightWrapperTensor`` (``_data``)."""
-
-    cls_name = "Float8TrainingWeightWrapperTensor"
-
-
-class MoEMXFP8TrainingWeightAdapter(_WrapperAdapter):
-    """``torchao.prototype.moe_training.tensor.MXFP8TrainingWeightWrapperTensor`` (``_data``)."""
-
-    cls_name = "MXFP8TrainingWeightWrapperTensor"
-
-
-class Int8MixedPrecisionTrainingWeightAdapter(_WrapperAdapter):
-    """``torchao.prototype.quantized_training.Int8MixedPrecisionTrainingLinearWeight`` (``_data``)."""
-
-    cls_name = "Int8MixedPrecisionTrainingLinearWeight"
-
-
-class BitNetTrainingWeightAdapter(_WrapperAdapter):
-    """``torchao.prototype.quantized_training.BitNetTrainingLinearWeight`` (``_data``; the
-    precomputed scale is derived state)."""
-
-    cls_name = "BitNetTrainingLinearWeight"
-
-
 # ----------------------------------------------------------------------------- quantized data
 
 class Int8QuantizedTrainingWeightAdapter(TorchAOAdapter):
@@ -158,6 +134,7 @@ class BitNetPacked2bitWeightAdapter(TorchAOAdapter):
 
 def builtin_adapters() -> list[Adapter]:
     """The torchao training adapters qdcp registers at import."""
-    return [Float8TrainingWeightAdapter(), MoEFloat8TrainingWeightAdapter(), MoEMXFP8TrainingWeightAdapter(),
-            Int8MixedPrecisionTrainingWeightAdapter(), BitNetTrainingWeightAdapter(),
-            Int8QuantizedTrainingWeightAdapter(), BitNetPacked2bitWeightAdapter()]
+    wrappers = ("Float8TrainingWeightWrapperTensor", "MXFP8TrainingWeightWrapperTensor",
+                "Int8MixedPrecisionTrainingLinearWeight", "BitNetTrainingLinearWeight")
+    return [Float8TrainingWeightAdapter(), *map(_WrapperAdapter, wrappers), Int8QuantizedTrainingWeightAdapter(),
+            BitNetPacked2bitWeightAdapter()]

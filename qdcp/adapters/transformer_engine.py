@@ -1,16 +1,13 @@
 """Adapters for TransformerEngine's quantized tensors (TE 2.20): Float8, MXFP8, blockwise FP8, NVFP4.
 
-TE is optional and never imported here: classes are recognised by module prefix
-``transformer_engine.`` and class name along the MRO, and TE is used to rebuild a tensor only if
-``transformer_engine.pytorch.tensor`` is already imported. Everything numeric is plain torch on
-CPU: canonical components (unswizzled, unpadded scales; data in logical row order), dequantize,
-and the inverse transforms that rebuild TE's native buffers. Quantizing would need TE's CUDA
-kernels, which qdcp does not drive, so loading into a TE tensor of another format or from plain
-values raises :class:`UnsupportedTensorError` (at load planning).
-
-Each adapter declares its canonical components (``COMPONENTS``, of
-:class:`~qdcp.adapters.te_components.Component`), from which :class:`TEAdapter` derives every
-per-component method; docs/adapters.md tables them per type.
+TE is never imported here: classes are recognised by module prefix and class name along the MRO,
+and TE rebuilds a tensor only if the program imported it. The rest is plain torch on CPU:
+canonical components (unswizzled, unpadded scales; data in logical row order), dequantize, and
+the transforms back to TE's native buffers. Quantizing needs TE's CUDA kernels, so a load into a
+TE tensor of another format or from plain values is refused at planning
+(:class:`UnsupportedTensorError`). Each adapter declares its components (``COMPONENTS``, of
+:class:`~qdcp.adapters.te_components.Component`; docs/adapters.md tables them), from which
+:class:`TEAdapter` derives every per-component method.
 """
 
 from __future__ import annotations
@@ -50,17 +47,14 @@ _FP8_CODES = {v: k for k, v in _FP8_NAMES.items()}
 _FP4_CODE = 10
 
 
-def dequantize_mxfp8(data: torch.Tensor, fp8: str, scale: torch.Tensor, *, block_rows: int,
-                     block_cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """MXFP8: ``fp8 * 2^(e-127)``, one E8M0 ``scale`` item per ``block_rows x block_cols`` block."""
-    x = bits_as(data, _FP8_TORCH[fp8]).float()
-    s = bits_as(scale, torch.float8_e8m0fnu).float()
-    return (x * repeat_blocks(s, block_rows, block_cols, x.shape)).to(dtype)
-
-
 def _te_tensor_module():
     """TE's tensor package if the program has already imported it (never imported here)."""
     return sys.modules.get(_TE_TENSOR_MODULE)
+
+
+def is_te_class(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether ``cls`` or a base of it is a TransformerEngine class named one of ``names``."""
+    return any(c.__name__ in names and c.__module__.startswith("transformer_engine.") for c in cls.__mro__)
 
 
 def _te_dtype(code: int):
@@ -71,10 +65,8 @@ def _te_dtype(code: int):
 # ----------------------------------------------------------------------------- adapter base
 
 class TEAdapter(TraceableAdapter, RawInterchangeAdapter):
-    """Shared machinery: recognition, rebuilding through TE, GPU-only errors, and every
-    per-component method, derived from the subclass's declared :attr:`COMPONENTS`
-    (:mod:`qdcp.adapters.te_components`). A subclass adds only what is format-specific: its
-    attributes, the dequantize math and TE's constructor keywords."""
+    """Recognition, rebuilding through TE, GPU-only errors and every per-component method (from
+    :attr:`COMPONENTS`); a subclass adds its attributes, dequantize math and TE's constructor keywords."""
 
     cls_name: str = ""
     format_name: str = ""
@@ -87,13 +79,11 @@ class TEAdapter(TraceableAdapter, RawInterchangeAdapter):
         self.type_names = (f"transformer_engine.{self.cls_name}",)
 
     def matches(self, cls: type) -> bool:
-        return any(c.__name__ == self.cls_name and c.__module__.startswith("transformer_engine.")
-                   for c in cls.__mro__)
+        return is_te_class(cls, (self.cls_name,))
 
     def allow_pickled(self, qualified_name: str) -> bool:
-        """A TE tensor stock DCP pickled (TE's reduce functions, its classes): loadable where the
-        program has imported TE (which allows its own in weights-only loads); qdcp never imports
-        TE, so without it the error says to."""
+        """A TE tensor stock DCP pickled: loadable where the program imported TE (which allows its
+        classes in weights-only loads); without it, an error says to import it."""
         if not qualified_name.startswith("transformer_engine."):
             return False
         if _te_tensor_module() is None:
@@ -147,21 +137,23 @@ class TEAdapter(TraceableAdapter, RawInterchangeAdapter):
 
     # layouts / components / native_components do not refuse a non-2-D tensor: a dequantized save
     # describes and dequantizes (from the rowwise components) tensors of any rank.
+    def _each(self, t, fn) -> dict[str, Any]:
+        """``fn(component, attrs)`` of each present component of ``t``, by name (``None`` results left out)."""
+        attrs = self.attributes(t)
+        out = {c.name: fn(c, attrs) for c in self.present_components(t, attrs, check_2d=False)}
+        return {k: v for k, v in out.items() if v is not None}
+
     def layouts(self, t):
         """Each present component's declared layout (replicated: its whole native buffer)."""
-        attrs = self.attributes(t)
-        return {c.name: c.layout_for(t, attrs) for c in self.present_components(t, attrs, check_2d=False)}
+        return self._each(t, lambda c, attrs: c.layout_for(t, attrs))
 
     def components(self, t):
         """Each present component in canonical form, as its declared dtype."""
-        attrs = self.attributes(t)
-        return {c.name: c.canonical(t, attrs) for c in self.present_components(t, attrs, check_2d=False)}
+        return self._each(t, lambda c, attrs: c.canonical(t, attrs))
 
     def native_components(self, t):
-        """The present components whose canonical form is their TE buffer (views of it)."""
-        attrs = self.attributes(t)
-        return {c.name: c.canonical(t, attrs) for c in self.present_components(t, attrs, check_2d=False)
-                if c.is_in_place(t)}
+        """The present components whose canonical form is their TE buffer."""
+        return self._each(t, lambda c, attrs: c.canonical(t, attrs) if c.is_in_place(t) else None)
 
     def copy_into(self, target, components):
         """Write canonical ``components`` into ``target``'s buffers (padding zero, swizzle and
@@ -180,8 +172,8 @@ class TEAdapter(TraceableAdapter, RawInterchangeAdapter):
                 copy_bits(buf, native)
 
     def _native_kwargs(self, attrs, comps) -> dict[str, Any]:
-        """TE constructor keywords (buffer names without the underscore) holding canonical ``comps``
-        in the compact, unswizzled native layout; None for declared buffers ``comps`` does not fill."""
+        """TE constructor keywords (buffer names, no underscore) holding ``comps`` natively, unswizzled;
+        None for declared buffers ``comps`` does not fill."""
         declared = {c.name: c for c in self.declared(attrs)}
         kw: dict[str, Any] = {a.lstrip("_"): None for c in declared.values()
                               for a in (c.buffer, *(d for d, _ in c.derived))}
@@ -444,12 +436,11 @@ class TEMXFP8TensorAdapter(TEAdapter):
         return MXFP8_FORMS.get(_FP8_TORCH.get(attrs.get("fp8_dtype")))
 
     def _dequantize(self, attrs, shape, dtype, comps):
-        fp8 = attrs["fp8_dtype"]
-        if "rowwise_data" in comps:
-            data, scale = comps["rowwise_data"], comps["rowwise_scale_inv"]
-            return dequantize_mxfp8(data, fp8, scale, block_rows=1, block_cols=32, dtype=dtype)
-        return dequantize_mxfp8(comps["columnwise_data"], fp8, comps["columnwise_scale_inv"], block_rows=32,
-                                block_cols=1, dtype=dtype)
+        # fp8 * 2^(e-127), one E8M0 item per 1x32 (rowwise) or 32x1 (columnwise) block
+        usage, block = ("rowwise", (1, 32)) if "rowwise_data" in comps else ("columnwise", (32, 1))
+        x = bits_as(comps[f"{usage}_data"], _FP8_TORCH[attrs["fp8_dtype"]]).float()
+        s = bits_as(comps[f"{usage}_scale_inv"], torch.float8_e8m0fnu).float()
+        return (x * repeat_blocks(s, *block, x.shape)).to(dtype)
 
     def _te_kwargs(self, attrs, comps):
         return {"with_gemm_swizzled_scales": False, **self._native_kwargs(attrs, comps)}

@@ -1,13 +1,6 @@
-"""Adapters for torchao's quantized tensors and low-bit optimizer states, one module per family:
-
-- ``base``: :class:`TorchAOAdapter`, what they share (classes found by name at fixed import paths;
-  torchao is imported only when a torchao tensor is seen or a stored entry must be rebuilt);
-- ``affine``: ``Int8Tensor``, ``Float8Tensor``, ``IntxUnpackedToInt8Tensor``;
-- ``block_scaled``: ``MXTensor``, ``NVFP4Tensor``;
-- ``nf4``: ``NF4Tensor``;
-- ``optim``: ``OptimState8bit``, ``OptimState4bit``, ``OptimStateFp8``.
-
-torchao's quantized-*training* weights are in :mod:`qdcp.adapters.torchao_training`.
+"""Adapters for torchao's quantized tensors and low-bit optimizer states, one module per family
+(``base``: what they share; ``affine``, ``block_scaled``, ``nf4``, ``optim``). The quantized-*training*
+weights are in :mod:`qdcp.adapters.torchao_training`.
 """
 
 from __future__ import annotations

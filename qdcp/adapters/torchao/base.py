@@ -1,9 +1,6 @@
-"""What every torchao adapter shares: classes found by name at fixed import paths, and
-:class:`TorchAOAdapter`, one torchao class that declares its data as ``TorchAOBaseTensor`` does.
-
-torchao is optional: nothing here imports it until a torchao tensor is seen (then torchao is already
-imported) or a checkpoint entry of a torchao type must be rebuilt. Classes are recognised by module
-prefix and class name, and loaded from the fixed import paths in :data:`CLASS_PATHS` only.
+"""What every torchao adapter shares: :class:`TorchAOAdapter`, one class declaring its data as
+``TorchAOBaseTensor`` does. Classes are recognised by module prefix and class name; torchao is
+imported only where a stored entry needs its classes, and only from fixed paths (:data:`CLASS_PATHS`).
 """
 
 from __future__ import annotations
@@ -101,10 +98,8 @@ class TorchAOClassAdapter(TraceableAdapter, OpRegisteringAdapter):
 
 
 class TorchAOAdapter(TorchAOClassAdapter):
-    """Shared machinery for one torchao class that declares its data as ``TorchAOBaseTensor`` does.
-
-    Subclasses set :attr:`cls_name` and implement :meth:`layouts` and :meth:`quantize_like`.
-    """
+    """One torchao class that declares its data as ``TorchAOBaseTensor`` does; subclasses set
+    :attr:`cls_name` and implement :meth:`layouts` and :meth:`quantize_like`."""
 
     def allow_pickled(self, qualified_name: str) -> bool:
         """A pickled ``torchao...<cls_name>`` (stock DCP's save of this type): its class imported from
