@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import re
 import stat
@@ -43,8 +42,7 @@ from qdcp.storage import claims, commit
 from qdcp.storage.local_files import open_inside
 from qdcp.storage.metadata import METADATA_FILE, check_chunk_geometry, safe_load_metadata
 
-__all__ = ["CheckpointInfo", "STATES", "ACTIVE_GRACE_S", "checkpoints", "latest", "prune", "left_behind",
-           "format_bytes"]
+__all__ = ["CheckpointInfo", "STATES", "ACTIVE_GRACE_S", "checkpoints", "latest", "prune", "left_behind"]
 
 STATES = ("complete", "writing", "failed", "damaged")
 ACTIVE_GRACE_S = 120.0  #: a directory without .metadata or claim written to this recently may be a save running
@@ -223,11 +221,3 @@ def _remove(c: CheckpointInfo) -> bool:
 def _metadata(path: str) -> Any:
     with open_inside(path, METADATA_FILE, "the checkpoint's .metadata") as f:  # never a file outside it
         return safe_load_metadata(f)
-
-
-def format_bytes(n: int) -> str:
-    """``1.5 GiB``-style sizes for listings."""
-    if n < 1024:
-        return f"{n} B"
-    exp = min(int(math.log(n, 1024)), 4)
-    return f"{n / 1024 ** exp:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][exp]}"
