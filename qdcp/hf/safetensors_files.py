@@ -1,10 +1,8 @@
-"""Hugging Face safetensors directories: streaming shard writer, shard plan, index, size parsing.
+"""Hugging Face safetensors directories: a streaming shard writer, shard plan, index, size parsing.
 
-The writer streams: a file's header (https://github.com/huggingface/safetensors, "Format") is
-computed from the planned tensor names, shapes and dtypes, then each tensor's bytes are appended
-as it is produced, so memory holds one entry at a time. The ``safetensors`` library has no
-streaming writer (``save_file`` needs every tensor of a file in memory); reading goes through it
-(``safe_open``), and the tests read what this writes with it.
+The ``safetensors`` library has no streaming writer (``save_file`` needs a file's every tensor in
+memory): here a file's header is computed from the planned names, shapes and dtypes, then each
+tensor's bytes are appended as it is produced. Reading goes through the library (``safe_open``).
 """
 
 from __future__ import annotations
