@@ -4,7 +4,8 @@ Every verb works without the libraries of the quantized types a checkpoint store
 adapter can compute values in plain torch (TransformerEngine's: TE need not be importable). Long
 work shows a progress bar (entries and bytes) on a terminal; ``--quiet`` turns it off.
 
-Exit status: 0 success, 1 a check failed, 2 bad usage / missing or unreadable checkpoint.
+Exit status: 0 success, 1 a check failed (``verify``), 2 a refusal: bad usage, a missing or
+unreadable checkpoint, an output or a value qdcp cannot use (one line on stderr).
 """
 
 from __future__ import annotations

@@ -63,10 +63,9 @@ def save_sharded(tensors: dict[str, Any], metadata: dict[str, Any], path: Path, 
 
 def load_sharded(path: Path, state: dict[str, Any], model_key: str, strict: bool,
                  weights_only: bool | None, load_planner) -> dict[str, Any]:
-    """Fill ``state`` (``state[model_key]`` the model, its optimizers, other keys) from Lightning's
-    sharded checkpoint at ``path``: the model, then each optimizer, through ``dcp.load`` with a
-    ``load_planner()`` each; the others from ``meta.pt``. Returns what ``meta.pt`` holds beyond
-    ``state``'s keys."""
+    """Fill ``state`` from Lightning's sharded checkpoint at ``path``: ``state[model_key]``, then each
+    optimizer, through ``dcp.load`` with a ``load_planner()`` each; other keys from ``meta.pt``.
+    Returns what ``meta.pt`` holds beyond ``state``'s keys."""
     model = state[model_key]
     model_state = {model_key: get_model_state_dict(model)}
     dcp.load(model_state, checkpoint_id=path, planner=load_planner())

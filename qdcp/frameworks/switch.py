@@ -43,11 +43,8 @@ def is_installed() -> bool:
 
 def install(*, weights_only: bool = True) -> None:
     """Make DCP's ``save`` / ``async_save`` / ``load`` use qdcp's planners where the caller passes
-    none or DCP's default ones (see the module's docstring). Idempotent; thread-safe.
-
-    ``weights_only``: how loads through the switch unpickle non-tensor objects (True: without
-    running code, as ``QuantizedLoadPlanner``; DCP's default planner runs any pickle).
-    """
+    none or DCP's default ones; idempotent, thread-safe. ``weights_only``: how loads through the
+    switch unpickle objects (True: without running code; DCP's default planner runs any pickle)."""
     with _lock:
         _options["weights_only"] = bool(weights_only)
         if _originals:

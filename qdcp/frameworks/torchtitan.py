@@ -84,10 +84,8 @@ def plain_weights(state_dict: dict[str, Any], dtype: torch.dtype) -> dict[str, A
 
 
 class QuantizedCheckpointManager(CheckpointManager):
-    """torchtitan's ``CheckpointManager`` saving and loading quantized weights with qdcp.
-
-    Same config, same folders and behaviour; the checkpoints are qdcp's (checksummed, readable by
-    ``dcp.load`` with :class:`~qdcp.QuantizedLoadPlanner`)."""
+    """torchtitan's ``CheckpointManager`` saving and loading quantized weights with qdcp (same
+    config, folders and behaviour; qdcp's checkpoints)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
