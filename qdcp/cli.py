@@ -4,7 +4,8 @@ Every verb works without the libraries of the quantized types a checkpoint store
 adapter can compute values in plain torch (TransformerEngine's: TE need not be importable). Long
 work shows a progress bar (entries and bytes) on a terminal; ``--quiet`` turns it off.
 
-Exit status: 0 success, 1 a check failed, 2 bad usage / missing or unreadable checkpoint.
+Exit status: 0 success, 1 a check failed (``verify``), 2 a refusal: bad usage, a missing or
+unreadable checkpoint, an output or a value qdcp cannot use (one line on stderr).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from qdcp import checksums, outputs, runs
 from qdcp.checkpoint import save
 from qdcp.errors import QdcpError
-from qdcp.hf.convert import UnwritableDtype, to_safetensors
+from qdcp.hf.convert import to_safetensors
 from qdcp.hf.export import export
 from qdcp.reading import (
     CheckpointEntries,
@@ -42,11 +43,6 @@ from qdcp.reading.consolidate import nest
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 _DTYPE_ARGS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _quiet() -> None:
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
 
 
 #: the field an encoded attribute (qdcp.spec's JSON forms) is shown by, by its keys
@@ -122,7 +118,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         except BaseException as e:  # CheckpointException is a BaseException
             if isinstance(e, KeyboardInterrupt):
                 raise
-            problems.append(f"{key}: {_root_cause(e)}")
+            problems.append(f"{key}: {_first_failure(e)}")
     for p in problems:
         print(f"FAIL {p}")
     checked = "every item checked against its recorded checksum" if checksums.record(md) is not None \
@@ -136,7 +132,8 @@ def _count(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
-def _root_cause(e: BaseException) -> str:
+def _first_failure(e: BaseException) -> str:
+    """``e`` on one line; a DCP ``CheckpointException``: its first rank's error."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         e = next(iter(failures.values()))[0]
@@ -162,8 +159,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _to_torch(args: argparse.Namespace) -> int:
-    """``--to torch``: :func:`qdcp.dcp_to_torch_save`, never over an existing file (a torch.save
-    file does not say who wrote it)."""
+    """``--to torch``: :func:`qdcp.dcp_to_torch_save`, never over an existing file."""
     if args.dtype:  # printed by main, exit 2
         raise ValueError("--to torch takes no --dtype (it writes each entry in its own dtype)")
     if args.overwrite:
@@ -185,23 +181,16 @@ _DCP_FILES = re.compile(r"\.metadata|\.metadata(\.[0-9a-f]+)?\.tmp|[^/]*\.distcp
 
 def _to_safetensors(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
     """``--to safetensors``: :func:`qdcp.hf.convert.to_safetensors`, its result printed."""
-    try:
-        result = to_safetensors(args.path, args.out, dequantize=args.dequantize, dtype=dtype,
-                                overwrite=args.overwrite, progress=False if args.quiet else None)
-    except UnwritableDtype as e:
-        print(f"qdcp: {e.row.name}: dtype {e.row.dtype} has no safetensors name", file=sys.stderr)
-        return EXIT_FAILED
-    for key in result.skipped:
-        print(f"qdcp: skipped non-tensor entry {key!r} (safetensors holds tensors only)", file=sys.stderr)
+    result = to_safetensors(args.path, args.out, dequantize=args.dequantize, dtype=dtype,
+                            overwrite=args.overwrite, progress=False if args.quiet else None)
+    _say_skipped(result.skipped)
     print(f"wrote {result.out}: {_count(result.tensors, 'tensor', 'tensors')}, {result.nbytes} bytes")
     return EXIT_OK
 
 
 def _to_dcp_dequantized(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
-    """A portable DCP checkpoint: every tensor entry plain (raw entries dequantized, in ``dtype``
-    if given), objects as they are, nested as the input's state dict was (its keys the same);
-    readable by stock DCP. Written by qdcp's writer: a previous output is replaced atomically (it
-    stays whole until the new one is)."""
+    """``--to dcp``: every tensor entry plain (in ``dtype`` if given), objects as they are, nested as
+    the input was; readable by stock DCP. qdcp's writer replaces a previous output atomically."""
     reading = CheckpointEntries(args.path)
     flat = {key: reading.entry(key, dequantize=True, dtype=dtype) for key in _in_order(reading, "convert", args.quiet)}
     with warnings.catch_warnings():
@@ -224,13 +213,17 @@ def cmd_export(args: argparse.Namespace) -> int:
         what = "outside --prefix or optimizer states" if args.prefix else "optimizer states (--include-optimizer)"
         print(f"qdcp: left out {_count(len(result.left_out), 'entry', 'entries')}, {what}: "
               f"{', '.join(result.left_out[:3])}{' ...' if len(result.left_out) > 3 else ''}", file=sys.stderr)
-    for key in result.skipped:
-        print(f"qdcp: skipped non-tensor entry {key!r} (safetensors holds tensors only)", file=sys.stderr)
+    _say_skipped(result.skipped)
     for key in result.dequantized:
         print(f"qdcp: {key!r} has no {args.format} form: written dequantized", file=sys.stderr)
     print(f"wrote {result.out_dir} ({args.format}): {_count(len(result.files), 'file', 'files')}, "
           f"{_count(result.tensors, 'tensor', 'tensors')}, {result.nbytes} bytes")
     return EXIT_OK
+
+
+def _say_skipped(keys: Sequence[str]) -> None:
+    for key in keys:
+        print(f"qdcp: skipped non-tensor entry {key!r} (safetensors holds tensors only)", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- a run's checkpoints
@@ -240,6 +233,14 @@ def _age(seconds: float) -> str:
         if seconds >= size:
             return f"{seconds / size:.0f}{unit}"
     return f"{seconds:.0f}s"
+
+
+def _bytes(n: int) -> str:
+    """``1.5 GiB``-style sizes."""
+    if n < 1024:
+        return f"{n} B"
+    exp = min(int(math.log(n, 1024)), 4)
+    return f"{n / 1024 ** exp:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][exp]}"
 
 
 def _run_dir(path: str) -> str:
@@ -258,7 +259,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     for c in found:
         mark = "  <- latest" if c.path == latest else ""
         step = "-" if c.step is None else str(c.step)
-        print(f"{step:>8}  {c.state:<9} {runs.format_bytes(c.nbytes):>10} {_age(c.age_s):>5}  "
+        print(f"{step:>8}  {c.state:<9} {_bytes(c.nbytes):>10} {_age(c.age_s):>5}  "
               f"{os.path.basename(c.path)}{mark}")
         if c.why and c.state != "complete":
             print(f"{'':>8}  ({_one_line(c.why)[:200]})")
@@ -272,7 +273,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     verb = "removed" if args.yes else "would remove"
     for path in doomed:
         c = found[path]
-        print(f"{verb} {os.path.basename(path)} ({c.state}, {runs.format_bytes(c.nbytes)})")
+        print(f"{verb} {os.path.basename(path)} ({c.state}, {_bytes(c.nbytes)})")
         left = runs.left_behind(path)
         if left:
             print(f"  left in it (not written by qdcp): {', '.join(left[:10])}{' ...' if len(left) > 10 else ''}")
@@ -302,9 +303,14 @@ def _verb(sub, name: str, func, help: str, path: str, *flags: str) -> argparse.A
     return p
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, as every refusal (argparse's own prints its usage first)
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} ({self.prog} --help for more)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``qdcp`` argument parser (every argument has help text)."""
-    parser = argparse.ArgumentParser(prog="qdcp", description=_DESCRIPTION)
+    parser = _Parser(prog="qdcp", description=_DESCRIPTION)
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="import MODULE first, to register adapters of your own (repeatable); "
                              "nothing is ever imported because a checkpoint names it")
@@ -362,7 +368,8 @@ def _add_export(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``qdcp`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
-    _quiet()
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
     for module in args.imports:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # `--import mymodule` from the directory holding it
@@ -375,8 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (QdcpError, OSError, ValueError) as e:  # ValueError: an argument's value (a size...) qdcp cannot use
         # a checkpoint's problem says which one; a path that cannot be used as given names itself
-        where = "" if isinstance(e, (outputs.OutputError, OSError)) or not isinstance(e, QdcpError) else \
-            f"{args.path}: "
+        ours = isinstance(e, QdcpError) and not isinstance(e, (outputs.OutputError, OSError))
+        where = f"{args.path}: " if ours else ""
         print(f"qdcp: {where}{_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -1,18 +1,13 @@
 """Where qdcp's tools write (``qdcp convert`` / ``export``, :func:`qdcp.dcp_to_torch_save`): never over
-their input, ``overwrite`` replacing only what qdcp wrote, and through scratch beside the output.
+their input, ``overwrite`` replacing only what qdcp wrote, and through scratch beside the output,
+renamed into place at the end. A scratch name says whose it is and for which output::
 
-:func:`check_separate` and :func:`check_replaceable` run before anything is read or written.
-:func:`writing_file` / :func:`writing_dir` write into scratch beside the output and rename it into
-place at the end. A scratch name says whose it is and for which output::
+    .qdcp-<kind>-<hash of the output's absolute path>-<Owner.tag()>-<random>[suffix]
 
-    .qdcp-<kind>-<output id>-<owner tag>-<random>[suffix]
-
-(``<output id>``: a hash of the output's absolute path; ``<owner tag>``:
-:meth:`qdcp.storage.owners.Owner.tag`). A run killed midway leaves its scratch behind; the next
-run for the same output (:func:`clean`) removes those whose owner has ended on this machine, and
-puts back an export that ``--overwrite`` had moved aside (``.qdcp-replaced-*``) when the kill came
-between moving the old output away and moving the new one in. Scratch of another output, of a run
-still going, or made on another machine is never touched.
+The next run for the same output (:func:`clean`) removes the scratch whose owner has ended on this
+machine, and puts back an export that ``--overwrite`` had moved aside (``.qdcp-replaced-*``) when
+a kill came between its two renames. Scratch of another output, a live run or another machine is
+never touched.
 """
 
 from __future__ import annotations

@@ -1,35 +1,26 @@
 """A run's checkpoints under one directory, for a training loop without a checkpoint manager: the
 latest complete one, a list of them, pruning to the last K, and cleaning what failed saves left.
 
-    path = qdcp.latest("ckpt")        # the checkpoint to resume from (None: no complete one yet)
-    qdcp.checkpoints("ckpt")          # every one: step, state, bytes, age
-    qdcp.prune("ckpt", keep=3)        # older complete ones and failed saves' leftovers removed
-
 Each directory directly under the run's directory is one checkpoint; its step is the last number
 in its name (``step_300``: 300). Its state is one of :data:`STATES`:
 
-- ``complete``: a committed ``.metadata`` that qdcp's metadata reader accepts (no code run, its
-  chunks tiling every item), whose storage records pass ``qdcp verify``'s check of them
-  (:func:`qdcp.reading.verify.check_storage`: every data file present with the bytes it is said
-  to hold). Cheap: no data is read, so a flipped byte is ``qdcp verify``'s to find.
-- ``writing``: a claim file held by a save that may still run (:mod:`qdcp.storage.claims`; one
-  taken on another host is never judged), or, without ``.metadata``, a file written in the last
-  :data:`ACTIVE_GRACE_S` seconds (DCP's own writer takes no claim).
-- ``failed``: no ``.metadata`` and none of the above: what a killed or failed save left.
+- ``complete``: a committed ``.metadata`` qdcp's metadata reader accepts whose storage records pass
+  :func:`qdcp.reading.verify.check_storage` (no data read: a flipped byte is ``qdcp verify``'s to find);
+- ``writing``: a claim held by a save that may still run (one taken on another host is never
+  judged), or, without ``.metadata``, a file written in the last :data:`ACTIVE_GRACE_S` seconds;
+- ``failed``: no ``.metadata`` and none of the above: what a killed or failed save left;
 - ``damaged``: a ``.metadata`` that is not complete by the rule above (it says why).
 
-Only what qdcp writes is ever removed: a checkpoint whose ``.metadata`` carries qdcp's records, its
-``.metadata`` first (so a removal cut short leaves a ``failed`` directory, never a complete-looking
-one), then the files it references; in a failed save's directory, the files qdcp's writer names
-(``__<token>_<rank>_<n>.distcp``, ``.metadata.<token>.tmp``) and a claim no save holds. A directory
-is removed once empty; anything else in it is left, and named.
+Only what qdcp wrote is removed: a checkpoint whose ``.metadata`` carries qdcp's records, its
+``.metadata`` first (a removal cut short leaves a ``failed`` directory), then the files it
+references; in a failed save's directory, the files qdcp's writer names and a claim no save holds.
+A directory is removed once empty; anything else in it is left, and named.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import re
 import stat
@@ -43,8 +34,7 @@ from qdcp.storage import claims, commit
 from qdcp.storage.local_files import open_inside
 from qdcp.storage.metadata import METADATA_FILE, check_chunk_geometry, safe_load_metadata
 
-__all__ = ["CheckpointInfo", "STATES", "ACTIVE_GRACE_S", "checkpoints", "latest", "prune", "left_behind",
-           "format_bytes"]
+__all__ = ["CheckpointInfo", "STATES", "ACTIVE_GRACE_S", "checkpoints", "latest", "prune", "left_behind"]
 
 STATES = ("complete", "writing", "failed", "damaged")
 ACTIVE_GRACE_S = 120.0  #: a directory without .metadata or claim written to this recently may be a save running
@@ -223,11 +213,3 @@ def _remove(c: CheckpointInfo) -> bool:
 def _metadata(path: str) -> Any:
     with open_inside(path, METADATA_FILE, "the checkpoint's .metadata") as f:  # never a file outside it
         return safe_load_metadata(f)
-
-
-def format_bytes(n: int) -> str:
-    """``1.5 GiB``-style sizes for listings."""
-    if n < 1024:
-        return f"{n} B"
-    exp = min(int(math.log(n, 1024)), 4)
-    return f"{n / 1024 ** exp:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][exp]}"

@@ -140,7 +140,8 @@ def test_convert_to_safetensors_never_writes_over_a_file_beside_its_output(ckpt,
 
 
 @pytest.mark.parametrize("case", ["out_is_a_file", "missing_checkpoint", "checkpoint_is_a_file", "bad_size",
-                                  "missing_config", "config_not_json", "convert_out_is_a_dir", "verify_missing"])
+                                  "missing_config", "config_not_json", "convert_out_is_a_dir", "verify_missing",
+                                  "missing_option", "keep_0"])
 def test_user_errors_exit_2_with_one_line(ckpt, tmp_path, case):
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -152,15 +153,34 @@ def test_user_errors_exit_2_with_one_line(ckpt, tmp_path, case):
             "missing_config": ["export", ckpt, tmp_path / "o", "--config", tmp_path / "nope.json", *export],
             "config_not_json": ["export", ckpt, tmp_path / "o", "--config", afile, *export],
             "convert_out_is_a_dir": ["convert", ckpt, tmp_path, "--to", "safetensors", "--quiet"],
-            "verify_missing": ["verify", tmp_path / "nope", "--quiet"]}[case]
+            "verify_missing": ["verify", tmp_path / "nope", "--quiet"],
+            "missing_option": ["convert", ckpt, tmp_path / "o"], "keep_0": ["prune", tmp_path, "--keep", "0"]}[case]
     words = {"out_is_a_file": ["afile", "is a file"], "missing_checkpoint": ["no checkpoint directory", "nope"],
              "checkpoint_is_a_file": ["no checkpoint directory", "afile"], "bad_size": ["5XB"],
              "missing_config": ["--config", "nope.json", "No such file"],
              "config_not_json": ["--config", "afile", "not a JSON file"],
              "convert_out_is_a_dir": ["is a directory"],
-             "verify_missing": ["no checkpoint directory", "nope"]}[case]
+             "verify_missing": ["no checkpoint directory", "nope"],
+             "missing_option": ["qdcp convert", "--to", "--help"], "keep_0": ["keep=0", "at least 1"]}[case]
     _usage_error(_qdcp(*args), *words)
     assert sorted(os.listdir(tmp_path)) == ["afile"] and afile.read_text() == "x"
+
+
+@pytest.mark.parametrize("size", ["5iB", "5XB", "", "GB", "5G", "1e9", "-3", "0", "5.5.5GB", "5 GB B"])
+def test_a_bad_max_shard_size_is_refused_naming_the_option_and_its_forms(ckpt, tmp_path, size):
+    _usage_error(_qdcp("export", ckpt, tmp_path / "o", "--format", "torchao", "--max-shard-size", size, "--quiet"),
+                 "--max-shard-size", repr(size), "KB", "MiB", "'5GB'")
+    for bad in (size, 0, -1, True):
+        with pytest.raises(ValueError, match=r"max_shard_size \(--max-shard-size\) .*: expected a positive number"):
+            qdcp.export(ckpt, tmp_path / "o", format="torchao", max_shard_size=bad)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_dtype_safetensors_cannot_hold_is_refused_in_one_line(tmp_path):
+    qdcp.save({"z": torch.randn(4, dtype=torch.complex64)}, tmp_path / "ckpt")
+    _usage_error(_qdcp("convert", tmp_path / "ckpt", tmp_path / "z.safetensors", "--to", "safetensors"),
+                 "key 'z'", "torch.complex64", "has no safetensors name", "nothing was written")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
 def _corrupt(path: Path, *values: torch.Tensor) -> None:

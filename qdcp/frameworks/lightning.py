@@ -1,21 +1,13 @@
 """Lightning: ``ModelParallelStrategy`` (FSDP2) checkpoints of quantized tensors with qdcp (docs/frameworks.md).
 
-Lightning's ``ModelParallelStrategy`` (pytorch-lightning 2.6, Fabric's and the Trainer's) writes a
-sharded checkpoint (DCP files plus ``meta.pt``) with DCP's ``save`` / ``load`` and no planner, and
-refuses a ``CheckpointIO`` plugin. The strategies here are Lightning's with qdcp's planners::
-
-    from qdcp.frameworks.lightning import QuantizedFabricStrategy      # Fabric(strategy=...)
-    from qdcp.frameworks.lightning import QuantizedTrainerStrategy     # Trainer(strategy=...)
-
-Lightning's DCP calls are in private module functions (``lightning_fabric/strategies/fsdp.py``
-``_distributed_checkpoint_save`` / ``_load``), so the overridden methods are the narrowest public
-ones above them, ``save_checkpoint`` and ``load_checkpoint``; each redoes only the sharded branch
-(same files, same order: model, each optimizer, ``meta.pt``) and hands every other case to
-Lightning. Planners: DCP's default flags, ``overwrite=True`` (Lightning writes over a checkpoint in
-place), objects loaded ``weights_only=True``; override ``save_planner`` / ``load_planner`` for
-others. Private Lightning names used (checked by import): ``_METADATA_FILENAME``, ``_Stateful``,
-``_has_dtensor_modules``, ``_is_sharded_checkpoint``, ``_validate_keys_for_strict_loading``. These
-subclass the ``lightning_fabric`` / ``pytorch_lightning`` classes (not ``lightning.*``'s copies).
+Lightning's ``ModelParallelStrategy`` (pytorch-lightning 2.6) writes a sharded checkpoint (DCP files
+plus ``meta.pt``) with DCP's ``save`` / ``load``, no planner, and refuses a ``CheckpointIO`` plugin.
+``QuantizedFabricStrategy`` (``Fabric(strategy=...)``) and ``QuantizedTrainerStrategy``
+(``Trainer(strategy=...)``) override the narrowest public methods above Lightning's private DCP
+calls, ``save_checkpoint`` / ``load_checkpoint``, redoing only the sharded branch (same files, same
+order) with qdcp's planners (``overwrite=True``, objects loaded ``weights_only=True``; override
+``save_planner`` / ``load_planner`` for others). Private Lightning names are imported (so checked)
+below. They subclass the ``lightning_fabric`` / ``pytorch_lightning`` classes, not ``lightning.*``'s.
 """
 
 from __future__ import annotations
@@ -71,10 +63,9 @@ def save_sharded(tensors: dict[str, Any], metadata: dict[str, Any], path: Path, 
 
 def load_sharded(path: Path, state: dict[str, Any], model_key: str, strict: bool,
                  weights_only: bool | None, load_planner) -> dict[str, Any]:
-    """Fill ``state`` (``state[model_key]`` the model, its optimizers, other keys) from Lightning's
-    sharded checkpoint at ``path``: the model, then each optimizer, through ``dcp.load`` with a
-    ``load_planner()`` each; the others from ``meta.pt``. Returns what ``meta.pt`` holds beyond
-    ``state``'s keys."""
+    """Fill ``state`` from Lightning's sharded checkpoint at ``path``: ``state[model_key]``, then each
+    optimizer, through ``dcp.load`` with a ``load_planner()`` each; other keys from ``meta.pt``.
+    Returns what ``meta.pt`` holds beyond ``state``'s keys."""
     model = state[model_key]
     model_state = {model_key: get_model_state_dict(model)}
     dcp.load(model_state, checkpoint_id=path, planner=load_planner())

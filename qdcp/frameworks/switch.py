@@ -1,17 +1,11 @@
 """An opt-in, reversible switch: DCP's own ``save`` / ``async_save`` / ``load`` use qdcp's planners
 (docs/frameworks.md, "The switch", has the table of what each call gets).
 
-Frameworks call DCP with no planner, or with DCP's default planners built inside their functions.
-:func:`install` replaces ``save`` / ``async_save`` / ``load`` in ``torch.distributed.checkpoint``,
-``state_dict_saver`` and ``state_dict_loader`` with wrappers that, where the planner is None or
-exactly DCP's ``DefaultSavePlanner`` / ``DefaultLoadPlanner``, pass qdcp's planners with the
-default planner's flags carried over (saves ``overwrite=True``: the caller chose DCP's
-overwrite-in-place; dequantized for DCP's ``HuggingFaceStorageWriter``; ``async_save`` stages
-through a ``QuantizedStager`` where the writer would stage with torch's own code); every other
-argument and planner is passed on unchanged. DCP's ``_EmptyStateDictLoadPlanner``, which
-consolidation tools look up at call time in ``format_utils`` / ``state_dict_loader``, becomes
-qdcp's ``ConsolidatingLoadPlanner``. :func:`uninstall` puts DCP's functions back; :func:`installed`
-does both around a block. Process-wide.
+:func:`install` replaces them in ``torch.distributed.checkpoint``, ``state_dict_saver`` and
+``state_dict_loader`` with wrappers that, where the planner is None or exactly DCP's default one,
+pass qdcp's with its flags carried over; every other argument and planner is passed on unchanged.
+DCP's ``_EmptyStateDictLoadPlanner`` becomes qdcp's ``ConsolidatingLoadPlanner``. :func:`uninstall`
+puts DCP's functions back; :func:`installed` does both around a block. Process-wide.
 """
 
 from __future__ import annotations
@@ -49,11 +43,8 @@ def is_installed() -> bool:
 
 def install(*, weights_only: bool = True) -> None:
     """Make DCP's ``save`` / ``async_save`` / ``load`` use qdcp's planners where the caller passes
-    none or DCP's default ones (see the module's docstring). Idempotent; thread-safe.
-
-    ``weights_only``: how loads through the switch unpickle non-tensor objects (True: without
-    running code, as ``QuantizedLoadPlanner``; DCP's default planner runs any pickle).
-    """
+    none or DCP's default ones; idempotent, thread-safe. ``weights_only``: how loads through the
+    switch unpickle objects (True: without running code; DCP's default planner runs any pickle)."""
     with _lock:
         _options["weights_only"] = bool(weights_only)
         if _originals:

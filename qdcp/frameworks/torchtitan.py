@@ -1,22 +1,15 @@
 """torchtitan: a ``CheckpointManager`` that checkpoints quantized weights with qdcp (docs/frameworks.md).
 
-torchtitan's ``CheckpointManager`` (torchtitan 0.3) calls ``dcp.save`` / ``dcp.async_save`` /
-``dcp.load`` without a planner. :class:`QuantizedCheckpointManager` is that manager with qdcp's
-planners, built by its own ``Config`` (torchtitan's config system builds the class that declares
-the ``Config``)::
-
-    from qdcp.frameworks.torchtitan import QuantizedCheckpointManager
+torchtitan's ``CheckpointManager`` (torchtitan 0.3) calls DCP without a planner.
+:class:`QuantizedCheckpointManager` is it with qdcp's planners, built by its own ``Config``::
 
     checkpoint = QuantizedCheckpointManager.Config(enable=True, folder="checkpoint", interval=500,
                                                    async_mode="async_with_pinned_mem")
 
-Its seams: ``dcp_save`` / ``dcp_load`` (overridable by design; ``overwrite=True``: torchtitan
-writes a step's folder in place; quantized tensors staged by a :class:`~qdcp.QuantizedStager`,
-which DCP's and torchtitan's default staging are not); the model's state-dict cache
-(torchtitan's ``ModelWrapper`` asks a quantized wrapper tensor for a storage it does not have);
-and ``_save_last_step`` (the one private method overridden, calling torchtitan's
-``_create_checkpoint_id`` as its own does), whose model-only save writes plain ``export_dtype``
-weights a plain or HF reader can use.
+Its seams: ``dcp_save`` / ``dcp_load`` (``overwrite=True``: torchtitan writes a step's folder in
+place; quantized tensors staged by a :class:`~qdcp.QuantizedStager`), the model's state-dict cache
+(:class:`QuantizedModelWrapper`), and ``_save_last_step`` (private, calling torchtitan's
+``_create_checkpoint_id`` as its own does), whose model-only save writes plain ``export_dtype`` weights.
 """
 
 from __future__ import annotations
@@ -91,10 +84,8 @@ def plain_weights(state_dict: dict[str, Any], dtype: torch.dtype) -> dict[str, A
 
 
 class QuantizedCheckpointManager(CheckpointManager):
-    """torchtitan's ``CheckpointManager`` saving and loading quantized weights with qdcp.
-
-    Same config, same folders and behaviour; the checkpoints are qdcp's (checksummed, readable by
-    ``dcp.load`` with :class:`~qdcp.QuantizedLoadPlanner`)."""
+    """torchtitan's ``CheckpointManager`` saving and loading quantized weights with qdcp (same
+    config, folders and behaviour; qdcp's checkpoints)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):

@@ -1,15 +1,11 @@
-"""A qdcp/DCP checkpoint as one safetensors file (what ``qdcp convert --to safetensors`` writes).
+"""A qdcp/DCP checkpoint as one safetensors file (``qdcp convert --to safetensors``).
 
 Raw (default): each raw quantized entry's components under ``<key>.__qdcp__.<component>``, as
-stored (no library of the type is needed), and the qdcp spec of those entries in the header
-metadata under ``"qdcp"``; plain tensors under their key. ``dequantize=True``: every tensor entry
-as its plain values under its key (floating ones in ``dtype`` where given). Objects are skipped
-(safetensors holds tensors only). The header's ``producer: qdcp`` marks the file as qdcp's: only
-such a file is ever replaced (``overwrite=True``).
-
-Entries stream one at a time into a fresh scratch file beside ``out``, renamed to ``out`` once
-complete: memory holds one entry, and ``out`` is never left half written (a killed run's scratch is
-removed by the next conversion to the same ``out``).
+stored, and their qdcp spec in the header metadata under ``"qdcp"``; plain tensors under their
+key. ``dequantize=True``: every tensor entry as its values (floating ones in ``dtype`` where
+given). Objects are skipped. The header's ``producer: qdcp`` marks the file as qdcp's: only such a
+file is replaced (``overwrite=True``). Entries stream one at a time into scratch beside ``out``,
+renamed to ``out`` once complete (:mod:`qdcp.outputs`).
 """
 
 from __future__ import annotations
@@ -90,10 +86,9 @@ def to_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *, deq
                    progress: bool | None = None) -> SafetensorsResult:
     """Write the checkpoint at ``checkpoint`` as the safetensors file ``out`` (see the module's doc).
 
-    ``out`` may not be, hold or lie inside the checkpoint; an existing ``out`` is replaced only with
-    ``overwrite`` and only if qdcp wrote it (:class:`qdcp.outputs.OutputError` otherwise,
-    before anything is read). The scratch a killed conversion to ``out`` left is removed first. A
-    dtype safetensors has no name for raises :class:`UnwritableDtype` before anything is written.
+    ``out`` may not be, hold or lie inside the checkpoint, and is replaced only with ``overwrite``
+    and if qdcp wrote it (:class:`qdcp.outputs.OutputError` before anything is read). A dtype
+    safetensors has no name for raises :class:`UnwritableDtype` before anything is written.
     ``progress``: a bar on stderr (None: on a terminal only).
     """
     checkpoint, out = os.fspath(checkpoint), os.fspath(out)
@@ -113,9 +108,8 @@ def to_safetensors(checkpoint: str | os.PathLike, out: str | os.PathLike, *, deq
 
 def plan_rows(entries: CheckpointEntries, keys: Sequence[str], dequantize: bool,
               dtype: torch.dtype | None) -> tuple[list[TensorRow], list[str]]:
-    """The rows of every tensor to write, in file order, and the keys of objects (skipped). A raw
-    entry is its components as stored (unless ``dequantize``: its values in its logical dtype); a
-    plain one its stored dtype; floating values are in ``dtype`` where given."""
+    """The rows of every tensor to write, in file order, and the keys of objects (skipped): a raw
+    entry's components as stored (``dequantize``: its values), floating values in ``dtype`` where given."""
     rows, skipped = [], []
     for key in keys:
         entry = entries.specs.get(key)

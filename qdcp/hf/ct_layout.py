@@ -2,16 +2,11 @@
 "compressed-tensors"``), written from raw bits: nothing is requantized.
 
 Per quantized ``<module>.weight``, the format and tensors of docs/export_compressed_tensors.md
-("Mapping"; its "Conventions" are the library's: E2M1 nibble order, E8M0 scale bytes, offset
-integers packed along K, ``weight_global_scale = 1 / decode scale``). Integer entries with a
-non-zero zero point (read when the entry is planned) are written asymmetric, channel and group
-strategies only. Dynamic activation quantization the source states (torchao's
-``act_quant_kwargs``) becomes the scheme's ``input_activations`` where the library has its args
-(:func:`input_activations`); other activation settings are not carried (weight-only).
-
-Reading (:meth:`CompressedTensorsLayout.entries`): each module a config group targets is one
-entry of a source-only type (:mod:`qdcp.adapters.compressed_tensors`) whose components are its
-parameters as stored (packed integers unpacked when read). The rules of the format, both ways, are here.
+(its "Mapping" and "Conventions"). Integer entries with a non-zero zero point are written
+asymmetric (channel and group strategies only). Dynamic activation quantization the source states
+becomes ``input_activations`` where the library has its args (:func:`input_activations`).
+Reading (:meth:`CompressedTensorsLayout.entries`): each module a config group targets is one entry
+of a source-only type (:mod:`qdcp.adapters.compressed_tensors`), its parameters as stored.
 """
 
 from __future__ import annotations
@@ -63,8 +58,7 @@ _ACT_STRATEGIES = {"PerRow": "token", "PerToken": "token", "PerTensor": "tensor"
 
 def input_activations(attrs: Mapping) -> str:
     """The ``input_activations`` args (canonical JSON) for the dynamic activation quantization a
-    torchao tensor's attributes state: Float8Tensor FP8 E4M3 and Int8Tensor int8 per token or
-    tensor, IntxUnpackedToInt8Tensor's int8 asymmetric per token, MXTensor MXFP8 E4M3. "null"
+    torchao tensor's attributes state (FP8 E4M3 or int8 per token or tensor, MXFP8 E4M3); "null"
     (weight-only) where there is none or it has no compressed-tensors args."""
     kwargs, intx = attrs.get("act_quant_kwargs"), attrs.get("activation_quantization")
     name = type(kwargs).__name__
@@ -83,11 +77,9 @@ def input_activations(attrs: Mapping) -> str:
 
 
 def pack_int32(values: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """compressed-tensors' ``pack-quantized`` words (4 or 8 bits): ``values + 2**(bits-1)`` packed
-    from the least significant bit, ``32 // bits`` a word along the last dim (zero padded). Bytes
-    are built in uint8 and read as little-endian int32 words: the offset is a bit flip of the two's
-    complement byte (``^ 0x80``; two nibbles ``(hi << 4 | lo & 0xF) ^ 0x88``). ``out``: a uint8
-    buffer of at least the packed bytes, reused (the words are a view of it)."""
+    """compressed-tensors' ``pack-quantized`` int32 words: ``values + 2**(bits-1)`` (a bit flip of the
+    two's complement byte or nibble), ``32 // bits`` a word along the last dim from the least
+    significant bit, zero padded. ``out``: a uint8 buffer of at least the packed bytes, reused."""
     if bits not in (4, 8):
         raise ValueError(f"pack_int32: {bits}-bit integers are not written (4 and 8 are)")
     u = values.contiguous().view(torch.uint8)
@@ -104,8 +96,7 @@ def pack_int32(values: torch.Tensor, bits: int, out: torch.Tensor | None = None)
 
 
 def packed_rows(values: torch.Tensor, bits: int) -> RowBlocks:
-    """:func:`pack_int32` of 2-D ``values``, made a block of rows at a time in one reused buffer
-    as it is written (about 1 MiB a block): exporting holds the entry and that buffer, not a packed copy."""
+    """:func:`pack_int32` of 2-D ``values``, made about 1 MiB of rows at a time in one reused buffer."""
     n, k = values.shape
     words = ceil_div(k, 32 // bits)
     rows = max(1, (1 << 20) // max(1, words * 4))
@@ -114,9 +105,7 @@ def packed_rows(values: torch.Tensor, bits: int) -> RowBlocks:
 
 
 def unpack_int32(words: torch.Tensor, bits: int, length: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of :func:`pack_int32`: int8 values, ``length`` along the last dim (into ``out``, an
-    int8 tensor of that shape, where given). The offset comes off as it went on: a bit flip of
-    each byte (8 bits), or of each nibble before it is sign-extended (4 bits: ``nibble - 8``)."""
+    """Inverse of :func:`pack_int32`: int8 values, ``length`` along the last dim (into ``out`` where given)."""
     b = words.contiguous().view(torch.uint8)
     if bits not in (4, 8):
         raise ValueError(f"unpack_int32: {bits}-bit integers are not read (4 and 8 are)")
@@ -230,10 +219,9 @@ class CompressedTensorsLayout(HFLayout):
         return _quantization_config(config) is not None
 
     def entries(self, directory: HFDirectory) -> list[Presented]:
-        """Each module a config group targets that holds quantization parameters, read as the
-        format's codes where ``quantization_status`` is ``compressed`` (or absent and the stored
-        dtypes are codes), else left as the dense tensors they are. A module whose stored dtypes
-        contradict the status, or codes no group targets, are refused."""
+        """Each module a config group targets that holds quantization parameters, as codes where
+        ``quantization_status`` (else the stored dtypes) says so; codes no group reads, or dtypes
+        contradicting the status, are refused."""
         d = directory
         qc = _quantization_config(d.config)  # what layout_of chose this layout by
         status = qc.get("quantization_status")
@@ -253,9 +241,8 @@ class CompressedTensorsLayout(HFLayout):
 
 
 def _scheme_of(form: str, t: Mapping[str, torch.Tensor], shape, inputs: str) -> Scheme:
-    """The entry's scheme (raises :class:`UnsupportedEntry` where the format has none). The format
-    is the one the library picks for the scheme (``infer_module_format``): with quantized
-    activations, FP8 is ``float-quantized`` and integers ``int-quantized`` (unpacked int8)."""
+    """The entry's scheme, its format the one the library's ``infer_module_format`` picks (raises
+    :class:`UnsupportedEntry` where there is none)."""
     if form == NVFP4_ROW16:  # weight-only
         return Scheme("nvfp4-pack-quantized", _args(num_bits=4, type="float", strategy="tensor_group", group_size=16,
                                                      scale_dtype="torch.float8_e4m3fn"))
@@ -331,10 +318,8 @@ def _matches(module: str, patterns) -> bool:
     return False
 
 
-#: quantization_status values: "compressed" stores the format's codes; the others dense weights (with
-#: the quantization parameters beside them): "decompressed" is what transformers saves after a
-#: loaded model decompressed itself, "frozen" / "initialized" / "calibration" a model saved before
-#: compression
+#: quantization_status values: "compressed" stores the format's codes; the others dense weights
+#: (quantization parameters beside them), saved after decompression or before compression
 _STATUSES = ("compressed", "decompressed", "frozen", "initialized", "calibration")
 _UNPACKED = ("naive-quantized", "float-quantized", "int-quantized")
 _E4M3, _INTEGERS = (torch.float8_e4m3fn,), (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -373,9 +358,8 @@ def _modules(d: HFDirectory, targets, ignore) -> list[str]:
 
 
 def _compressed(d: HFDirectory, module: str, status: str | None) -> bool:
-    """Whether ``module``'s tensors are the format's codes (True) or its dense weight (False), as
-    ``quantization_status`` says (absent: as the stored dtypes say); a status the stored dtypes
-    contradict is refused."""
+    """Whether ``module`` stores codes (True) or its dense weight, as ``quantization_status`` (else
+    the stored dtypes) says; a status the stored dtypes contradict is refused."""
     weight = d.tensors.get(f"{module}.weight")
     dense = weight is not None and _is_dense(weight[2]) and f"{module}.weight_packed" not in d.tensors
     if status is None or dense == (status != "compressed"):
@@ -429,33 +413,33 @@ def _entry(d: HFDirectory, module: str, fmt: str, weights: Mapping) -> Presented
         raise CheckpointFormatError(f"key {key!r}: compressed-tensors format {fmt!r} is not read by qdcp "
                                     f"({', '.join(_READ_DTYPES)} are)")
     _check_dtypes(d, key, module, fmt, weights)
-    t = {part: f"{module}.{part}" for part in _PARAMETERS}
+    names = {part: f"{module}.{part}" for part in _PARAMETERS}
     if fmt == "nvfp4-pack-quantized":
-        n, half = d.tensors[t["weight_packed"]][1]
-        comps = {"weight_packed": (Blocked((1, 2)), t["weight_packed"]),
-                 "weight_scale": (Blocked((1, 16)), t["weight_scale"]),
-                 "weight_global_scale": (Replicated((1,)), t["weight_global_scale"])}
+        n, half = d.tensors[names["weight_packed"]][1]
+        comps = {"weight_packed": (Blocked((1, 2)), names["weight_packed"]),
+                 "weight_scale": (Blocked((1, 16)), names["weight_scale"]),
+                 "weight_global_scale": (Replicated((1,)), names["weight_global_scale"])}
         return _presented(d, key, ct.NVFP4, (n, half * 2), torch.bfloat16, {}, comps)
     if fmt == "mxfp8-quantized":
-        comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (Blocked((1, 32)), t["weight_scale"])}
+        comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (Blocked((1, 32)), names["weight_scale"])}
         return _presented(d, key, ct.MXFP8, d.tensors[key][1], torch.bfloat16, {}, comps)
-    asymmetric = not weights.get("symmetric", True) or t["weight_zero_point"] in d.tensors
+    asymmetric = not weights.get("symmetric", True) or names["weight_zero_point"] in d.tensors
     is_int = weights.get("type") == "int" or (key in d.tensors and d.tensors[key][2] == torch.int8)
     if asymmetric and not (is_int and (fmt in _UNPACKED or weights.get("strategy") in ("channel", "group"))):
         raise CheckpointFormatError(f"key {key!r}: asymmetric compressed-tensors weights are read as integers "
                                     f"(packed per channel or group, or unpacked); this is {fmt}, "
                                     f"{weights.get('type')} {weights.get('strategy')}")
-    if asymmetric and t["weight_zero_point"] not in d.tensors:
-        raise CheckpointFormatError(f"key {key!r}: an asymmetric scheme without {t['weight_zero_point']!r}")
-    return _codes(d, key, t, weights, asymmetric, packed=fmt not in _UNPACKED)
+    if asymmetric and names["weight_zero_point"] not in d.tensors:
+        raise CheckpointFormatError(f"key {key!r}: an asymmetric scheme without {names['weight_zero_point']!r}")
+    return _codes(d, key, names, weights, asymmetric, packed=fmt not in _UNPACKED)
 
 
-def _codes(d: HFDirectory, key: str, t: Mapping[str, str], weights: Mapping, asymmetric: bool,
+def _codes(d: HFDirectory, key: str, names: Mapping[str, str], weights: Mapping, asymmetric: bool,
            packed: bool) -> Presented:
     """naive / float / int-quantized: the codes stored as they are (FP8 E4M3 or int8);
     pack-quantized: int4 / int8 codes packed in int32 words (zero points packed along N)."""
     if packed:
-        shape = tuple(int(s) for s in d.tensor(t["weight_shape"]).tolist())
+        shape = tuple(int(s) for s in d.tensor(names["weight_shape"]).tolist())
         kind, bits = ct.INT, int(weights.get("num_bits", 4))
         if bits not in (4, 8) or len(shape) != 2:
             raise CheckpointFormatError(f"key {key!r}: pack-quantized {bits}-bit weights of shape {shape} are not "
@@ -463,17 +447,17 @@ def _codes(d: HFDirectory, key: str, t: Mapping[str, str], weights: Mapping, asy
     else:
         shape, bits = d.tensors[key][1], int(weights.get("num_bits", 8))
         kind = ct.INT if d.tensors[key][2] == torch.int8 else ct.FLOAT
-    scale = d.meta(t["weight_scale"])
+    scale = d.meta(names["weight_scale"])
     block = block_of(weights, shape, tuple(scale.shape))
     layout = Replicated(tuple(scale.shape)) if tuple(block) == tuple(shape) else Blocked(tuple(block))
-    comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (layout, t["weight_scale"])}
+    comps = {"weight": (Blocked((1, 1)), key), "weight_scale": (layout, names["weight_scale"])}
     attrs = {"block": list(block), **({"bits": bits} if kind == ct.INT else {})}
     if asymmetric:
-        comps["weight_zero_point"] = (layout, t["weight_zero_point"])
+        comps["weight_zero_point"] = (layout, names["weight_zero_point"])
         attrs["symmetric"] = False
     if not packed:
         return _presented(d, key, kind, shape, scale.dtype, attrs, comps)
-    word, zero = t["weight_packed"], t["weight_zero_point"]
+    word, zero = names["weight_packed"], names["weight_zero_point"]
 
     def codes(get, out):
         return unpack_int32(get(word), bits, shape[1], out)
@@ -486,13 +470,12 @@ def _codes(d: HFDirectory, key: str, t: Mapping[str, str], weights: Mapping, asy
     if asymmetric:
         _check_packed(d, key, zero, (ceil_div(shape[0], 32 // bits), scale.shape[-1]), bits, tuple(scale.shape))
         comps["weight_zero_point"] = (layout, Item(tuple(scale.shape), torch.int8, build=zeros))
-    used = {word, t["weight_shape"]} | ({zero} if asymmetric else set())
+    used = {word, names["weight_shape"]} | ({zero} if asymmetric else set())
     return _presented(d, key, ct.INT, shape, scale.dtype, attrs, comps, used)
 
 
 def _check_packed(d: HFDirectory, key: str, name: str, want: tuple[int, int], bits: int, of) -> None:
-    """Refuse a packed tensor whose shape is not what ``bits``-bit codes of ``of`` pack into (the
-    config's ``num_bits`` and the tensors disagree: unpacking would read other codes)."""
+    """Refuse a packed tensor whose shape is not what ``bits``-bit codes of ``of`` pack into."""
     got = d.meta(name)
     if tuple(got.shape) != tuple(want) or got.dtype != torch.int32:
         raise CheckpointFormatError(

@@ -1,13 +1,9 @@
 """``qdcp.export``: a qdcp/DCP checkpoint (any world size) to a Hugging Face safetensors directory
 in a layout inference engines load (:mod:`qdcp.hf.torchao_layout`, :mod:`qdcp.hf.ct_layout`).
 
-Every entry is planned from the checkpoint's metadata first, so an entry the layout cannot
-represent stops the export before anything is written. Then entries stream one at a time
-(assembled from their chunks, converted, appended to their file): memory holds one entry. Files
-are written into a scratch directory beside ``out_dir`` and renamed into place at the end, so
-``out_dir`` is never left half written; what a killed export left there is removed (and an old
-export it was replacing put back) by the next export to the same ``out_dir``
-(:mod:`qdcp.outputs`).
+Every entry is planned from the metadata first (an entry the layout cannot represent stops the
+export before anything is written), then streamed one at a time into scratch beside ``out_dir``,
+renamed into place at the end (:mod:`qdcp.outputs`).
 """
 
 from __future__ import annotations
@@ -54,18 +50,15 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
            include_optimizer: bool = False) -> ExportResult:
     """Write the checkpoint at ``checkpoint`` as a Hugging Face directory ``out_dir`` in ``format``.
 
-    ``config``: a ``config.json`` (path or dict) to which the format's ``quantization_config`` is
-    added (default: a ``config.json`` holding only that). Files above ``max_shard_size`` (bytes or
-    ``"5GB"``) are split as ``model-0000i-of-0000N.safetensors`` with an index. An entry the format
-    cannot represent raises :class:`ExportError` naming it before anything is written, unless
-    ``dequantize_unsupported`` writes it dequantized (its logical dtype). ``progress``: a bar on
-    stderr (None: on a terminal only). ``prefix``: export the subtree under it only, its keys
-    written without it (``"model"`` for a training checkpoint ``{"model": ..., "optim": ...}``: the
-    model's own names, as ``from_pretrained`` expects). Optimizer states (entries under a top-level
-    key of :data:`OPTIMIZER_KEYS`: ``optim``, ``optimizer``...) are left out unless
-    ``include_optimizer``; what was left out is :attr:`ExportResult.left_out`.
+    ``config``: a ``config.json`` (path or dict) the format's ``quantization_config`` is added to.
+    Files above ``max_shard_size`` (bytes, ``"5GB"``, ``"500MiB"``) are split, with an index. An
+    entry the format cannot represent raises :class:`ExportError` before anything is written,
+    unless ``dequantize_unsupported`` (written dequantized). ``progress``: a bar on stderr (None: on
+    a terminal only). ``prefix``: the subtree under it only, its keys written without it.
+    Optimizer states (under a top-level key of :data:`OPTIMIZER_KEYS`) are left out unless
+    ``include_optimizer``; :attr:`ExportResult.left_out` lists what was.
     """
-    layout = layout_named(format)
+    layout, max_bytes = layout_named(format), stf.parse_size(max_shard_size)
     # a config given for the source model may say it is quantized: only this layout's own says so
     config_json = {k: v for k, v in _base_config(config).items() if k != "quantization_config"}
     checkpoint, out_dir = os.fspath(checkpoint), os.fspath(out_dir)
@@ -79,7 +72,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, format:
     quantization_config = layout.quantization_config(plans)
     if quantization_config is not None:  # None: nothing written quantized
         config_json["quantization_config"] = quantization_config
-    shards = stf.plan_shards([p.nbytes for p in plans], stf.parse_size(max_shard_size))
+    shards = stf.plan_shards([p.nbytes for p in plans], max_bytes)
     files = stf.shard_file_names(len(shards))
     with outputs.writing_dir(_SCRATCH, out_dir) as tmp:
         weight_map = _write_files(layout, [[plans[i] for i in s] for s in shards], files,
@@ -102,8 +95,7 @@ _OURS = re.compile("|".join([re.escape(stf.SINGLE_FILE), r"model-\d{5,}-of-\d{5,
 
 def _check_output(checkpoint: str, out_dir: str, overwrite: bool) -> None:
     """Refuse, before reading anything, an ``out_dir`` that overlaps the checkpoint, is a file, or
-    exists (not empty) without ``overwrite`` or with files export does not write. What a killed
-    export to ``out_dir`` left is removed first, and an export it had moved aside put back."""
+    holds files without ``overwrite`` or that export does not write; what a killed export left is cleaned first."""
     try:
         outputs.check_separate([checkpoint], out_dir)
         outputs.clean(out_dir, _SCRATCH)
@@ -118,8 +110,7 @@ class _OutputRefused(ExportError, outputs.OutputError):
 
 
 def _sources(entries: CheckpointEntries) -> tuple[dict[str, Source], list[str]]:
-    """Every tensor entry of the checkpoint (raw quantized entries with their spec), and the keys
-    of objects, each sorted."""
+    """Every tensor entry (raw quantized ones with their spec), and the keys of objects, each sorted."""
     sources: dict[str, Source] = {}
     skipped: list[str] = []
     for key in entries.keys():
@@ -179,13 +170,16 @@ def _plan_all(layout: HFLayout, sources: Mapping[str, Source], dequantize_unsupp
                 refused.append(f"key {key!r} ({src.spec.type}): {e}")
                 continue
             plans.append(layout.plan_plain(key, src.shape, src.dtype, dequantized=True))
-    if refused:
-        raise ExportError(f"cannot export to the {layout.name} format (nothing was written):\n  "
-                          + "\n  ".join(refused)
-                          + "\nPass --dequantize-unsupported (dequantize_unsupported=True) to write these "
-                            "entries as their dequantized values.")
+    _refuse(layout, refused, "Pass --dequantize-unsupported (dequantize_unsupported=True) to write these "
+                             "entries as their dequantized values.")
     _check_names(layout, plans)
     return plans
+
+
+def _refuse(layout: HFLayout, problems: list[str], fix: str) -> None:
+    if problems:
+        raise ExportError(f"cannot export to the {layout.name} format (nothing was written):\n  "
+                          + "\n  ".join(problems) + "\n" + fix)
 
 
 def _check_names(layout: HFLayout, plans: list[EntryPlan]) -> None:
@@ -198,11 +192,8 @@ def _check_names(layout: HFLayout, plans: list[EntryPlan]) -> None:
             other = owner.setdefault(t.name, plan.key)
             if other != plan.key:
                 clashes.append(f"keys {other!r} and {plan.key!r} both give a tensor named {t.name!r}")
-    if clashes:
-        raise ExportError(f"cannot export to the {layout.name} format (nothing was written):\n  "
-                          + "\n  ".join(clashes[:10])
-                          + "\nRename one of each pair in the checkpoint (the format names a quantized entry's "
-                            "inner tensors after its key), or export the other format.")
+    _refuse(layout, clashes[:10], "Rename one of each pair in the checkpoint (the format names a quantized "
+                                  "entry's inner tensors after its key), or export the other format.")
 
 
 def _base_config(config) -> Mapping[str, Any]:
@@ -224,8 +215,7 @@ def _base_config(config) -> Mapping[str, Any]:
 
 def _tensors(layout: HFLayout, entries: CheckpointEntries, sources: Mapping[str, Source], keys: Mapping[str, str],
              plan: EntryPlan) -> dict[str, torch.Tensor]:
-    """The planned tensors of one entry, read and converted (this entry only in memory); ``keys``:
-    the checkpoint key of each name written."""
+    """The planned tensors of one entry, read and converted; ``keys``: the checkpoint key of each name written."""
     key = keys[plan.key]
     if sources[plan.key].spec is None or plan.dequantized:
         return {plan.key: entries.entry(key, dequantize=True, dtype=plan.tensors[0].dtype)}

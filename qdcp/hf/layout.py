@@ -1,11 +1,7 @@
 """What a Hugging Face layout is, both ways: how each checkpoint entry becomes named safetensors
-tensors, file metadata and the ``quantization_config`` of ``config.json`` (export), and how a
-directory in the layout presents its quantized entries again (import, :class:`QuantizedHFReader`).
-
-A layout plans every entry from the checkpoint's metadata alone (so an entry it cannot represent
-is refused before any file is written), then produces each entry's tensors from its stored
-components, one entry at a time. Finding files and reading tensors are the same for every layout
-(:mod:`qdcp.hf.directory`, :mod:`qdcp.hf.reader`).
+tensors, file metadata and ``config.json``'s ``quantization_config`` (export, planned from the
+metadata alone so a refusal comes before any file is written), and how a directory in the layout
+presents its quantized entries again (:class:`QuantizedHFReader`).
 """
 
 from __future__ import annotations
@@ -60,9 +56,8 @@ class EntryPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    """Where one presented component of a directory's entry comes from: a file tensor, read by
-    byte range as it is, or computed from whole file tensors by ``build(get, out)`` (into ``out``,
-    a buffer of its shape and dtype, where it can: it returns what it filled)."""
+    """Where one presented component comes from: a file tensor read by byte range, or
+    ``build(get, out)`` from whole file tensors (into ``out`` where it can; returns what it filled)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -72,8 +67,8 @@ class Item:
 
 @dataclasses.dataclass(frozen=True)
 class Presented:
-    """One quantized entry of a directory as a layout presents it to DCP: its qdcp raw spec, where
-    each component comes from, and the file tensors it consumes (not presented on their own)."""
+    """One quantized entry of a directory as presented: its raw spec, its components' items, and
+    the file tensors it consumes (not presented on their own)."""
 
     spec: EntrySpec
     items: Mapping[str, Item]
@@ -91,9 +86,8 @@ def presented(key: str, type_name: str, shape, dtype: torch.dtype, attrs: Mappin
 
 
 class HFLayout:
-    """One Hugging Face checkpoint layout (``"torchao"``, ``"compressed-tensors"``): writes a
-    directory (:meth:`plan`, :meth:`produce`, :meth:`file_metadata`, :meth:`quantization_config`)
-    and presents one (:meth:`reads`, :meth:`entries`)."""
+    """One Hugging Face layout: writes a directory (:meth:`plan`, :meth:`produce`,
+    :meth:`file_metadata`, :meth:`quantization_config`) and presents one (:meth:`reads`, :meth:`entries`)."""
 
     name: str = ""
 
@@ -103,9 +97,8 @@ class HFLayout:
         raise NotImplementedError
 
     def entries(self, directory: HFDirectory) -> list[Presented]:
-        """The quantized entries of ``directory`` (every other file tensor is presented plain, as
-        it is); a directory the layout cannot read as it says raises :class:`CheckpointFormatError`
-        naming the key."""
+        """The quantized entries of ``directory`` (other file tensors are presented plain); what it
+        cannot read as it says raises :class:`CheckpointFormatError` naming the key."""
         raise NotImplementedError
 
     def plan(self, src: Source, read: ComponentReader) -> EntryPlan:
@@ -119,8 +112,7 @@ class HFLayout:
         return EntryPlan(key, (TensorOut(key, shape, dtype),), dequantized=dequantized)
 
     def produce(self, plan: EntryPlan, stored: StoredEntry) -> dict[str, torch.Tensor | RowBlocks]:
-        """The tensors of a planned raw entry, by name, from its stored components (a tensor made
-        from a large one may come as :class:`RowBlocks`, made as it is written)."""
+        """The tensors of a planned raw entry, by name, from its stored components (or :class:`RowBlocks`)."""
         raise NotImplementedError
 
     def file_metadata(self, plans: Sequence[EntryPlan], directory: Sequence[EntryPlan]) -> dict[str, str]:

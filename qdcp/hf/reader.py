@@ -2,13 +2,10 @@
 
     dcp.load(state, storage_reader=qdcp.QuantizedHFReader(path), planner=qdcp.QuantizedLoadPlanner())
 
-The directory's layout (:meth:`~qdcp.hf.layout.HFLayout.entries`: torchao's, compressed-tensors'
-when its ``config.json`` says so, or plain) names its quantized entries; they are presented as qdcp
-raw entries (a spec in the metadata, one item per component), so the load planner fills any target
-as it loads a qdcp checkpoint, at any world size. Items stored as presented are read by byte range
-(``safe_open(...).get_slice``: each rank reads what it needs); the others (swizzled scales, packed
-integers) are computed from their whole tensors. Nothing is unpickled; torchao entries are rebuilt
-by torchao's own allow-listed decoder.
+The directory's layout names its quantized entries; they are presented as qdcp raw entries (a
+spec in the metadata, one item per component), so the load planner fills any target at any world
+size. Items stored as presented are read by byte range; the others (swizzled scales, packed
+integers) are computed from their whole tensors. Nothing is unpickled.
 """
 
 from __future__ import annotations

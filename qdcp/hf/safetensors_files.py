@@ -1,10 +1,8 @@
-"""Hugging Face safetensors directories: streaming shard writer, shard plan, index, size parsing.
+"""Hugging Face safetensors directories: a streaming shard writer, shard plan, index, size parsing.
 
-The writer streams: a file's header (https://github.com/huggingface/safetensors, "Format") is
-computed from the planned tensor names, shapes and dtypes, then each tensor's bytes are appended
-as it is produced, so memory holds one entry at a time. The ``safetensors`` library has no
-streaming writer (``save_file`` needs every tensor of a file in memory); reading goes through it
-(``safe_open``), and the tests read what this writes with it.
+The ``safetensors`` library has no streaming writer (``save_file`` needs a file's every tensor in
+memory): here a file's header is computed from the planned names, shapes and dtypes, then each
+tensor's bytes are appended as it is produced. Reading goes through the library (``safe_open``).
 """
 
 from __future__ import annotations
@@ -122,17 +120,24 @@ class ShardWriter:
             raise QdcpError(f"{self.path}: tensor {name!r}: {written} bytes written, {want.nbytes} planned")
 
 
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(B|[KMGT]i?B)?\s*", flags=re.IGNORECASE)
+
+
 def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or a string like ``"5GB"`` (10**9) / ``"500MiB"`` (2**20), as
-    Hugging Face's ``max_shard_size`` reads them."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), flags=re.IGNORECASE)
-    if m is None:
-        raise ValueError(f"max_shard_size {size!r}: expected bytes or a size like '5GB' or '500MiB'")
-    unit = (m.group(2) or "B").upper()
-    base = 1024 if "I" in unit else 1000
-    return int(float(m.group(1)) * base ** "BKMGT".index(unit[0]))
+    """Bytes in ``size`` (``max_shard_size``): a positive int, or a string like ``"5GB"`` (10**9) or
+    ``"500MiB"`` (2**20), as Hugging Face's ``max_shard_size`` reads them; ``ValueError`` otherwise."""
+    m = None if isinstance(size, bool) else _SIZE.fullmatch(str(size))
+    n = 0
+    if isinstance(size, int) and m is not None:
+        n = size
+    elif m is not None:
+        unit = (m.group(2) or "B").upper()
+        n = int(float(m.group(1)) * (1024 if "I" in unit else 1000) ** "BKMGT".index(unit[0]))
+    if n < 1:
+        raise ValueError(f"max_shard_size (--max-shard-size) {size!r}: expected a positive number of bytes, or one "
+                         f"with a unit: B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), as "
+                         f"in '5GB' or '500MiB'")
+    return n
 
 
 def plan_shards(entry_bytes: Sequence[int], max_bytes: int) -> list[list[int]]:

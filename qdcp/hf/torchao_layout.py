@@ -1,21 +1,13 @@
 """torchao's own safetensors layout (``torchao.prototype.safetensors``), as transformers saves a
-torchao-quantized model.
+torchao-quantized model (docs/export_torchao.md).
 
 An entry ``<module>.<name>`` of a torchao class is stored as its inner tensors
-``<module>._<name>_<part>`` (``part`` in the class's ``tensor_data_names`` and the optional ones
-present), and the file's ``__metadata__`` holds, under the entry's key, the JSON that torchao's
-``TensorSubclassAttributeJSONEncoder`` writes for it, plus ``tensor_names`` (the entries of the
-file). Plain tensors keep their key, with ``{"_type": "Tensor"}``. torchao's
-``unflatten_tensor_state_dict`` rebuilds the state dict from such a file.
-
-Entries of TransformerEngine's MXFP8 and NVFP4 types are written as torchao's ``MXTensor`` /
-``NVFP4Tensor`` holding the same bits (through the neutral raw forms both families declare).
-``config.json`` gets transformers' ``TorchAoConfig`` dict: one torchao config for every quantized
-entry (``FqnToConfig`` by module where they differ).
-
-Reading (:meth:`TorchAOLayout.entries`): any directory; the entries its files' metadata describes
-with a torchao class are rebuilt by torchao's allow-listed decoder (``object_from_dict``, nothing
-unpickled); a directory without such metadata has no quantized entries.
+``<module>._<name>_<part>``, and the file's ``__metadata__`` holds, under the entry's key, the JSON
+torchao's ``TensorSubclassAttributeJSONEncoder`` writes for it, plus ``tensor_names``; plain tensors
+keep their key, with ``{"_type": "Tensor"}``. TransformerEngine's MXFP8 and NVFP4 entries are
+written as torchao's ``MXTensor`` / ``NVFP4Tensor`` holding the same bits (through the neutral raw
+forms). Reading: entries the metadata describes with a torchao class are rebuilt by torchao's
+allow-listed decoder (``object_from_dict``, nothing unpickled).
 """
 
 from __future__ import annotations
@@ -121,10 +113,8 @@ class TorchAOLayout(HFLayout):
         return _inner(self.instance(stored, plan.key), plan.key)
 
     def file_metadata(self, plans, directory):
-        """Every file carries the whole directory's metadata (each entry's description, and
-        ``tensor_names`` listing them all), as transformers' ``save_pretrained`` writes its shards:
-        its loader merges the files' metadata with ``dict.update`` (the last file's
-        ``tensor_names`` wins) and rebuilds each entry from that."""
+        """Every file carries the whole directory's metadata, as ``save_pretrained`` writes its shards
+        (transformers' loader merges them with ``dict.update``: the last ``tensor_names`` wins)."""
         out = super().file_metadata(directory, directory)
         out["tensor_names"] = json.dumps([p.key for p in directory if p.metadata])
         return out
@@ -149,9 +139,8 @@ class TorchAOLayout(HFLayout):
         return True
 
     def entries(self, directory: HFDirectory) -> list[Presented]:
-        """The entries the files' metadata describes with a torchao class, once each
-        (transformers and qdcp write the whole directory's metadata into every file; two files
-        describing one entry differently are refused)."""
+        """The entries the files' metadata describes with a torchao class, once each (two files
+        describing one differently are refused)."""
         described: dict[str, tuple[str, str]] = {}
         for file, meta in directory.file_metadata.items():
             for key in json.loads(meta.get("tensor_names", "[]")):

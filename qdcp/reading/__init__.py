@@ -1,12 +1,6 @@
-"""Reading a checkpoint without a target (a DCP ``StorageReader`` is a reader in
-:mod:`qdcp.storage` and :mod:`qdcp.hf`; this package reads *with* one):
-
-- ``entries``: :func:`read_metadata`, :class:`CheckpointEntries` (the state-dict keys, their sizes,
-  and each entry read whole: as stored, rebuilt, or as values), :func:`read_stored`, :func:`read_entry`;
-- ``describe``: :func:`describe`, what each key stores (``qdcp inspect``);
-- ``verify``: the checks ``qdcp verify`` adds to reading every entry;
-- ``consolidate``: the whole checkpoint as one state dict (:func:`consolidate`,
-  :func:`dcp_to_torch_save`, and :class:`ConsolidatingLoadPlanner` for DCP's consolidation tools).
+"""Reading a checkpoint without a target: ``entries`` (:class:`CheckpointEntries`, one entry at a
+time), ``describe`` (``qdcp inspect``), ``verify`` (``qdcp verify``'s checks) and ``consolidate``
+(the whole checkpoint as one state dict).
 """
 
 from qdcp.reading.consolidate import ConsolidatingLoadPlanner, consolidate, dcp_to_torch_save

@@ -1,15 +1,10 @@
 """A whole checkpoint as one state dict of full tensors (what consolidation tools write).
 
-DCP's ``format_utils.dcp_to_torch_save``, accelerate's ``merge_fsdp_weights`` and Lightning's
-``consolidate_checkpoint`` read a checkpoint without a target through DCP's
-``_EmptyStateDictLoadPlanner``, which makes one tensor per stored item: on a qdcp checkpoint, a
-quantized entry would come out as its inner buffers under ``<key>.__qdcp__.*`` keys, and the entry
-itself would be missing. Here:
-
-- :func:`consolidate` / :func:`dcp_to_torch_save`: qdcp's equivalents (quantized entries
-  dequantized by default, or rebuilt as their own type);
-- :class:`ConsolidatingLoadPlanner`: what ``qdcp.install()`` puts in place of
-  ``_EmptyStateDictLoadPlanner``, so those tools get each entry under its own key.
+DCP's ``dcp_to_torch_save``, accelerate's ``merge_fsdp_weights`` and Lightning's
+``consolidate_checkpoint`` read without a target through DCP's ``_EmptyStateDictLoadPlanner``: on a
+qdcp checkpoint a quantized entry would come out as its ``<key>.__qdcp__.*`` items. Here
+:func:`consolidate` / :func:`dcp_to_torch_save` are qdcp's equivalents, and
+:class:`ConsolidatingLoadPlanner` is what ``qdcp.install()`` puts in place of DCP's planner.
 """
 
 from __future__ import annotations
@@ -32,16 +27,10 @@ __all__ = ["consolidate", "dcp_to_torch_save", "ConsolidatingLoadPlanner"]
 
 
 def consolidate(path: str | os.PathLike, *, dequantize: bool = True) -> dict[str, Any]:
-    """Every entry of the checkpoint at ``path`` (any world size's), whole, on CPU, nested as it
-    was saved (the state dict DCP's ``dcp_to_torch_save`` writes, but with quantized entries under
-    their own keys).
-
-    ``dequantize=True``: quantized entries are plain tensors of their values (the library's own
-    ``dequantize()``, in the entry's dtype); ``False``: rebuilt as their own type (torchao's, ...;
-    the library must be importable). Read through qdcp's reader: checksums verified, objects
-    unpickled without running code. Memory: the whole checkpoint. This process reads it alone: a
-    rank of a job may call it with no other rank taking part (no collective runs).
-    """
+    """Every entry of the checkpoint at ``path`` (any world size's), whole, on CPU, nested as saved
+    (DCP's ``dcp_to_torch_save`` state dict, quantized entries under their own keys): their values
+    (``dequantize=True``, in the entry's dtype) or rebuilt as their type (the library must be
+    importable). Checksums verified, objects unpickled without running code; no collective runs."""
     md = read_metadata(path)
     flat = empty_entries(md, dequantize=dequantize)
     load(flat, path, no_dist=True, allow_partial_load=True)  # a part on purpose: no warning of the rest
@@ -55,16 +44,10 @@ def consolidate(path: str | os.PathLike, *, dequantize: bool = True) -> dict[str
 
 def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike, torch_save_path: str | os.PathLike, *,
                       dequantize: bool = True, overwrite: bool = False) -> dict[str, Any]:
-    """DCP's ``format_utils.dcp_to_torch_save`` for qdcp checkpoints: :func:`consolidate`, written
-    with ``torch.save`` (``dequantize=True``: plain tensors only, loadable without the library);
-    returns the state dict written.
-
-    Unlike DCP's, it never writes over what it was not asked to: a path that is, holds or lies
-    inside the checkpoint is refused, and so is an existing path unless ``overwrite=True`` (a
-    torch.save file does not say who wrote it); the file is written under a scratch name beside
-    it and renamed into place, so a failed run leaves what was there. Errors:
-    :class:`~qdcp.outputs.OutputError` (a ``ValueError``), before anything is read.
-    """
+    """DCP's ``dcp_to_torch_save`` for qdcp checkpoints: :func:`consolidate` written with
+    ``torch.save``; returns the state dict written. Unlike DCP's, a path that is, holds or lies
+    inside the checkpoint is refused, and an existing file unless ``overwrite=True``
+    (:class:`~qdcp.outputs.OutputError` before anything is read); written through scratch beside it."""
     outputs.check_separate([dcp_checkpoint_dir], torch_save_path)
     outputs.clean(torch_save_path, "torch")  # what a killed conversion to the same file left
     out = os.fspath(torch_save_path)
@@ -79,10 +62,9 @@ def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike, torch_save_path: st
 
 
 def empty_entries(md: Metadata, *, dequantize: bool = True, keys: Iterable[str] | None = None) -> dict[str, Any]:
-    """``{key: target}`` for every state-dict entry of ``md`` (flat keys): an empty tensor of each
-    tensor entry (a raw quantized one's logical shape and dtype, left out if not ``dequantize``),
-    ``None`` for objects. Component items (``<key>.__qdcp__.*``) are not entries. ``keys``: only
-    the entries named, or under a prefix named (as DCP's ``_EmptyStateDictLoadPlanner(keys=)``)."""
+    """``{flat key: target}`` for every entry of ``md``: an empty tensor of each tensor entry (a raw
+    one's logical shape and dtype; left out unless ``dequantize``), ``None`` for objects. ``keys``:
+    only those named or under one named (as DCP's ``_EmptyStateDictLoadPlanner(keys=)``)."""
     specs = qspec.read_specs(md)
     wanted = None if keys is None else set(keys)
     out: dict[str, Any] = {}
@@ -128,11 +110,9 @@ def nest(flat: Mapping[str, Any], md: Metadata, into: dict | None = None) -> dic
 
 
 class ConsolidatingLoadPlanner(QuantizedLoadPlanner):
-    """DCP's ``_EmptyStateDictLoadPlanner`` for qdcp checkpoints: fills an empty state dict with
-    every entry of the checkpoint, quantized ones dequantized (as qdcp's planner loads them into
-    plain tensors) under their own keys; plain ones as DCP loads them. Same arguments as DCP's
-    (``keys``: only these entries, or those under them), plus :class:`QuantizedLoadPlanner`'s.
-    ``qdcp.install()`` puts it where DCP's is looked up."""
+    """DCP's ``_EmptyStateDictLoadPlanner`` for qdcp checkpoints: fills an empty state dict with every
+    entry, quantized ones dequantized under their own keys. DCP's arguments (``keys``) plus
+    :class:`QuantizedLoadPlanner`'s."""
 
     def __init__(self, keys: Iterable[str] | None = None, *args: Any, **kwargs: Any) -> None:
         self.keys = keys

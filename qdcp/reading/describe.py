@@ -16,13 +16,10 @@ __all__ = ["describe"]
 
 
 def describe(path: str | os.PathLike) -> dict[str, dict]:
-    """Per state-dict key, how the checkpoint at ``path`` stores it.
-
-    Returns ``{key: info}`` where ``info["stored_as"]`` is ``"plain"``, ``"raw"``, ``"dequantized"``
-    or ``"object"``; tensors add ``shape`` and ``dtype`` (logical) and ``bytes`` (stored, excluding
-    framing); quantized entries add ``type``, ``attrs`` and, raw, ``components``: ``{name: {shape,
-    dtype, bytes, layout}}``.
-    """
+    """``{key: info}``: how the checkpoint at ``path`` stores each key. ``info["stored_as"]``:
+    ``"plain"``, ``"raw"``, ``"dequantized"`` or ``"object"``; tensors add ``shape``, ``dtype``
+    (logical) and ``bytes`` (stored); quantized entries ``type``, ``attrs`` and, raw,
+    ``components``: ``{name: {shape, dtype, bytes, layout}}``."""
     md = read_metadata(path)
     specs = qspec.read_specs(md)
     out = {fqn: _quantized(entry) for fqn, entry in sorted(specs.items())}

@@ -1,9 +1,5 @@
-"""A checkpoint's entries, read without a target: its metadata, the keys and sizes of its
-state-dict entries, and single entries (as stored, rebuilt, or as values).
-
-Everything here reads through :func:`qdcp.storage.storage_reader` (safe metadata, verified
-checksums).
-"""
+"""A checkpoint's entries, read without a target through :func:`qdcp.storage.storage_reader` (safe
+metadata, verified checksums): its metadata, its keys and sizes, and single entries."""
 
 from __future__ import annotations
 
@@ -31,16 +27,12 @@ def read_metadata(path: str | os.PathLike, **storage_options: Any) -> Metadata:
 
 
 class CheckpointEntries:
-    """One checkpoint's entries, read one at a time on CPU without a target: the metadata is read,
-    checked and indexed once (reading many entries costs no more per entry than reading one).
+    """One checkpoint's entries, read one at a time on CPU without a target (the metadata read,
+    checked and indexed once). Each read assembles whole items from their stored chunks (any world
+    size) and verifies them as a load does. Memory: the entry read.
 
-    Each read assembles whole items from their stored chunks (a checkpoint saved at any world
-    size) and verifies them as a load does; a stored chunk that is a whole item is kept as loaded,
-    without a second copy. Memory: the entry read.
-
-    ``reuse_memory=True`` reads every entry into one buffer kept from read to read (grown to the
-    largest entry): no allocation per entry, but what a read returns views that buffer and is
-    overwritten by the next read. Use each entry before reading the next (as export does).
+    ``reuse_memory=True``: every entry is read into one buffer kept from read to read, so what a
+    read returns is overwritten by the next read (use each entry before reading the next).
     """
 
     def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None, *,
@@ -237,21 +229,15 @@ class _Assembler:
 
 
 def read_stored(path: str | os.PathLike, key: str, metadata: Metadata | None = None) -> StoredEntry:
-    """The raw entry ``key`` of the checkpoint at ``path`` as stored: its decoded attributes and
-    canonical components, on CPU, checked as a loader checks them. Needs no tensor library.
-    Memory: this entry only. (Reading many entries: :class:`CheckpointEntries`.)"""
+    """The raw entry ``key`` of the checkpoint at ``path`` as stored (decoded attributes, canonical
+    components, on CPU, checked as a load checks them); needs no tensor library."""
     return CheckpointEntries(path, metadata).stored(key)
 
 
 def read_entry(path: str | os.PathLike, key: str, metadata: Metadata | None = None, *,
                dequantize: bool = False, dtype: torch.dtype | None = None) -> Any:
-    """Read one state-dict entry of the checkpoint at ``path`` on CPU, without a target.
-
-    Raw entries come back as an instance of their type (rebuilt through its adapter; the library
-    must be importable), or with ``dequantize=True`` as the plain tensor of their values (computed
-    in ``dtype``, default the logical dtype; TransformerEngine entries need no TE). Plain and
-    dequantized entries come back as plain tensors (cast to ``dtype`` if it is given and they are
-    floating), objects as loaded with ``torch.load(weights_only=True)``. Memory: this entry only.
-    (Reading many entries: :class:`CheckpointEntries`.)
-    """
+    """One state-dict entry of the checkpoint at ``path``, on CPU, without a target: a raw entry
+    rebuilt as its type (the library must be importable), or with ``dequantize=True`` its values
+    (in ``dtype``, default the logical dtype; TE entries need no TE); a plain tensor cast to
+    ``dtype`` where given and floating; an object as ``torch.load(weights_only=True)`` loads it."""
     return CheckpointEntries(path, metadata).entry(key, dequantize=dequantize, dtype=dtype)
