@@ -27,68 +27,64 @@ The package, data flowing one way (each folder's ``__init__`` says what its modu
   ``install()``), ``cli.py``, ``outputs.py`` (where those tools write: never over their input).
 """
 
-from qdcp.adapters import Adapter, StoredEntry, find_adapter, register_adapter, registered_type_names
-from qdcp.adapters import compressed_tensors as _compressed_tensors
-from qdcp.adapters import te_grouped as _te_grouped
-from qdcp.adapters import torchao as _torchao
-from qdcp.adapters import torchao_training as _torchao_training
-from qdcp.adapters import transformer_engine as _transformer_engine
-from qdcp.checkpoint import async_save, checkpoint_group, load, save
-from qdcp.errors import (
-    AlignmentError,
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    CheckpointWriteError,
-    ChecksumError,
-    ConcurrentSaveError,
-    LoadMismatchError,
-    QdcpError,
-    ReplicaMismatchError,
-    ReservedKeyError,
-    StagingError,
-    UnsupportedTensorError,
-)
-from qdcp.frameworks.switch import install, installed, is_installed, uninstall
-from qdcp.hf import ExportError, ExportResult, QuantizedHFReader, export
-from qdcp.planning import QuantizedLoadPlanner, QuantizedSavePlanner
-from qdcp.reading import (
-    CheckpointEntries,
-    ConsolidatingLoadPlanner,
-    consolidate,
-    dcp_to_torch_save,
-    describe,
-    read_entry,
-    read_metadata,
-    read_stored,
-)
-from qdcp.runs import CheckpointInfo, checkpoints, latest, prune
-from qdcp.staging import QuantizedStager, enable_new_empty, register_new_empty, to_device, unregister_new_empty
-from qdcp.storage import (
-    CheckpointReader,
-    CheckpointWriter,
-    set_default_stager,
-    storage_reader,
-    storage_writer,
-)
+import importlib
+from typing import Any
 
-for _family in (_torchao, _torchao_training, _transformer_engine, _te_grouped, _compressed_tensors):
-    for _adapter in _family.builtin_adapters():
-        register_adapter(_adapter)
-del _family, _adapter
-set_default_stager(QuantizedStager)  # what qdcp's writers stage through when DCP uses them as stager
-register_new_empty()  # for torchao classes already imported; QuantizedSavePlanner() adds later ones
+# every public name, by the module it comes from: imported at its first use (``import qdcp`` imports no
+# torch, so ``qdcp --help`` is instant), the package's set-up run then (:func:`_set_up`)
+_EXPORTS = {
+    "qdcp.adapters": ("Adapter", "StoredEntry", "find_adapter", "register_adapter", "registered_type_names"),
+    "qdcp.checkpoint": ("async_save", "checkpoint_group", "load", "save"),
+    "qdcp.errors": ("AlignmentError", "CheckpointFormatError", "CheckpointNotFoundError", "CheckpointWriteError",
+                    "ChecksumError", "ConcurrentSaveError", "LoadMismatchError", "QdcpError", "ReplicaMismatchError",
+                    "ReservedKeyError", "StagingError", "UnsupportedTensorError"),
+    "qdcp.frameworks.switch": ("install", "installed", "is_installed", "uninstall"),
+    "qdcp.hf": ("ExportError", "ExportResult", "QuantizedHFReader", "export"),
+    "qdcp.planning": ("QuantizedLoadPlanner", "QuantizedSavePlanner"),
+    "qdcp.reading": ("CheckpointEntries", "ConsolidatingLoadPlanner", "consolidate", "dcp_to_torch_save", "describe",
+                     "read_entry", "read_metadata", "read_stored"),
+    "qdcp.runs": ("CheckpointInfo", "checkpoints", "latest", "prune"),
+    "qdcp.staging": ("QuantizedStager", "enable_new_empty", "register_new_empty", "to_device",
+                     "unregister_new_empty"),
+    "qdcp.storage": ("CheckpointReader", "CheckpointWriter", "set_default_stager", "storage_reader",
+                     "storage_writer"),
+}
+_FROM = {name: module for module, names in _EXPORTS.items() for name in names}
+_set_up_done: list[bool] = []
+
+
+def _set_up() -> None:
+    """What the first use of qdcp's API does, once: qdcp's writers stage through a shared
+    ``QuantizedStager`` (``set_default_stager``), and ``new_empty`` is added to the torchao classes
+    already imported (docs/api.md; each ``QuantizedSavePlanner()`` adds later ones). The adapters
+    register themselves at the registry's first use (:mod:`qdcp.adapters.base`)."""
+    if not _set_up_done:
+        _set_up_done.append(True)
+        staging = importlib.import_module("qdcp.staging")
+        importlib.import_module("qdcp.storage").set_default_stager(staging.QuantizedStager)
+        staging.register_new_empty()
+
+
+def __getattr__(name: str) -> Any:
+    module = _FROM.get(name)
+    if module is None:  # a submodule (``qdcp.spec``), as an eager package would have imported it
+        try:
+            value = importlib.import_module(f"qdcp.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"qdcp.{name}":
+                raise
+            raise AttributeError(f"module 'qdcp' has no attribute {name!r}") from None
+        return value
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    _set_up()
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_FROM])
+
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "save", "async_save", "load", "QuantizedSavePlanner", "QuantizedLoadPlanner", "QuantizedStager", "describe",
-    "read_metadata", "read_entry", "read_stored", "CheckpointEntries", "CheckpointReader", "CheckpointWriter",
-    "storage_reader", "storage_writer", "to_device", "register_new_empty", "unregister_new_empty",
-    "enable_new_empty", "Adapter", "StoredEntry", "register_adapter", "find_adapter", "registered_type_names",
-    "QdcpError", "CheckpointFormatError", "ChecksumError", "UnsupportedTensorError", "AlignmentError",
-    "LoadMismatchError", "StagingError", "ReplicaMismatchError", "ConcurrentSaveError", "CheckpointWriteError",
-    "ReservedKeyError", "CheckpointNotFoundError",
-    "export", "ExportResult", "ExportError", "QuantizedHFReader", "install", "uninstall", "installed",
-    "is_installed", "consolidate", "dcp_to_torch_save", "ConsolidatingLoadPlanner",
-    "checkpoint_group", "latest", "checkpoints", "prune", "CheckpointInfo",
-]
+__all__ = [*_FROM]

@@ -810,6 +810,7 @@ def fsdp_limits(root: str, mesh) -> None:
             for name in ("codes", "scale"):
                 getattr(local, name, torch.empty(0)).zero_()
     qdcp.load({"model": fmsd, "optim": fosd}, path)
+
     def local(t):
         return t._local_tensor if isinstance(t, DTensor) else t
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
 import threading
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
@@ -342,6 +343,27 @@ _lock = threading.Lock()
 _adapters: list[Adapter] = []
 _by_type_name: dict[str, Adapter] = {}
 _by_class: dict[type, Adapter | None] = {}
+BUILTIN_FAMILIES = ("torchao", "torchao_training", "transformer_engine", "te_grouped", "compressed_tensors")
+_builtins_lock = threading.RLock()
+_builtins = {"loading": False, "done": False}
+
+
+def _load_builtins() -> None:
+    """Register the built-in families' adapters (``qdcp.adapters.<family>.builtin_adapters()``), once,
+    before the first registration or lookup: a user's adapters come after them and are tried first.
+    (None of the families imports its library: the registry costs no import of torchao or TE.)"""
+    if _builtins["done"]:
+        return
+    with _builtins_lock:
+        if _builtins["done"] or _builtins["loading"]:  # (loading: re-entered by register_adapter below)
+            return
+        _builtins["loading"] = True
+        try:
+            for family in BUILTIN_FAMILIES:
+                for adapter in importlib.import_module(f"qdcp.adapters.{family}").builtin_adapters():
+                    register_adapter(adapter)
+        finally:
+            _builtins["done"] = True
 
 
 def register_adapter(adapter: Adapter, *, override: bool = False) -> Adapter:
@@ -353,6 +375,7 @@ def register_adapter(adapter: Adapter, *, override: bool = False) -> Adapter:
         raise TypeError(f"expected a qdcp.Adapter instance, got {type(adapter).__name__}")
     if not adapter.type_names:
         raise ValueError(f"{type(adapter).__name__} declares no type_names")
+    _load_builtins()
     with _lock:
         for name in adapter.type_names:
             if name in _by_type_name and _by_type_name[name] is not adapter and not override:
@@ -366,12 +389,14 @@ def register_adapter(adapter: Adapter, *, override: bool = False) -> Adapter:
 
 def all_adapters() -> list[Adapter]:
     """Every registered adapter, most recently registered first."""
+    _load_builtins()
     with _lock:
         return list(_adapters)
 
 
 def registered_type_names() -> list[str]:
     """All registered type names, sorted."""
+    _load_builtins()
     with _lock:
         return sorted(_by_type_name)
 
@@ -385,6 +410,7 @@ def find_adapter(t: torch.Tensor | type) -> Adapter | None:
         return _by_class[cls]
     except KeyError:
         pass
+    _load_builtins()
     with _lock:
         found = next((a for a in _adapters if a.matches(cls)), None)
         _by_class[cls] = found
@@ -393,6 +419,7 @@ def find_adapter(t: torch.Tensor | type) -> Adapter | None:
 
 def find_type_adapter(type_name: str) -> Adapter | None:
     """The adapter registered for a type name read from a checkpoint, or None."""
+    _load_builtins()
     with _lock:
         return _by_type_name.get(type_name)
 
