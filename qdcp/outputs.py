@@ -8,7 +8,7 @@ place at the end. A scratch name says whose it is and for which output::
     .qdcp-<kind>-<output id>-<owner tag>-<random>[suffix]
 
 (``<output id>``: a hash of the output's absolute path; ``<owner tag>``:
-:meth:`qdcp.storage.owners.Owner.tag`). A run killed midway leaves its scratch behind; the next
+:meth:`qdcp.owners.Owner.tag`). A run killed midway leaves its scratch behind; the next
 run for the same output (:func:`clean`) removes those whose owner has ended on this machine, and
 puts back an export that ``--overwrite`` had moved aside (``.qdcp-replaced-*``) when the kill came
 between moving the old output away and moving the new one in. Scratch of another output, of a run
@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator
 from tqdm import tqdm
 
 from qdcp.errors import QdcpError
-from qdcp.storage.owners import Owner
+from qdcp.owners import Owner
 
 __all__ = ["OutputError", "check_separate", "check_replaceable", "new_file", "clean",
            "writing_file", "writing_dir",

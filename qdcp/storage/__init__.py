@@ -7,8 +7,7 @@ What a checkpoint is lives here; how its bytes move fast lives in :mod:`qdcp.io`
 - :mod:`~qdcp.storage.writer`: :class:`CheckpointWriter`: no silent overwrite, one save per path,
   an atomic commit; the stager ``dcp.async_save`` uses through it (:func:`set_default_stager`).
 - :mod:`~qdcp.storage.claims`: a checkpoint directory's files by name (local or fsspec), and the
-  claim file that keeps a path to one save at a time across processes and hosts.
-- :mod:`~qdcp.storage.owners`: which process owns a file, and whether it still runs.
+  claim file that keeps a path to one save at a time (its holder: :mod:`qdcp.owners`).
 - :mod:`~qdcp.storage.commit`: a save's file names (its token), publishing ``.metadata``, what is
   removed after.
 - :mod:`~qdcp.storage.causes`: write errors raised with their root OS error.

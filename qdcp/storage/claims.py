@@ -2,7 +2,7 @@
 file that keeps a path to one save at a time (docs/api.md, *Saves from several processes*).
 
 The coordinator creates ``.qdcp-save.claim`` exclusively (``O_EXCL``; fsspec's ``"xb"``), naming its
-:class:`~qdcp.storage.owners.Owner` and a token; a failed create removes it. A claim is stale only
+:class:`~qdcp.owners.Owner` and a token; a failed create removes it. A claim is stale only
 where that is certain: its process ran on this machine and ended (or, in this process, its save
 did), or it is unreadable and older than :data:`UNREADABLE_GRACE_S`. Locally a clear renames it
 aside and puts back one taken meanwhile; on object stores it is a read then a delete.
@@ -19,7 +19,7 @@ import uuid
 import weakref
 
 from qdcp.errors import ConcurrentSaveError
-from qdcp.storage.owners import Owner
+from qdcp.owners import Owner
 
 __all__ = ["CLAIM_FILE", "CLAIM_PREFIX", "PathClaim", "ClaimRecord", "LocalStore", "FsspecStore", "take",
            "read_record", "refuse_if_held", "honours_exclusive", "protocols"]
