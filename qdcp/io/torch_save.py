@@ -1,10 +1,13 @@
 """torch.save archives read in place: a stored item's bytes as a tensor over the read buffer (no
-copy) where the archive is simple, and the zip CRCs checked where nothing else checks the bytes."""
+copy) where the archive is simple, the zip CRCs checked where nothing else checks the bytes, and
+stored objects unpickled without running code (:func:`load_object`)."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import math
+import pickle
 import re
 import struct
 import sys
@@ -13,10 +16,11 @@ import zlib
 
 import torch
 
-from qdcp.errors import ChecksumError
+from qdcp.errors import ChecksumError, LoadMismatchError
 from qdcp.layouts import byte_view
 
-__all__ = ["ViewReader", "check_zip_crcs", "archived_tensor", "read_archive_into"]
+__all__ = ["ViewReader", "check_zip_crcs", "archived_tensor", "read_archive_into", "load_object",
+           "SAFE_OBJECT_TYPES"]
 
 
 class ViewReader(io.RawIOBase):
@@ -188,3 +192,22 @@ def _describe(payload: memoryview, infos: list[zipfile.ZipInfo]):
         if len(_DESCRIBED) < _DESCRIBED_MAX:
             _DESCRIBED[key] = described
     return described
+
+
+# types a stored non-tensor object may hold beyond torch.load's weights_only allowlist
+SAFE_OBJECT_TYPES = (io.BytesIO, argparse.Namespace)
+
+
+def load_object(value: io.BytesIO, fqn: str, weights_only: bool = True):
+    """A non-tensor object, unpickled without running code unless ``weights_only`` is False."""
+    try:
+        with torch.serialization.safe_globals(list(SAFE_OBJECT_TYPES)):
+            return torch.load(value, weights_only=weights_only)
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        raise LoadMismatchError(
+            f"key {fqn!r}: the checkpoint stores a pickled object that refers to "
+            f"{refused.group(1) if refused else 'a global'}, which loading with weights_only=True "
+            f"refuses (a pickle can run code). If you trust this checkpoint, pass "
+            f"QuantizedLoadPlanner(weights_only=False), or allow that type with "
+            f"torch.serialization.add_safe_globals.") from e

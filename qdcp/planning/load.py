@@ -21,6 +21,7 @@ from qdcp import checksums as sums
 from qdcp import spec as qspec
 from qdcp.dcp_copies import pre_2_4_state_dict, read_items
 from qdcp.errors import CheckpointFormatError
+from qdcp.io.torch_save import load_object
 from qdcp.layouts import narrow
 from qdcp.planning.actions import ItemRead, LoadAction, Temporaries
 from qdcp.planning.key_plans import GroupTarget, KeyPlan, KeyPlanner
@@ -28,7 +29,6 @@ from qdcp.planning.placement import planning
 from qdcp.planning.save import _check_instance
 from qdcp.planning.shadows import Shadows
 from qdcp.planning.verifier import ReadVerifier
-from qdcp.storage.metadata import load_object
 
 __all__ = ["QuantizedLoadPlanner"]
 
