@@ -151,15 +151,15 @@ def item_key(item: WriteItem) -> tuple[str, tuple[int, ...]]:
     return item.index.fqn, tuple(item.index.offset or ())
 
 
+@dataclasses.dataclass(eq=False)
 class SaveHashes:
     """The save planner's hashes: each rank's (:meth:`local`), compared between ranks (:meth:`check`),
     and their record (:meth:`record`). ``by_writer``: the writer hashes and records every item, so
     only what the checks compare is hashed."""
 
-    def __init__(self, checksums: bool, check_replicas: bool, by_writer: bool = False) -> None:
-        self.checksums = checksums
-        self.check_replicas = check_replicas
-        self.by_writer = by_writer
+    checksums: bool
+    check_replicas: bool
+    by_writer: bool = False
 
     def local(self, items: list[WriteItem], shared: list[tuple[str, tuple[int, ...]]],
               data: Callable[[WriteItem], Any]) -> dict:
@@ -261,8 +261,7 @@ class Record:
 def record(metadata: Metadata | None) -> Record | None:
     """The checksum record of ``metadata`` (None: saved without checksums), its digest checked; a
     sealed checkpoint (:func:`attach`) must carry the record, its digest and every item's hash."""
-    data = getattr(metadata, "planner_data", None)
-    data = data if isinstance(data, dict) else {}
+    data = metadata.planner_data if isinstance(getattr(metadata, "planner_data", None), dict) else {}
     raw, marked = data.get(PLANNER_DATA_KEY), data.get(SEALED_KEY) is not None
     if raw is None:
         if marked:

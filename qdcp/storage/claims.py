@@ -1,11 +1,6 @@
 """A checkpoint directory's files by name (:class:`LocalStore`, :class:`FsspecStore`), and the claim
-file that keeps a path to one save at a time (docs/api.md, *Saves from several processes*).
-
-The coordinator creates ``.qdcp-save.claim`` exclusively (``O_EXCL``; fsspec's ``"xb"``), naming its
-:class:`~qdcp.owners.Owner` and a token; a failed create removes it. A claim is stale only
-where that is certain: its process ran on this machine and ended (or, in this process, its save
-did), or it is unreadable and older than :data:`UNREADABLE_GRACE_S`. Locally a clear renames it
-aside and puts back one taken meanwhile; on object stores it is a read then a delete.
+file, created exclusively, that keeps a path to one save at a time; stale only where that is
+certain (docs/api.md, *Saves from several processes*).
 """
 
 from __future__ import annotations
@@ -217,7 +212,7 @@ class PathClaim:
     def __init__(self, store, record: ClaimRecord) -> None:
         self.store, self.record, self.token = store, record, record.token  # the token its file names carry
         self.data = record.dumps()
-        self.ended = False  #: its save can no longer commit: the next save here clears it
+        self.ended = False  #: its save can no longer commit (its files still to remove): the next save clears it
         # released when the save ends, or when its writer is dropped
         self._release = weakref.finalize(self, _release, store, self.data, record.token)
         _live[record.token] = self
@@ -232,20 +227,14 @@ class PathClaim:
                 f"this save's claim on {self.store.label!r} was removed while it ran ({holder}); nothing "
                 f"was committed. Someone deleted the claim file, or another save judged it stale: save again")
 
-    def end(self) -> None:
-        """Mark the save as over, the claim kept until its files are removed (a later save clears it)."""
-        self.ended = True
-
     def release(self) -> None:
         """Remove the claim file if it is still this claim's (idempotent)."""
         self._release()
 
 
 def _release(store, data: bytes, token: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a claim that cannot be removed turns stale with its process
         store.remove_if_same(CLAIM_FILE, data, f"{CLAIM_FILE}.{token}.release")
-    except OSError:
-        pass  # a claim that cannot be removed turns stale with its process
 
 
 def take(store, what: str) -> PathClaim:

@@ -1,11 +1,6 @@
-"""A save's files: their names (each carries the save's token: ``__<token>_<rank>_<n>.distcp``,
-``.metadata.<token>.tmp``), publishing ``.metadata`` and what is removed after (docs/api.md,
-*Saves from several processes* and *Object stores*).
-
-Locally ``os.replace`` publishes over the old ``.metadata`` (``overwrite``), else ``os.link``,
-which fails if one appeared meanwhile; an object store gets one write (``"xb"`` unless
-``overwrite``); any other fsspec file system a temporary renamed into place. After publishing, the
-replaced checkpoint's files and dead qdcp saves' files go, never another writer's scheme's.
+"""A save's files, each named with its token (``__<token>_<rank>_<n>.distcp``,
+``.metadata.<token>.tmp``), publishing ``.metadata`` (locally ``os.replace`` with ``overwrite``,
+else ``os.link``) and what is removed after (docs/api.md, *Saves from several processes*).
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ def save_prefix(token: str) -> str:
 
 
 def data_prefix(token: str, rank: int) -> str:
-    """The name prefix of rank ``rank``'s data files in the save ``token``."""
-    return f"__{token}_{rank}_"
+    return f"{save_prefix(token)}{rank}_"
 
 
 def metadata_tmp(token: str) -> str:

@@ -72,5 +72,4 @@ if FsspecWriter is not None:
             self._setup_safe_reading(thread_count)
 
     class FsspecCheckpointWriter(AtomicWriting, FsspecWriter):
-        """:class:`CheckpointWriter` for fsspec URLs (``direct_io`` is taken, but fsspec files are
-        written buffered)."""
+        """:class:`CheckpointWriter` for fsspec URLs (written buffered, whatever ``direct_io``)."""

@@ -1,14 +1,12 @@
-"""qdcp's storage reader: DCP's file-system reader with a safe ``.metadata``, every number it gives
-checked before use and every item verified once (its recorded checksum, else its trailer, else
-torch.save's zip CRCs), said to the planner as ``QdcpStorageMeta.verifies_items``. A load planner
-may also be a :class:`ReportingLoadPlanner` or an :class:`AdoptingLoadPlanner`."""
+"""qdcp's storage reader: DCP's file-system reader with a safe ``.metadata``, every number checked
+before use, every item verified once (``QdcpStorageMeta.verifies_items``); the files read by
+:mod:`qdcp.io.reads`. Planners may also be :class:`ReportingLoadPlanner` / :class:`AdoptingLoadPlanner`."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import os
-import pickle
 import threading
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -19,11 +17,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.futures import Future
 
 from qdcp import checksums
-from qdcp.adapters import allow_pickled, find_adapter
+from qdcp.adapters import find_adapter
 from qdcp.errors import CheckpointFormatError, QdcpError
 from qdcp.io.pipeline import default_thread_count
 from qdcp.io.reads import Lane, lanes_for, read_files
-from qdcp.io.torch_save import ViewReader, archived_tensor, check_zip_crcs, read_archive_into
+from qdcp.io.torch_save import archived_tensor, check_zip_crcs, load_pickled_tensor, read_archive_into
 from qdcp.spec import describe_item
 from qdcp.storage.local_files import file_problem, open_inside, refusal
 from qdcp.storage.metadata import QdcpStorageMeta, check_chunk_geometry, check_stored_sizes, safe_load_metadata
@@ -74,9 +72,8 @@ class NoMetadataError(CheckpointFormatError):
 
 
 class _MetadataUnreadable(BaseException):
-    """Carries qdcp's ``.metadata`` error (its ``__cause__``, kept when pickled to other ranks) past
-    ``dcp.load``'s ``except Exception`` around ``read_metadata``, which would make it an
-    ``AssertionError("metadata is None; ...")``; ``qdcp.load`` raises the cause."""
+    """Carries qdcp's ``.metadata`` error (its ``__cause__``, kept when pickled) past ``dcp.load``'s
+    ``except Exception`` around ``read_metadata`` (an ``AssertionError`` otherwise)."""
 
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))
@@ -229,7 +226,7 @@ class SafeReading:
             tensor = archived_tensor(payload, memory) if in_place else None
             adoptable = tensor is None or buffer is not None  # a view of the reader's own memory is copied out
             if tensor is None:
-                tensor = _unpickled(payload, where)
+                tensor = load_pickled_tensor(payload, where)
             verified = self._verification(calls, req, tensor, recorded)
         except QdcpError:
             raise
@@ -353,31 +350,6 @@ class SafeReading:
         except Exception as e:
             raise CheckpointFormatError(
                 f"{where}: the entry cannot be rebuilt from its stored data ({type(e).__name__}: {e})") from e
-
-
-def _unpickled(payload: memoryview, where: str) -> Any:
-    """A stored ``torch.save`` archive loaded ``weights_only``; the classes stock DCP pickles whole are
-    allowed by the adapters of their families, other classes refused, never imported."""
-    names: list[str] = []
-    for _ in range(3):
-        try:
-            return torch.load(ViewReader(payload), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(ViewReader(payload))
-            try:
-                unknown = allow_pickled(names)
-            except QdcpError as e:  # the family's adapter says what the program must do first
-                raise CheckpointFormatError(f"{where}: {e}") from None
-            if unknown or not names:
-                listed = ", ".join(unknown or names) or "a class"
-                raise CheckpointFormatError(
-                    f"{where}: the stored chunk is a pickled {listed} (DCP's own save of a tensor subclass, "
-                    f"without qdcp's planner), which no registered qdcp adapter handles; refusing to unpickle "
-                    f"it. Install the library that provides it (torchao types: pip install 'qdcp[torchao]'), "
-                    f"or register an adapter with qdcp.register_adapter (the CLI: --import MODULE)") from None
-    raise CheckpointFormatError(f"{where}: the stored chunk is a pickled {', '.join(names)}, which torch's "
-                                f"weights-only loading still refuses with its library imported (the library does "
-                                f"not allow it); refusing to unpickle it")
 
 
 def _stored_values(tensor: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:

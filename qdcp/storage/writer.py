@@ -200,7 +200,7 @@ class AtomicWriting:
         except BaseException as e:
             self._remove_files(plan.storage_data.prefix)  # this rank's own, partly written
             if self._claim is not None:
-                self._claim.end()  # it cannot commit now; abandon() removes every rank's files
+                self._claim.ended = True  # it cannot commit now; abandon() removes every rank's files
             raise_with_cause(e, f"writing the checkpoint at {os.fspath(self.path)!r}")
         finally:
             self.qdcp_staged = False  # the next save through this writer says again whether it is staged
@@ -249,10 +249,8 @@ class AtomicWriting:
             self._store.remove(commit.metadata_tmp(claim.token))
         self._release()
         if claim is not None and getattr(self, "_made_dir", False):
-            try:
-                os.rmdir(self.path)  # the directory this save made, if nothing else is in it
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):  # the directory this save made, if nothing else is in it
+                os.rmdir(self.path)
 
     @property
     def _store(self) -> claims.LocalStore | claims.FsspecStore:
@@ -296,10 +294,8 @@ class AtomicWriting:
         except OSError:
             return
         for name in commit.debris(names, commit.referenced(metadata), replaced, token):
-            try:
+            with contextlib.suppress(OSError):  # e.g. a directory of that name: left, the others still go
                 self._remove_unreferenced(name)
-            except OSError:
-                continue  # e.g. a directory of that name: never removed; the others still are
 
     def _remove_unreferenced(self, name: str) -> None:
         """Remove a file the committed checkpoint does not reference."""
