@@ -50,8 +50,7 @@ import qdcp
 from common import add_profile_argument, device_of, plain_twin, profile, quantized_state
 from qdcp import QuantizedSavePlanner, QuantizedStager
 from qdcp.adapters.base import find_adapter
-from qdcp.io.pipeline import usable_cores
-from qdcp.storage.writer import DIRECT_UPLOAD_BELOW_CORES
+from qdcp.io.pipeline import DIRECT_UPLOAD_BELOW_CORES, usable_cores
 
 
 def host_bytes(state: dict) -> list[torch.Tensor]:

@@ -1,8 +1,7 @@
-"""Item checksums (docs/format.md, *Checksums*): the XXH3-64 hash of an item, the record of
-them in ``Metadata.planner_data["__qdcp_checksums__"]``, the save's checks between ranks
-(:class:`SaveHashes`) and the load planner's verifier (:class:`ReadVerifier`). One rule: qdcp's
-writer hashes every item as it writes it, else the save planner does; qdcp's reader verifies every
-item it reads, else the load planner verifies the items it reads whole.
+"""Item checksums (docs/format.md, *Checksums*): XXH3-64 of each item, their record in the metadata
+and its digest, and the save's checks between ranks (:class:`SaveHashes`; the load planner's
+verifier is :mod:`qdcp.planning.verifier`). qdcp's writer hashes every item, else the save
+planner; qdcp's reader verifies every item, else the load planner the items it reads whole.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import functools
 import json
 import os
 import struct
-import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping
@@ -29,8 +27,7 @@ from qdcp.spec import COMPONENT_SEPARATOR, describe_item
 from qdcp.spec import PLANNER_DATA_KEY as SPEC_KEY
 
 PLANNER_DATA_KEY = "__qdcp_checksums__"
-# beside the record, under a key of its own: "this checkpoint's save recorded every item's checksum".
-# A record deleted, or renamed by a flipped bit, is then damage, not a checkpoint without checksums.
+# "this save recorded every item's checksum": a record deleted or renamed is then damage
 SEALED_KEY = "__qdcp_sealed__"
 ALGORITHM = "xxh3_64"
 
@@ -43,12 +40,8 @@ def of_bytes(data: Any) -> int:
 
 
 def of_tensor(t: torch.Tensor) -> int | None:
-    """XXH3-64 of a CPU tensor's elements, row-major (any strides; the same value for a copy).
-
-    A tensor subclass (one qdcp has no adapter for, saved as DCP saves it) is hashed by the values
-    a plain tensor of its dtype holds once it is copied from it (what a plain load target gets);
-    None where that copy is not defined (the item is then saved unchecked, as stock DCP saves it).
-    """
+    """XXH3-64 of a CPU tensor's elements, row-major (any strides). A subclass is hashed by the values
+    a plain copy of it holds; None where it cannot be copied (the item is saved unchecked)."""
     t = t.detach()
     if t.device.type != "cpu":
         raise ValueError(f"checksums are computed on CPU tensors, got one on {t.device}")
@@ -62,8 +55,7 @@ def of_tensor(t: torch.Tensor) -> int | None:
 
 
 def _as_plain(t: torch.Tensor) -> torch.Tensor | None:
-    """The plain tensor holding a subclass's values: a view of its storage where the subclass
-    keeps torch's own dispatch, else a copy into a plain tensor (None if it cannot be copied)."""
+    """A subclass's values as a plain tensor (a view where it keeps torch's dispatch), or None."""
     if type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
         return t.as_subclass(torch.Tensor)
     try:
@@ -75,21 +67,18 @@ def _as_plain(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def of_data(data: Any) -> int | None:
-    """XXH3-64 of what a writer is given for an item: a CPU tensor, or the bytes of an object
-    (None: a tensor subclass whose values cannot be read, see :func:`of_tensor`)."""
+    """XXH3-64 of a CPU tensor (:func:`of_tensor`) or of an object's bytes."""
     return of_tensor(data) if isinstance(data, torch.Tensor) else of_bytes(data)
 
 
 # ----------------------------------------------------------------------------- trailers (read only)
-# Items written by qdcp's writer before it recorded every item's hash itself carry their hash after
-# their bytes ("qdcp-checksum/1": CRC-32, qdcp 0.1; "/2": XXH3-64), named in transform_descriptors.
+# Older qdcp writers put each item's hash after its bytes ("qdcp-checksum/1": CRC-32; "/2": XXH3-64)
 _TRAILERS = {"1": 4, "2": 8}  # version -> bytes of the hash after the item
 TRAILER_EXTENSION = "qdcp-checksum"
 
 
 def trailer_version(descriptors: list[str], where: str) -> str | None:
-    """The qdcp-checksum version among an item's transform descriptors (None if absent). The
-    trailer wraps the raw bytes in the file: it is listed last (applied last at the save)."""
+    """The qdcp-checksum version among an item's transform descriptors (None if absent; it is last)."""
     for d in descriptors:
         name, _, version = d.partition("/")
         if name == TRAILER_EXTENSION:
@@ -103,7 +92,7 @@ def trailer_version(descriptors: list[str], where: str) -> str | None:
 
 
 def trailed_payload(data: Any, where: str, version: str) -> memoryview:
-    """The payload of a ``qdcp-checksum/<version>`` item (without a copy), after checking its hash."""
+    """The payload of a ``qdcp-checksum/<version>`` item (no copy), its hash checked."""
     size = _TRAILERS[version]
     if len(data) < size:
         raise ChecksumError(f"{where}: the stored item is truncated ({len(data)} bytes)")
@@ -116,42 +105,39 @@ def trailed_payload(data: Any, where: str, version: str) -> memoryview:
     return payload
 
 
-# xxHash releases the GIL while it hashes: large items are hashed on these threads, beside the
-# Python work (and the GIL-free copies) of the caller
-_BACKGROUND_BYTES = 1 << 20
-# A load planner's items waiting for their background hash hold at most this much host memory (the
-# reads wait for the oldest hash past it): hashing slower than reading does not hold the whole load.
-_PENDING_MAX = 512 << 20
+# xxHash releases the GIL: items this large are hashed on background threads
+BACKGROUND_BYTES = 1 << 20
 _HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 @functools.cache  # threads racing on the first call may each make one: both work
-def _hash_pool() -> ThreadPoolExecutor:
+def hash_pool() -> ThreadPoolExecutor:
+    """The threads large items are hashed on."""
     return ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="qdcp-hash")
 
 
-def _nbytes(data: Any) -> int:
+def nbytes(data: Any) -> int:
+    """The bytes of a tensor or bytes-like object."""
     return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)
 
 
 def hash_later(data: Any) -> Callable[[], int | None]:
     """Start hashing ``data`` (a background thread for large data); call the result for the hash."""
-    if _nbytes(data) < _BACKGROUND_BYTES:
+    if nbytes(data) < BACKGROUND_BYTES:
         h = of_data(data)
         return lambda: h
-    return _hash_pool().submit(of_data, data).result
+    return hash_pool().submit(of_data, data).result
 
 
 def hash_many(items: Iterable[tuple[Any, Any]]) -> dict[Any, int | None]:
-    """``{key: hash}`` for ``(key, data)`` pairs produced lazily (at most a few large ones are held
-    at a time); large data is hashed on background threads while the next is produced."""
+    """``{key: hash}`` for lazily produced ``(key, data)`` pairs, a few large ones hashed at a time."""
     out: dict[Any, int] = {}
     pending: collections.deque = collections.deque()
     for key, data in items:
-        if _nbytes(data) < _BACKGROUND_BYTES:
+        if nbytes(data) < BACKGROUND_BYTES:
             out[key] = of_data(data)
             continue
-        pending.append((key, _hash_pool().submit(of_data, data)))
+        pending.append((key, hash_pool().submit(of_data, data)))
         if len(pending) > 2 * _HASH_THREADS:
             k, fut = pending.popleft()
             out[k] = fut.result()
@@ -165,31 +151,27 @@ def item_key(item: WriteItem) -> tuple[str, tuple[int, ...]]:
     return item.index.fqn, tuple(item.index.offset or ())
 
 
+@dataclasses.dataclass(eq=False)
 class SaveHashes:
-    """The save planner's hashes: each rank's (:meth:`local`), compared between ranks before
-    anything is written (:meth:`check`: shared items always, every replica with
-    ``check_replicas``), and the record of them (:meth:`record`). ``by_writer``: the save's writer
-    hashes every item and makes the record (qdcp's): only the items the checks compare are hashed."""
+    """The save planner's hashes: each rank's (:meth:`local`), compared between ranks (:meth:`check`),
+    and their record (:meth:`record`). ``by_writer``: the writer hashes and records every item, so
+    only what the checks compare is hashed."""
 
-    def __init__(self, checksums: bool, check_replicas: bool, by_writer: bool = False) -> None:
-        self.checksums = checksums
-        self.check_replicas = check_replicas
-        self.by_writer = by_writer
+    checksums: bool
+    check_replicas: bool
+    by_writer: bool = False
 
     def local(self, items: list[WriteItem], shared: list[tuple[str, tuple[int, ...]]],
               data: Callable[[WriteItem], Any]) -> dict:
-        """This rank's part: ``{"hashes": {item key: hash}, "shared": [item key, ...]}`` for ``items``,
-        whose data ``data(item)`` gives; ``shared``: the item keys other ranks' shards also hold."""
+        """This rank's ``{"hashes": {item key: hash}, "shared": [item keys other ranks also hold]}``."""
         shared_keys = set(shared)
         every = (self.checksums and not self.by_writer) or self.check_replicas
         hashed = items if every else [i for i in items if item_key(i) in shared_keys]
         return {"hashes": hash_many((item_key(i), data(i)) for i in hashed), "shared": shared}
 
     def check(self, per_rank: list[dict | None]) -> list[dict]:
-        """Refuse items several ranks hold whose copies differ: a component's items that several
-        shards hold (replicated, or constant along a dim the shards cut; DCP keeps one rank's
-        copy), and with ``check_replicas`` every replicated chunk. Returns the ranks' parts (an
-        empty one for a rank that sent none)."""
+        """Refuse shared component items whose copies differ between ranks (every replicated chunk
+        with ``check_replicas``); the ranks' parts (empty for a rank that sent none)."""
         per_rank = [part or {"hashes": {}, "shared": []} for part in per_rank]
         for key, ranks in diverged(per_rank, shared_only=True).items():
             fqn, name = key[0].rsplit(COMPONENT_SEPARATOR, 1)
@@ -211,26 +193,16 @@ class SaveHashes:
         return per_rank
 
     def record(self, global_plan: list[SavePlan], per_rank: list[dict], metadata: Metadata) -> dict | None:
-        """The metadata's checksum record: for each item, the hash the rank that writes it computed
-        (DCP writes one rank's copy of a replicated item); None without ``checksums`` or where the
-        writer makes it."""
+        """The checksum record, each item's hash from the rank that writes it; None where not the planner's."""
         if not self.checksums or self.by_writer:
             return None
-        return _record(metadata, ((item.index, per_rank[rank]["hashes"].get(item_key(item)))
+        return written_record(metadata, ((item.index, per_rank[rank]["hashes"].get(item_key(item)))
                                   for rank, plan in enumerate(global_plan) for item in plan.items))
 
 
-def written_record(metadata: Metadata, hashes: dict) -> dict:
-    """The metadata's checksum record from the hashes a writer computed as it wrote each item
-    (``{MetadataIndex: hash}``, the index as DCP's global plan set it)."""
-    return _record(metadata, hashes.items())
-
-
-def _record(metadata: Metadata, hashes: Iterable[tuple[Any, int | None]]) -> dict:
-    """The record from ``(MetadataIndex, hash)`` pairs, packed straight into each item's bytes (the
-    coordinator of a large job sets one hash per chunk of every rank: no per-chunk objects kept).
-    An item with a chunk left unhashed (None: a subclass whose values cannot be read,
-    :func:`of_tensor`) is listed as ``unchecked``."""
+def written_record(metadata: Metadata, hashes: Iterable[tuple[Any, int | None]]) -> dict:
+    """The checksum record from ``(MetadataIndex, hash)`` pairs, packed straight into each item's
+    bytes; an item with an unhashed chunk (None) is listed as ``unchecked``."""
     packed: dict[str, bytearray] = {}
     missing: dict[str, int] = {}
     for fqn, md in metadata.state_dict_metadata.items():
@@ -246,9 +218,8 @@ def _record(metadata: Metadata, hashes: Iterable[tuple[Any, int | None]]) -> dic
 
 
 def diverged(per_rank: list[dict], shared_only: bool) -> dict[tuple, list[int]]:
-    """``{item key: [first rank, ranks whose hash differs from its]}`` over the items several ranks
-    hash (each rank's ``hashes``; with ``shared_only``, only the keys it lists as ``shared``).
-    Also the save planner's test for its whole-row fallback (:func:`qdcp.planning.save_entries.fall_back`)."""
+    """``{item key: [first rank, ranks whose hash differs]}`` over the ranks' hashes (with
+    ``shared_only``, only the keys each lists as ``shared``)."""
     first: dict[tuple, tuple[int, int]] = {}
     out: dict[tuple, list[int]] = {}
     for rank, part in enumerate(per_rank):
@@ -269,8 +240,7 @@ class Record:
     _by_offsets: dict[str, dict[tuple, tuple[tuple, int]]] = dataclasses.field(default_factory=dict)
 
     def expected(self, fqn: str, offsets: Any) -> tuple[tuple[int, ...] | None, int] | None:
-        """``(chunk sizes or None for a BYTE_IO item, hash)`` of the stored chunk of ``fqn`` at
-        ``offsets``, or None when the checkpoint records no checksum for it."""
+        """``(chunk sizes, or None for an object; hash)`` of ``fqn``'s chunk at ``offsets``, or None."""
         if fqn not in self._by_offsets:
             self._by_offsets[fqn] = self._table(fqn)
         return self._by_offsets[fqn].get(tuple(offsets or ()))
@@ -289,11 +259,9 @@ class Record:
 
 
 def record(metadata: Metadata | None) -> Record | None:
-    """The checksum record of ``metadata``, or None for a checkpoint written without checksums;
-    the metadata's digest checked where the record carries one (:func:`sealed`). A checkpoint
-    marked sealed (:func:`attach`) must carry the record, its digest and every item's hash."""
-    data = getattr(metadata, "planner_data", None)
-    data = data if isinstance(data, dict) else {}
+    """The checksum record of ``metadata`` (None: saved without checksums), its digest checked; a
+    sealed checkpoint (:func:`attach`) must carry the record, its digest and every item's hash."""
+    data = metadata.planner_data if isinstance(getattr(metadata, "planner_data", None), dict) else {}
     raw, marked = data.get(PLANNER_DATA_KEY), data.get(SEALED_KEY) is not None
     if raw is None:
         if marked:
@@ -329,15 +297,13 @@ def _damaged(what: str) -> CheckpointFormatError:
 
 
 def sealed(record: dict, metadata: Metadata) -> dict:
-    """``record`` (the checksum record about to join ``metadata``'s ``planner_data``) with the
-    digest of what the metadata says of the checkpoint's entries (:func:`metadata_digest`)."""
+    """``record`` with the digest of ``metadata`` (:func:`metadata_digest`)."""
     return {**record, "metadata": metadata_digest(metadata, record["items"], record.get("unchecked", ()))}
 
 
 def attach(metadata: Metadata, record: dict) -> None:
-    """Put ``record`` into ``metadata``'s ``planner_data``, sealed, with the mark that says the
-    checkpoint carries one (:data:`SEALED_KEY`), replacing an earlier save's (DCP's plan caching
-    hands the same metadata object to every save)."""
+    """Put ``record`` into ``metadata.planner_data``, sealed and marked (:data:`SEALED_KEY`), replacing
+    an earlier save's (plan caching reuses the metadata object)."""
     if metadata.planner_data is None:
         metadata.planner_data = {}
     metadata.planner_data[PLANNER_DATA_KEY] = sealed(record, metadata)
@@ -345,9 +311,8 @@ def attach(metadata: Metadata, record: dict) -> None:
 
 
 def metadata_digest(metadata: Metadata, items: Mapping[str, Any], unchecked: Iterable[str] = ()) -> str:
-    """XXH3-64 (16 hex digits) of the canonical JSON of the metadata's entries, nesting and spec
-    and the record's item hashes (``unchecked`` too where the record has it): docs/format.md,
-    *The metadata digest*."""
+    """XXH3-64 (hex) of the canonical JSON of the metadata's entries, nesting, spec and item hashes
+    (docs/format.md, *The metadata digest*)."""
     entries: dict[str, Any] = {}
     for fqn, item in (metadata.state_dict_metadata or {}).items():
         entries[fqn] = [str(item.properties.dtype), list(item.size),
@@ -362,125 +327,9 @@ def metadata_digest(metadata: Metadata, items: Mapping[str, Any], unchecked: Ite
     return xxhash.xxh3_64_hexdigest(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
 
 
-class ReadVerifier:
-    """Checks the items a load planner reads whole (under DCP's reader) against a :class:`Record`.
-
-    DCP's reader copies the part of a stored chunk a read item asks for into ``resolve_tensor``'s
-    buffer, then calls ``commit_tensor``. For a whole stored chunk, :meth:`buffer` gives a host
-    buffer of the stored dtype where the destination is another dtype or on a device (the hash is
-    of the stored bytes), and :meth:`check` hashes what arrived: large items on a background
-    thread, all of them compared by the time the plan's last item is committed."""
-
-    def __init__(self, record: Record | None, atomic: bool = False) -> None:
-        self.record = record
-        self.atomic = atomic  # the load changes no target before every read is in and verified
-        self._lock = threading.Lock()
-        self.plan([])
-
-    def plan(self, read_items) -> None:
-        """Note which of the final plan's read items take a stored chunk (or object) whole: those
-        this verifier checks."""
-        self._whole: dict[Any, tuple[int, torch.dtype | None]] = {}  # read item -> (hash, stored dtype)
-        self._temps: set[int] = set()
-        self._filled: set[str] = set()
-        self._pending: collections.deque = collections.deque()  # (future, expected, read item, key, bytes)
-        self._pending_bytes = 0  # the host bytes the pending hashes hold on to
-        self._remaining = len(read_items)
-        self.hashed = 0  #: items this verifier hashed itself (this load)
-        md = self.record.metadata.state_dict_metadata if self.record is not None else {}
-        for item in read_items if self.record is not None else ():
-            found = self.record.expected(item.storage_index.fqn, item.storage_index.offset)
-            if found is not None and found[0] is None:  # an object
-                self._whole[item] = (found[1], None)
-            elif found is not None and not any(item.storage_offsets) and tuple(item.lengths) == found[0]:
-                self._whole[item] = (found[1], md[item.storage_index.fqn].properties.dtype)
-
-    def buffer(self, read_item, dest: torch.Tensor) -> torch.Tensor:
-        """Where DCP should copy ``read_item``'s data: ``dest``, or a host buffer to check first
-        (pinned where ``dest`` is on CUDA: torch's caching host allocator reuses it from load to
-        load, and the copy on to the device need not block)."""
-        found = self._whole.get(read_item)
-        if found is None or (dest.device.type == "cpu" and dest.dtype == found[1]):
-            return dest
-        with self._lock:
-            self._temps.add(id(read_item))
-        return torch.empty(tuple(read_item.lengths), dtype=found[1], pin_memory=dest.device.type == "cuda")
-
-    def check(self, read_item, tensor: torch.Tensor, key: str, buffered: bool = False) -> bool:
-        """Verify ``tensor`` (what arrived for ``read_item``, the target ``key``'s) if it is a whole
-        stored chunk; True when it sits in a host buffer from :meth:`buffer` that the caller must
-        copy on. ``buffered``: the buffer it arrived in is a temporary, not the target's own."""
-        with self._lock:
-            temp = id(read_item) in self._temps
-        self._verify(read_item, tensor, key, temp, buffered)
-        return temp
-
-    def check_bytes(self, read_item, data: Any, key: str) -> None:
-        """Verify an object's bytes (put in its target, or deferred, once they pass)."""
-        self._verify(read_item, bytes(data), key, True, False)
-
-    def finished(self, key: str) -> None:
-        """The target ``key`` was written from the temporaries its reads arrived in."""
-        with self._lock:
-            self._filled.add(key)
-
-    def _verify(self, read_item, data: Any, key: str, temp: bool, buffered: bool) -> None:
-        """Check one item's data; ``temp``: it sits in :meth:`buffer`'s host buffer (the caller
-        copies it into the target once this returns); ``buffered``: in a temporary of the load's,
-        written into the target later (:meth:`finished`)."""
-        found = self._whole.get(read_item)
-        if found is not None:
-            with self._lock:
-                self.hashed += 1
-            n = _nbytes(data)
-            if n >= _BACKGROUND_BYTES:
-                with self._lock:
-                    self._pending.append((_hash_pool().submit(of_data, data), found[0], read_item, key, n))
-                    self._pending_bytes += n
-            else:
-                self._compare(read_item, of_data(data), found[0], key=key, written=not (temp or buffered))
-        with self._lock:
-            if not buffered:
-                self._filled.add(key)
-            self._remaining -= 1
-            last = self._remaining <= 0
-        self._collect(wait=last)
-
-    def _collect(self, wait: bool) -> None:
-        """Compare the background hashes that are done (all of them with ``wait``; the oldest
-        while those pending hold more than :data:`_PENDING_MAX` bytes of the host's memory)."""
-        while True:
-            with self._lock:
-                if not self._pending or not (wait or self._pending_bytes > _PENDING_MAX or self._pending[0][0].done()):
-                    return
-                fut, expected, read_item, key, n = self._pending.popleft()
-                self._pending_bytes -= n
-                written = key in self._filled  # its bytes reached the target while they were hashed
-            self._compare(read_item, fut.result(), expected, key=key, written=written)
-
-    def _compare(self, read_item, got: int | None, expected: int, *, key: str, written: bool) -> None:
-        if got is None or got == expected:  # None: a subclass whose values cannot be read (of_tensor)
-            return
-        raise corrupt(read_item.storage_index.fqn, read_item.storage_index.offset, expected, got,
-                      self.changed(key, written))
-
-    def changed(self, key: str, written: bool) -> str:
-        """What this load has changed in the targets so far, said after a corrupt item of target
-        ``key`` (``written``: its bytes went into that target's own memory). An all-or-nothing
-        load has changed none; an in-place one, every target filled so far (in part, for some)."""
-        if self.atomic:
-            return "The load is all-or-nothing: no target was changed."
-        with self._lock:
-            filled = sorted(self._filled | ({key} if written else set()))
-        listed = ", ".join(repr(k) for k in filled[:20]) + (f" and {len(filled) - 20} more" if len(filled) > 20 else "")
-        return (f"Entries of the target already filled from this checkpoint: {listed or 'none'}"
-                f"{' (this one with the corrupt bytes)' if written else ''}. Load them from another checkpoint.")
-
-
 def corrupt(item_fqn: str, offsets: Any, recorded: int, read: int, changed: str = "") -> ChecksumError:
-    """The error for a stored chunk (or object) whose bytes do not match the checksum its save
-    recorded, one text for every check (the load planner's, the storage reader's); ``changed``: what
-    the load had already changed, said after it."""
+    """The error for an item whose bytes do not match its recorded checksum (``changed``: what the load
+    had already changed)."""
     chunk = f"its stored chunk at {tuple(offsets)}: " if offsets else ""
     then = f" {changed}" if changed else ""
     return ChecksumError(

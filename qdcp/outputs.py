@@ -4,10 +4,10 @@ renamed into place at the end. A scratch name says whose it is and for which out
 
     .qdcp-<kind>-<hash of the output's absolute path>-<Owner.tag()>-<random>[suffix]
 
-The next run for the same output (:func:`clean`) removes the scratch whose owner has ended on this
-machine, and puts back an export that ``--overwrite`` had moved aside (``.qdcp-replaced-*``) when
-a kill came between its two renames. Scratch of another output, a live run or another machine is
-never touched.
+The next run for the same output (:func:`clean`) removes the scratch whose owner
+(:meth:`qdcp.owners.Owner.tag`) has ended on this machine, and puts back an export that
+``--overwrite`` had moved aside (``.qdcp-replaced-*``) when a kill came between its two renames.
+Scratch of another output, a live run or another machine is never touched.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Iterator
 from tqdm import tqdm
 
 from qdcp.errors import QdcpError
-from qdcp.storage.owners import Owner
+from qdcp.owners import Owner
 
 __all__ = ["OutputError", "check_separate", "check_replaceable", "new_file", "clean",
            "writing_file", "writing_dir",

@@ -23,8 +23,8 @@ import qdcp
 from cli_in_process import qdcp_cli
 from qdcp import CheckpointWriter, QuantizedSavePlanner, QuantizedStager
 from qdcp.io import direct, pipeline
+from qdcp.io.pipeline import DIRECT_UPLOAD_BELOW_CORES
 from qdcp.io.torch_save import ViewReader, _record_start
-from qdcp.storage.writer import DIRECT_UPLOAD_BELOW_CORES
 from stored_bytes import gap_bytes, stored_items
 
 BLOCK = direct.BLOCK

@@ -16,10 +16,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import qdcp
 from qdcp import ConcurrentSaveError
+from qdcp.owners import Owner
 from qdcp.storage import claims
 from qdcp.storage.claims import CLAIM_FILE, FsspecStore
 from qdcp.storage.factories import FsspecWriter
-from qdcp.storage.owners import Owner
 
 
 @pytest.fixture(params=["s3", "memory"])

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 import qdcp
-from qdcp.storage.owners import Owner
+from qdcp.owners import Owner
 
 ROOT = Path(__file__).resolve().parent.parent
 KILLER = Path(__file__).with_name("cli_killer.py")

@@ -107,6 +107,7 @@ def test_background_hashes_hold_a_bounded_amount_of_host_memory(tmp_path, monkey
     from concurrent.futures import ThreadPoolExecutor
 
     from qdcp import checksums
+    from qdcp.planning import verifier
 
     waiting, most = [0], [0]
     pool = ThreadPoolExecutor(2)
@@ -128,15 +129,15 @@ def test_background_hashes_hold_a_bounded_amount_of_host_memory(tmp_path, monkey
     g = torch.Generator().manual_seed(3)
     source = {f"p{i}": torch.randn(512, 1024, generator=g) for i in range(8)}  # 2 MiB each
     qdcp.save(source, tmp_path / "c")
-    monkeypatch.setattr(checksums, "_hash_pool", lambda: SlowPool())
-    for cap, bound in ((3 << 20, 2), (checksums._PENDING_MAX, 8)):
-        monkeypatch.setattr(checksums, "_PENDING_MAX", cap)
+    monkeypatch.setattr(checksums, "hash_pool", lambda: SlowPool())
+    for cap, bound in ((3 << 20, 2), (verifier._PENDING_MAX, 8)):
+        monkeypatch.setattr(verifier, "_PENDING_MAX", cap)
         most[0] = 0
         target = {k: torch.zeros_like(v) for k, v in source.items()}
         dcp.load(target, storage_reader=FileSystemReader(tmp_path / "c"), planner=QuantizedLoadPlanner())
         assert all(torch.equal(target[k], source[k]) for k in source)
         assert most[0] == bound, (cap, most[0])
-    monkeypatch.setattr(checksums, "_PENDING_MAX", 3 << 20)
+    monkeypatch.setattr(verifier, "_PENDING_MAX", 3 << 20)
     flip_stored_bytes(tmp_path / "c", tensor_bytes(source["p1"][7:9]), at=3)
     with pytest.raises(ChecksumError, match=r"key 'p1'"):
         raise_inner(lambda: dcp.load({k: torch.zeros_like(v) for k, v in source.items()},

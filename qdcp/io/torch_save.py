@@ -1,22 +1,29 @@
 """torch.save archives read in place: a stored item's bytes as a tensor over the read buffer (no
-copy) where the archive is simple, and the zip CRCs checked where nothing else checks the bytes."""
+copy) where the archive is simple, the zip CRCs checked where nothing else checks the bytes, and
+stored tensors and objects unpickled without running code (:func:`load_pickled_tensor`,
+:func:`load_object`)."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import math
+import pickle
 import re
 import struct
 import sys
 import zipfile
 import zlib
+from typing import Any
 
 import torch
 
-from qdcp.errors import ChecksumError
+from qdcp.adapters import allow_pickled
+from qdcp.errors import CheckpointFormatError, ChecksumError, LoadMismatchError, QdcpError
 from qdcp.layouts import byte_view
 
-__all__ = ["ViewReader", "check_zip_crcs", "archived_tensor", "read_archive_into"]
+__all__ = ["ViewReader", "check_zip_crcs", "archived_tensor", "read_archive_into", "load_pickled_tensor",
+           "load_object", "SAFE_OBJECT_TYPES"]
 
 
 class ViewReader(io.RawIOBase):
@@ -188,3 +195,47 @@ def _describe(payload: memoryview, infos: list[zipfile.ZipInfo]):
         if len(_DESCRIBED) < _DESCRIBED_MAX:
             _DESCRIBED[key] = described
     return described
+
+
+def load_pickled_tensor(payload: memoryview, where: str) -> Any:
+    """A stored ``torch.save`` archive loaded ``weights_only``; the classes stock DCP pickles whole are
+    allowed by the adapters of their families, other classes refused, never imported."""
+    names: list[str] = []
+    for _ in range(3):
+        try:
+            return torch.load(ViewReader(payload), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(ViewReader(payload))
+            try:
+                unknown = allow_pickled(names)
+            except QdcpError as e:  # the family's adapter says what the program must do first
+                raise CheckpointFormatError(f"{where}: {e}") from None
+            if unknown or not names:
+                listed = ", ".join(unknown or names) or "a class"
+                raise CheckpointFormatError(
+                    f"{where}: the stored chunk is a pickled {listed} (DCP's own save of a tensor subclass, "
+                    f"without qdcp's planner), which no registered qdcp adapter handles; refusing to unpickle "
+                    f"it. Install the library that provides it (torchao types: pip install 'qdcp[torchao]'), "
+                    f"or register an adapter with qdcp.register_adapter (the CLI: --import MODULE)") from None
+    raise CheckpointFormatError(f"{where}: the stored chunk is a pickled {', '.join(names)}, which torch's "
+                                f"weights-only loading still refuses with its library imported (the library does "
+                                f"not allow it); refusing to unpickle it")
+
+
+# types a stored non-tensor object may hold beyond torch.load's weights_only allowlist
+SAFE_OBJECT_TYPES = (io.BytesIO, argparse.Namespace)
+
+
+def load_object(value: io.BytesIO, fqn: str, weights_only: bool = True):
+    """A non-tensor object, unpickled without running code unless ``weights_only`` is False."""
+    try:
+        with torch.serialization.safe_globals(list(SAFE_OBJECT_TYPES)):
+            return torch.load(value, weights_only=weights_only)
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        raise LoadMismatchError(
+            f"key {fqn!r}: the checkpoint stores a pickled object that refers to "
+            f"{refused.group(1) if refused else 'a global'}, which loading with weights_only=True "
+            f"refuses (a pickle can run code). If you trust this checkpoint, pass "
+            f"QuantizedLoadPlanner(weights_only=False), or allow that type with "
+            f"torch.serialization.add_safe_globals.") from e

@@ -21,13 +21,14 @@ from qdcp import checksums as sums
 from qdcp import spec as qspec
 from qdcp.dcp_copies import pre_2_4_state_dict, read_items
 from qdcp.errors import CheckpointFormatError
+from qdcp.io.torch_save import load_object
 from qdcp.layouts import narrow
 from qdcp.planning.actions import ItemRead, LoadAction, Temporaries
 from qdcp.planning.key_plans import GroupTarget, KeyPlan, KeyPlanner
 from qdcp.planning.placement import planning
 from qdcp.planning.save import _check_instance
 from qdcp.planning.shadows import Shadows
-from qdcp.storage.metadata import load_object
+from qdcp.planning.verifier import ReadVerifier
 
 __all__ = ["QuantizedLoadPlanner"]
 
@@ -64,9 +65,9 @@ value, whose ``load_state_dict`` ``dcp.load`` itself calls). ``loaded_keys`` and
         self.copy_in_later = bool(copy_in_later) and self.atomic
         self._lock = threading.Lock()
         self._temporaries = Temporaries()
-        self._start(sums.ReadVerifier(None))
+        self._start(ReadVerifier(None))
 
-    def _start(self, verify: sums.ReadVerifier) -> None:
+    def _start(self, verify: ReadVerifier) -> None:
         """A load's state, empty (made again by each ``set_up_planner``)."""
         self._verify = verify
         self._shadows = Shadows() if self.atomic else None
@@ -113,7 +114,7 @@ value, whose ``load_state_dict`` ``dcp.load`` itself calls). ``loaded_keys`` and
         reader_verifies = getattr(metadata.storage_meta, "verifies_items", False)
         if not reader_verifies:  # qdcp's readers check the chunks themselves; DCP's trusts them
             qspec.check_chunk_geometry(metadata)
-        self._start(sums.ReadVerifier(sums.record(metadata) if self.checksums and not reader_verifies else None,
+        self._start(ReadVerifier(sums.record(metadata) if self.checksums and not reader_verifies else None,
                                       atomic=self.atomic))
         keys = KeyPlanner(metadata, allow_partial_load=self.allow_partial_load)
         self._target_keys = list(self.state_dict)

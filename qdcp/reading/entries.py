@@ -16,9 +16,10 @@ from qdcp import spec as qspec
 from qdcp.adapters.base import StoredEntry, adapter_for_type, rebuild_error, stored_on_meta
 from qdcp.dcp_copies import read_items
 from qdcp.errors import CheckpointFormatError, QdcpError, UnsupportedTensorError
+from qdcp.io.torch_save import load_object
 from qdcp.layouts import ceil_div, narrow
 from qdcp.storage import storage_reader
-from qdcp.storage.metadata import check_stored_sizes, load_object
+from qdcp.storage.metadata import check_stored_sizes
 
 
 def read_metadata(path: str | os.PathLike, **storage_options: Any) -> Metadata:

@@ -1,16 +1,13 @@
-"""Storage: safe metadata reading, checksummed items and atomic commits on top of DCP's file writers.
-
-What a checkpoint is lives here; how its bytes move fast lives in :mod:`qdcp.io`. One job per module:
+"""Storage: safe metadata, verified reads, checksummed atomic writes on DCP's file-system storage
+(how the bytes move fast: :mod:`qdcp.io`). One job per module:
 
 - :mod:`~qdcp.storage.metadata`: ``.metadata`` unpickled with an allowlist (no code runs).
 - :mod:`~qdcp.storage.reader`: :class:`CheckpointReader` verifies every item and number it reads.
 - :mod:`~qdcp.storage.writer`: :class:`CheckpointWriter`: no silent overwrite, one save per path,
-  an atomic commit; the stager ``dcp.async_save`` uses through it (:func:`set_default_stager`).
+  an atomic commit, the stager it hands ``dcp.async_save`` (:func:`set_default_stager`).
 - :mod:`~qdcp.storage.claims`: a checkpoint directory's files by name (local or fsspec), and the
-  claim file that keeps a path to one save at a time across processes and hosts.
-- :mod:`~qdcp.storage.owners`: which process owns a file, and whether it still runs.
-- :mod:`~qdcp.storage.commit`: a save's file names (its token), publishing ``.metadata``, what is
-  removed after.
+  claim file that keeps a path to one save at a time (its holder: :mod:`qdcp.owners`).
+- :mod:`~qdcp.storage.commit`: a save's file names, publishing ``.metadata``, what is removed after.
 - :mod:`~qdcp.storage.causes`: write errors raised with their root OS error.
 - :mod:`~qdcp.storage.factories`: :func:`storage_writer` / :func:`storage_reader` for a path or URL.
 """

@@ -1,11 +1,5 @@
-"""Errors that keep their cause: a write that failed deep in torch names the OS error behind it.
-
-``torch.save`` into a stream whose ``write`` raised (ENOSPC) and whose ``close`` did not fail again
-reports ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos ...``; the OS error is
-only its ``__context__``. :func:`raise_with_cause` raises a :class:`~qdcp.errors.CheckpointWriteError`
-(an ``OSError`` with the root cause's ``errno``) whose message names the root cause and what
-failed, chained ``from`` the root cause, with the original error as its ``__context__``.
-"""
+"""Write errors that name their root OS error: ``torch.save`` into a stream whose ``write`` raised
+(ENOSPC) reports ``RuntimeError: ... unexpected pos``, the OS error only its ``__context__``."""
 
 from __future__ import annotations
 
@@ -28,8 +22,8 @@ def root_os_error(exc: BaseException) -> OSError | None:
 
 
 def raise_with_cause(exc: BaseException, doing: str) -> NoReturn:
-    """Re-raise ``exc``; where an OS error lies behind it (and it is no qdcp error), raise a
-    :class:`CheckpointWriteError` naming that error and ``doing`` instead, from that error."""
+    """Re-raise ``exc``, or where an OS error lies behind it (no qdcp error), a
+    :class:`CheckpointWriteError` naming it and ``doing``, from it."""
     root = root_os_error(exc) if isinstance(exc, Exception) and not isinstance(exc, QdcpError) else None
     if root is None:
         raise exc

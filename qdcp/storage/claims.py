@@ -1,15 +1,6 @@
-"""The files of a checkpoint directory by name (:class:`LocalStore`, :class:`FsspecStore`: what the
-writer, its claim and its commit read, write and remove), and one save per path at a time across
-processes and hosts: a claim file (docs/api.md, *Saves from several processes*).
-
-A save's coordinator creates ``<path>/.qdcp-save.claim`` by exclusive create (``O_EXCL``; fsspec's
-``"xb"``) before any data is written, naming its :class:`~qdcp.storage.owners.Owner` and a token; a
-create that fails midway removes the file (the retry goes through). A claim is cleared as stale only
-where that is certain: its process ran on this machine and has ended (or, in this process, its save
-has), or it is unreadable and older than :data:`UNREADABLE_GRACE_S`; one from another host never is.
-Locally the clear renames the claim aside and puts back one taken meanwhile, so two clearers cannot
-both win; on object stores it is a read then a delete, and the holder's check before its commit keeps
-a second holder from committing.
+"""A checkpoint directory's files by name (:class:`LocalStore`, :class:`FsspecStore`), and the claim
+file, created exclusively, that keeps a path to one save at a time; stale only where that is
+certain (docs/api.md, *Saves from several processes*).
 """
 
 from __future__ import annotations
@@ -23,7 +14,7 @@ import uuid
 import weakref
 
 from qdcp.errors import ConcurrentSaveError
-from qdcp.storage.owners import Owner
+from qdcp.owners import Owner
 
 __all__ = ["CLAIM_FILE", "CLAIM_PREFIX", "PathClaim", "ClaimRecord", "LocalStore", "FsspecStore", "take",
            "read_record", "refuse_if_held", "honours_exclusive", "protocols"]
@@ -32,21 +23,18 @@ CLAIM_PREFIX = ".qdcp-save."  #: every file of a claim's (the claim, its asides)
 CLAIM_FILE = f"{CLAIM_PREFIX}claim"  #: the claim, in the checkpoint directory
 UNREADABLE_GRACE_S = 10.0  #: an unreadable claim (its taker killed between create and write) this old is stale
 
-#: fsspec protocols whose ``"xb"`` mode refuses an existing file (s3fs: S3's conditional write,
-#: tested on moto; fsspec's memory and local file systems)
+#: fsspec protocols whose ``"xb"`` refuses an existing file (s3fs: S3's conditional write; memory, local)
 _EXCLUSIVE_PROTOCOLS = {"s3", "s3a", "memory", "file", "local"}
 
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # token -> this process's claims
 
 
 def protocols(fs) -> set[str]:
-    """The protocol names of ``fs`` (an fsspec file system)."""
     return set(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else {fs.protocol}
 
 
 def honours_exclusive(fs) -> bool:
-    """Whether ``fs`` (an fsspec file system) is known to make ``"xb"`` an exclusive create; for
-    others qdcp checks existence first (not atomic: two writers may both pass the check)."""
+    """Whether ``fs`` is known to make ``"xb"`` an exclusive create (else existence is checked first)."""
     return bool(protocols(fs) & _EXCLUSIVE_PROTOCOLS)
 
 
@@ -85,7 +73,7 @@ class LocalStore:
             return None
 
     def create(self, name: str, data: bytes) -> bool:
-        """Create ``name`` holding ``data`` unless it exists (atomic); a failed write removes it."""
+        """Create ``name`` holding ``data`` unless it exists (atomic; a failed write removes it)."""
         try:
             fd = os.open(self._path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
@@ -102,8 +90,8 @@ class LocalStore:
         return True
 
     def remove_if_same(self, name: str, data: bytes, aside: str) -> bool:
-        """Remove ``name`` if it holds ``data``: rename it to ``aside`` (atomic: one of several
-        removers gets it), compare, and link it back if it was another claim."""
+        """Remove ``name`` if it holds ``data``: renamed to ``aside`` (one remover wins), compared, and
+        linked back if it was another claim."""
         try:
             os.rename(self._path(name), self._path(aside))
         except FileNotFoundError:
@@ -117,8 +105,7 @@ class LocalStore:
 
 
 class FsspecStore:
-    """The files under an fsspec URL (``memory://``, ``s3://``...), by name; every call asks the
-    store itself (fsspec's listing cache dropped first)."""
+    """The files under an fsspec URL, by name (fsspec's listing cache dropped before each call)."""
 
     def __init__(self, fs, root: str, label: str) -> None:
         self.fs, self.root, self.label = fs, root.rstrip("/"), label
@@ -153,9 +140,8 @@ class FsspecStore:
             return None
 
     def create(self, name: str, data: bytes) -> bool:
-        """Create ``name`` holding ``data`` with the store's exclusive write; read back (a store
-        that ignores ``"x"`` overwrites: the later writer then finds its bytes there). A failed
-        write removes what it may have left."""
+        """Create ``name`` holding ``data`` with ``"xb"``, read back (a store ignoring ``"x"``
+        overwrites); a failed write removes what it left."""
         path = self._path(name)
         if not honours_exclusive(self.fs) and self.fs.exists(path):
             return False
@@ -171,7 +157,7 @@ class FsspecStore:
         return self.read(name) == data
 
     def remove_if_same(self, name: str, data: bytes, aside: str) -> bool:
-        """Delete ``name`` if it holds ``data`` (a read, then a delete: not atomic)."""
+        """Delete ``name`` if it holds ``data`` (not atomic)."""
         if self.read(name) != data:
             return False
         try:
@@ -197,7 +183,7 @@ class ClaimRecord:
 
     @classmethod
     def loads(cls, data: bytes) -> "ClaimRecord":
-        """The record in a claim file's bytes (ValueError if they are not one)."""
+        """The record in a claim file's bytes (ValueError if none)."""
         try:
             doc = json.loads(data)
             return cls(str(doc["token"]), Owner.from_json(doc["owner"]), float(doc["since"]), str(doc["what"]))
@@ -226,8 +212,8 @@ class PathClaim:
     def __init__(self, store, record: ClaimRecord) -> None:
         self.store, self.record, self.token = store, record, record.token  # the token its file names carry
         self.data = record.dumps()
-        self.ended = False  #: its save can no longer commit (a write failed): the next save here clears it
-        # released when the save ends, or when its writer is dropped without ending it
+        self.ended = False  #: its save can no longer commit (its files still to remove): the next save clears it
+        # released when the save ends, or when its writer is dropped
         self._release = weakref.finalize(self, _release, store, self.data, record.token)
         _live[record.token] = self
 
@@ -241,26 +227,18 @@ class PathClaim:
                 f"this save's claim on {self.store.label!r} was removed while it ran ({holder}); nothing "
                 f"was committed. Someone deleted the claim file, or another save judged it stale: save again")
 
-    def end(self) -> None:
-        """Mark the save as over without removing the claim yet (its files are still to be removed
-        by whoever ends it); a later save in this process then clears it as stale."""
-        self.ended = True
-
     def release(self) -> None:
         """Remove the claim file if it is still this claim's (idempotent)."""
         self._release()
 
 
 def _release(store, data: bytes, token: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a claim that cannot be removed turns stale with its process
         store.remove_if_same(CLAIM_FILE, data, f"{CLAIM_FILE}.{token}.release")
-    except OSError:
-        pass  # a claim that cannot be removed turns stale with its process
 
 
 def take(store, what: str) -> PathClaim:
-    """Claim ``store``'s path for one save, clearing stale claims; :class:`ConcurrentSaveError`
-    naming the holder if another save holds it."""
+    """Claim ``store``'s path, clearing stale claims (:class:`ConcurrentSaveError` naming a live holder)."""
     record = ClaimRecord(uuid.uuid4().hex[:12], Owner.current(), time.time(), what)
     for _ in range(5):
         if store.create(CLAIM_FILE, record.dumps()):
@@ -273,9 +251,8 @@ def take(store, what: str) -> PathClaim:
 
 
 def refuse_if_held(store) -> bytes | None:
-    """Raise :class:`ConcurrentSaveError` naming the holder, as :func:`take` would, if a save that
-    may still run holds ``store``'s path; else the bytes of the stale claim there (None: none).
-    Takes nothing and clears nothing."""
+    """Raise :func:`take`'s error if a save that may still run holds the path; else the stale claim's
+    bytes (None: no claim). Takes and clears nothing."""
     data, other = read_record(store)
     if data is not None and not _stale(store, other):
         raise ConcurrentSaveError(_busy(store, other))
@@ -283,7 +260,7 @@ def refuse_if_held(store) -> bytes | None:
 
 
 def _stale(store, other: ClaimRecord | None) -> bool:
-    """Whether the claim whose record is ``other`` (None: unreadable) is known to be abandoned."""
+    """Whether the claim ``other`` (None: unreadable) is known to be abandoned."""
     if other is None:
         age = store.age(CLAIM_FILE)
         return age is not None and age > UNREADABLE_GRACE_S

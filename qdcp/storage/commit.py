@@ -1,22 +1,6 @@
-"""A save's files in its checkpoint directory: their names, the commit, and what is removed after.
-
-Every file a save writes carries its token: data files ``__<token>_<rank>_<n>.distcp``, the new
-metadata ``.metadata.<token>.tmp`` before it is published. Publishing is the one step that makes
-the save visible:
-
-- local: ``os.replace`` over the old ``.metadata`` (``overwrite``), else ``os.link`` of the new
-  one to ``.metadata``, which fails if one appeared meanwhile (a save that took no claim: stock
-  DCP, an older qdcp); readers see the old checkpoint or the new one, whole;
-- ``file://``: a local path (:func:`qdcp.storage.urls.local_path`), published as above;
-- an object store (s3, gcs, azure): ``.metadata`` is written in one PUT, which readers see
-  whole or not at all, with the store's exclusive create (``"xb"``) unless ``overwrite``;
-- any other fsspec file system: ``.metadata.<token>.tmp`` written, then renamed into place; qdcp
-  assumes its rename replaces the destination whole (as POSIX ``rename`` does).
-
-After publishing, a save removes the data files the replaced ``.metadata`` referenced and the
-debris of qdcp saves at this path that no longer run (their token is neither the committed one's
-nor a claim's: the publisher holds the claim); never a file another writer's name scheme made
-(stock DCP's ``__<rank>_<n>.distcp``) unless the replaced checkpoint referenced it.
+"""A save's files, each named with its token (``__<token>_<rank>_<n>.distcp``,
+``.metadata.<token>.tmp``), publishing ``.metadata`` (locally ``os.replace`` with ``overwrite``,
+else ``os.link``) and what is removed after (docs/api.md, *Saves from several processes*).
 """
 
 from __future__ import annotations
@@ -48,8 +32,7 @@ def save_prefix(token: str) -> str:
 
 
 def data_prefix(token: str, rank: int) -> str:
-    """The name prefix of rank ``rank``'s data files in the save ``token``."""
-    return f"__{token}_{rank}_"
+    return f"{save_prefix(token)}{rank}_"
 
 
 def metadata_tmp(token: str) -> str:
@@ -58,7 +41,7 @@ def metadata_tmp(token: str) -> str:
 
 
 def token_of(name: str) -> str | None:
-    """The save token a file name of qdcp's carries ('' for an old qdcp's ``.metadata.tmp``), or None."""
+    """The save token in a qdcp file name ('' for an old qdcp's ``.metadata.tmp``), or None."""
     m = _DATA.fullmatch(name) or _TMP.fullmatch(name)
     return (m.group(1) or "") if m is not None else None
 
@@ -71,8 +54,7 @@ def referenced(metadata: Metadata | None) -> set[str]:
 
 
 def referenced_in(data: bytes | None) -> set[str]:
-    """The data files the ``.metadata`` bytes ``data`` point into (none where absent or unreadable:
-    then nothing it lists is removed)."""
+    """The data files the ``.metadata`` bytes ``data`` point into (none where absent or unreadable)."""
     try:
         return referenced(safe_load_metadata(io.BytesIO(data))) if data is not None else set()
     except Exception:  # noqa: BLE001 (a damaged .metadata lists nothing to remove)
@@ -88,8 +70,7 @@ def _appeared(root: str) -> ConcurrentSaveError:
 
 def publish_local(root: str, token: str, metadata: Metadata, overwrite: bool, check: Callable[[], None],
                   sync: bool) -> None:
-    """Write ``.metadata.<token>.tmp`` (fsync'd where ``sync``) and publish it as ``.metadata``
-    (``check()`` first: the claim)."""
+    """Write ``.metadata.<token>.tmp`` and publish it as ``.metadata``, ``check()`` (the claim) first."""
     tmp, final = os.path.join(root, metadata_tmp(token)), os.path.join(root, METADATA_FILE)
     with open(tmp, "wb") as f:
         pickle.dump(metadata, f)
@@ -122,8 +103,8 @@ _WHOLE_WRITES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 
 
 def writes_whole(fs) -> bool:
-    """Whether ``fs`` (an fsspec file system) is an object store whose writes are all-or-nothing (by
-    its protocol, or its class's ``qdcp_whole_writes`` where it declares one)."""
+    """Whether ``fs`` is an object store whose writes are all-or-nothing (its protocol, or a
+    ``qdcp_whole_writes`` it declares)."""
     declared = getattr(fs, "qdcp_whole_writes", None)
     if declared is not None:
         return bool(declared)
@@ -131,9 +112,8 @@ def writes_whole(fs) -> bool:
 
 
 def publish_remote(fs, root: str, token: str, metadata: Metadata, overwrite: bool, check: Callable[[], None]) -> None:
-    """Publish ``.metadata`` under an fsspec URL: on an object store (:func:`writes_whole`) one
-    write, exclusive unless ``overwrite``; on any other file system ``.metadata.<token>.tmp`` is
-    written whole, then renamed into place (``fs.mv``), so a write cut short never touches ``.metadata``."""
+    """Publish ``.metadata`` under an fsspec URL: one write on an object store (exclusive unless
+    ``overwrite``), else a temporary renamed into place (``fs.mv``)."""
     root, whole = root.rstrip("/"), writes_whole(fs)
     final, tmp, data = f"{root}/{METADATA_FILE}", f"{root}/{metadata_tmp(token)}", pickle.dumps(metadata)
     if not whole:
@@ -153,9 +133,8 @@ def publish_remote(fs, root: str, token: str, metadata: Metadata, overwrite: boo
 
 
 def debris(names: Iterable[str], keep: set[str], replaced: set[str], token: str) -> list[str]:
-    """What a save that published ``token`` (data files ``keep``) removes: the files the replaced
-    ``.metadata`` referenced, and qdcp save files of other tokens (their saves no longer run). Never
-    ``.metadata`` itself nor a claim's files, whatever a damaged old ``.metadata`` lists."""
+    """What a save that published ``token`` (data files ``keep``) removes: the replaced checkpoint's
+    files and other tokens' save files; never ``.metadata`` nor a claim's files."""
     out = []
     for name in names:
         if name in keep or name == METADATA_FILE or name.startswith(CLAIM_PREFIX):

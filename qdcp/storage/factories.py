@@ -1,5 +1,4 @@
-"""The storage for a path or a URL: qdcp's file-system reader and writer for a local path, their
-fsspec twins for a URL (``memory://``, ``s3://``...)."""
+"""qdcp's reader and writer for a local path, or their fsspec twins for a URL."""
 
 from __future__ import annotations
 
@@ -27,14 +26,8 @@ __all__ = ["storage_reader", "storage_writer"]
 
 def storage_reader(path: str | os.PathLike, thread_count: int | None = None,
                    **storage_options: Any) -> FileSystemReader:
-    """A safe, verifying reader for a local path or an fsspec URL (``memory://``, ``s3://``...).
-
-    ``thread_count``: data files read at once (default: the usable cores, at most 4).
-    ``storage_options`` go to fsspec (e.g. ``client_kwargs={"endpoint_url": ...}``). A URL whose
-    fsspec file system is the local one (``file://``, ``local://``) is read as the local path it
-    names: its files are then checked to be regular files inside the checkpoint
-    (:mod:`qdcp.storage.local_files`), as a local path's are.
-    """
+    """A safe, verifying reader for a local path or an fsspec URL; ``storage_options`` go to fsspec. A
+    URL on the local file system (``file://``, ``local://``) is read as the local path it names."""
     path = _local_file_system_path(local_path(path), storage_options)
     if is_url(path):
         _need_fsspec()
@@ -46,13 +39,8 @@ def storage_reader(path: str | os.PathLike, thread_count: int | None = None,
 
 def storage_writer(path: str | os.PathLike, overwrite: bool = False, checksums: bool = True,
                    stager: AsyncStager | None = None, **kwargs: Any) -> FileSystemWriter:
-    """A :class:`CheckpointWriter` for a local path, or its fsspec twin for a URL.
-
-    A ``file://`` URL is a local path. For other URLs, ``kwargs`` are fsspec storage options and
-    ``.metadata`` is published by the storage's rule (:func:`qdcp.storage.commit.publish_remote`).
-    ``stager``, ``thread_count``: as :class:`CheckpointWriter`'s (the same write pipeline,
-    :mod:`qdcp.io.pipeline`).
-    """
+    """A :class:`CheckpointWriter` for a local path (``file://`` too), or its fsspec twin for a URL
+    (other ``kwargs`` then fsspec's storage options)."""
     path = local_path(path)
     if is_url(path):
         _need_fsspec()
@@ -61,7 +49,6 @@ def storage_writer(path: str | os.PathLike, overwrite: bool = False, checksums: 
 
 
 def _local_file_system_path(path: str | os.PathLike, storage_options: dict) -> str | os.PathLike:
-    """The local path an fsspec URL on the local file system names (``local://``), else ``path``."""
     if not is_url(path) or FsspecReader is None:
         return path
     import fsspec
@@ -85,5 +72,4 @@ if FsspecWriter is not None:
             self._setup_safe_reading(thread_count)
 
     class FsspecCheckpointWriter(AtomicWriting, FsspecWriter):
-        """:class:`CheckpointWriter` for fsspec URLs (``direct_io`` is taken, but fsspec files are
-        written buffered)."""
+        """:class:`CheckpointWriter` for fsspec URLs (written buffered, whatever ``direct_io``)."""

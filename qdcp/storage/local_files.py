@@ -1,9 +1,6 @@
-"""A local checkpoint's files as its reader opens them: only regular files whose real path lies
-inside the checkpoint directory's real path. A symlink that stays inside the directory is
-followed; one that leaves it (the file itself, or a directory on its way) is refused, as is
-anything not a regular file (a FIFO, a device, a socket): checked with ``stat`` before the file
-is opened, and opened ``O_NOFOLLOW | O_NONBLOCK`` (what was swapped in after the check can
-neither be followed nor block), then checked again on the open descriptor (the same file)."""
+"""A local checkpoint's files as its reader opens them: only regular files whose real path lies inside
+the directory's (symlinks that stay inside are followed), checked before the open, opened
+``O_NOFOLLOW | O_NONBLOCK`` and checked again on the descriptor."""
 
 from __future__ import annotations
 
@@ -34,9 +31,7 @@ def _within(base: str, real: str) -> bool:
 
 
 def file_problem(root: str | os.PathLike, name: str) -> str | None:
-    """Why file ``name`` of the checkpoint directory ``root`` may not be read: it resolves outside
-    ``root`` or is not a regular file. None where it may be, or where nothing is there (opening
-    it then reports that)."""
+    """Why file ``name`` of ``root`` may not be read (outside ``root``, not a regular file), or None."""
     path = os.path.join(os.fspath(root), name)
     if not os.path.lexists(path):
         return None
@@ -59,10 +54,7 @@ def refusal(what: str, root: str | os.PathLike, name: str, problem: str) -> Chec
 
 
 def open_inside(root: str | os.PathLike, name: str, what: str) -> BinaryIO:
-    """File ``name`` of the local checkpoint directory ``root``, opened for reading once it is
-    checked to be a regular file inside it (:func:`file_problem`; else the
-    :class:`CheckpointFormatError` of :func:`refusal`, ``what`` starting its message). A missing
-    file raises ``FileNotFoundError``."""
+    """File ``name`` of ``root`` opened for reading once checked (:func:`file_problem`, else :func:`refusal`)."""
     problem = file_problem(root, name)
     if problem is not None:
         raise refusal(what, root, name, problem)

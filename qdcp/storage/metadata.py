@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
 import math
 import pickle
-import re
 import reprlib
 from pathlib import PurePath
 from typing import IO, Any
@@ -23,11 +21,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from qdcp.errors import CheckpointFormatError, LoadMismatchError
+from qdcp.errors import CheckpointFormatError
 from qdcp.spec import check_chunk_geometry, describe_item
 
 __all__ = ["MAX_METADATA_BYTES", "METADATA_FILE", "safe_load_metadata", "check_chunk_geometry", "check_stored_sizes",
-           "load_object", "SAFE_OBJECT_TYPES", "QdcpStorageMeta"]
+           "QdcpStorageMeta"]
 
 MAX_METADATA_BYTES = 1 << 30
 METADATA_FILE = ".metadata"
@@ -48,15 +46,9 @@ _ALLOWED_GLOBALS = {
 
 @dataclasses.dataclass
 class QdcpStorageMeta(StorageMeta):
-    """The ``StorageMeta`` qdcp's storage hands DCP, which hands it to the planner
-    (``set_up_planner(state_dict, storage_meta)`` at a save, ``metadata.storage_meta`` at a load):
-    what the storage does itself, so that the planner does not. It pickles (and copies) as the
-    plain ``StorageMeta`` it extends: a checkpoint never stores qdcp's class, nor does a
-    ``.metadata`` read by qdcp's reader and written again.
-
-    ``guards_path``: the writer refuses an existing checkpoint itself. ``hashes_items``: the writer
-    hashes every item as it writes it and records the checksums. ``verifies_items``: the reader
-    verifies every item it reads against the checksums its save recorded."""
+    """The ``StorageMeta`` qdcp's storage hands the planner through DCP: what the storage does itself
+    (``guards_path``: refuses an existing checkpoint; ``hashes_items``: hashes and records every
+    item; ``verifies_items``: verifies every item read). It pickles as the plain ``StorageMeta``."""
 
     guards_path: bool = False
     hashes_items: bool = False
@@ -64,7 +56,6 @@ class QdcpStorageMeta(StorageMeta):
 
     @classmethod
     def of(cls, meta: StorageMeta | None, **fields: Any) -> "QdcpStorageMeta":
-        """``meta``'s fields (DCP's own) with ``fields`` set."""
         base = {f.name: getattr(meta, f.name) for f in dataclasses.fields(StorageMeta)} if meta is not None else {}
         return cls(**{**base, **fields})
 
@@ -77,8 +68,8 @@ class QdcpStorageMeta(StorageMeta):
 
 
 class _AnyVersionTensorProperties(TensorProperties):
-    """``TensorProperties`` as any supported torch pickled it: torch 2.15 added ``strides`` (a sixth
-    value its older readers cannot unpack). Replaced by this torch's own class after loading."""
+    """``TensorProperties`` as any supported torch pickled it (2.15 added ``strides``); replaced by
+    this torch's own class after loading."""
 
     def __setstate__(self, state) -> None:
         dtype, layout, requires_grad, memory_format, pin_memory = tuple(state)[:5]
@@ -137,9 +128,7 @@ def safe_load_metadata(stream: IO[bytes]) -> Metadata:
 
 
 def _malformed(md: Metadata) -> str | None:
-    """What in unpickled ``md`` lacks a field of DCP's classes or holds the wrong type (a damaged
-    pickle can rename a field or retype a value: the unpickler builds the object all the same),
-    or None."""
+    """What in unpickled ``md`` lacks a field of DCP's classes or holds the wrong type, or None."""
     entries = vars(md).get("state_dict_metadata")
     if not isinstance(entries, dict):
         return "it has no table of entries"
@@ -182,9 +171,8 @@ def _malformed(md: Metadata) -> str | None:
 
 # nesting deeper than DCP's metadata has (Metadata > dict > record > list > chunk > size > int: 7)
 _MAX_DEPTH = 32
-# objects a walk of the unpickled graph meets (shared objects once per reference: as repr, json.dumps
-# or any check walks them), at most this many per byte of the pickle (plus a floor): the work of
-# every later walk stays linear in the file's size
+# objects a walk of the unpickled graph meets (shared ones once per reference), at most this many per
+# byte of the pickle (plus a floor): every later walk stays linear in the file's size
 _MAX_NODES_PER_BYTE = 16
 _LEAVES = (str, bytes, int, float, complex, type(None), torch.dtype, PurePath, slice)
 _LEAF_TYPES = frozenset((str, bytes, int, float, bool, complex, type(None), torch.dtype, slice))
@@ -202,10 +190,8 @@ def _children(obj: Any) -> list:
 
 
 def _graph_problem(root: Any, max_nodes: int) -> str | None:
-    """Why the unpickled object graph of ``root`` is refused: a cycle, nesting deeper than
-    :data:`_MAX_DEPTH`, or more than ``max_nodes`` objects counted as a walk meets them (shared
-    references let a small pickle stand for an exponential tree). Each object is visited once
-    (its count and depth kept by id): linear in the pickle's size. None where it is fine."""
+    """Why the unpickled graph of ``root`` is refused (a cycle, nesting deeper than :data:`_MAX_DEPTH`,
+    more than ``max_nodes`` objects as a walk meets them), or None; each object visited once."""
     done: dict[int, tuple[int, int]] = {}  # id -> (objects under it, counted per reference; depth)
     open_ids: set[int] = set()
     stack: list[tuple[Any, list | None]] = [(root, None)]
@@ -234,18 +220,14 @@ def _ints(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and all(isinstance(v, int) for v in value)
 
 
-#: a stored item may hold as few as this share of the bytes its elements take in the dtype the
-#: metadata records (stock DCP pickles a quantized tensor whole: 1-bit codes of float32 values are
-#: 1/32 of them); an item claiming more is refused unread
+#: a stored item may hold as little as 1/this of its elements' bytes in the recorded dtype (stock DCP's
+#: whole quantized tensor: 1-bit codes of float32 values); an item claiming more is refused unread
 MAX_PACKING = 32
 
 
 def check_stored_sizes(md: Metadata) -> None:
-    """Refuse metadata that would have a reader allocate far more than the checkpoint stores: a
-    tensor item whose elements take more than :data:`MAX_PACKING` times the bytes its storage
-    records hold, or two storage records of one file whose byte ranges overlap (one stored range
-    read again under other keys). Linear in the records (a sort per file); records of the wrong
-    types are left to the checks made as each item is read."""
+    """Refuse metadata that would have a reader allocate far more than the checkpoint stores: an item
+    claiming more than :data:`MAX_PACKING` times its stored bytes, or overlapping byte ranges in a file."""
     stored: dict[str, int] = {}
     spans: dict[Any, list[tuple[int, int, str]]] = {}
     for index, info in (md.storage_data if isinstance(md.storage_data, dict) else {}).items():
@@ -268,22 +250,3 @@ def check_stored_sizes(md: Metadata) -> None:
                 raise CheckpointFormatError(
                     f"{describe_item(fb)}: its stored bytes in {rel!r} overlap those of {describe_item(fa)}; "
                     f"the checkpoint's metadata is corrupt")
-
-
-# types a stored non-tensor object may hold beyond torch.load's weights_only allowlist
-SAFE_OBJECT_TYPES = (io.BytesIO, argparse.Namespace)
-
-
-def load_object(value: io.BytesIO, fqn: str, weights_only: bool = True):
-    """A non-tensor object, unpickled without running code unless ``weights_only`` is False."""
-    try:
-        with torch.serialization.safe_globals(list(SAFE_OBJECT_TYPES)):
-            return torch.load(value, weights_only=weights_only)
-    except pickle.UnpicklingError as e:
-        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-        raise LoadMismatchError(
-            f"key {fqn!r}: the checkpoint stores a pickled object that refers to "
-            f"{refused.group(1) if refused else 'a global'}, which loading with weights_only=True "
-            f"refuses (a pickle can run code). If you trust this checkpoint, pass "
-            f"QuantizedLoadPlanner(weights_only=False), or allow that type with "
-            f"torch.serialization.add_safe_globals.") from e

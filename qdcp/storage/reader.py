@@ -1,18 +1,12 @@
-"""qdcp's storage reader: DCP's file-system reader with a safe ``.metadata``, every number it
-gives checked before use, and every item verified once (against the checksum the save recorded,
-its trailer, or torch.save's zip CRCs). It says so to the planner through the ``StorageMeta`` of
-the metadata it reads (:class:`~qdcp.storage.metadata.QdcpStorageMeta`: ``verifies_items``).
-
-A load planner may offer two things more, beside DCP's protocol (runtime-checkable, as DCP states
-``AsyncStager``): :class:`ReportingLoadPlanner` (what the load changed, for an error) and
-:class:`AdoptingLoadPlanner` (memory to read stored items into, kept as loaded)."""
+"""qdcp's storage reader: DCP's file-system reader with a safe ``.metadata``, every number checked
+before use, every item verified once (``QdcpStorageMeta.verifies_items``); the files read by
+:mod:`qdcp.io.reads`. Planners may also be :class:`ReportingLoadPlanner` / :class:`AdoptingLoadPlanner`."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import os
-import pickle
 import threading
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -23,11 +17,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.futures import Future
 
 from qdcp import checksums
-from qdcp.adapters import allow_pickled, find_adapter
+from qdcp.adapters import find_adapter
 from qdcp.errors import CheckpointFormatError, QdcpError
 from qdcp.io.pipeline import default_thread_count
-from qdcp.io.threads import run_jobs
-from qdcp.io.torch_save import ViewReader, archived_tensor, check_zip_crcs, read_archive_into
+from qdcp.io.reads import Lane, lanes_for, read_files
+from qdcp.io.torch_save import archived_tensor, check_zip_crcs, load_pickled_tensor, read_archive_into
 from qdcp.spec import describe_item
 from qdcp.storage.local_files import file_problem, open_inside, refusal
 from qdcp.storage.metadata import QdcpStorageMeta, check_chunk_geometry, check_stored_sizes, safe_load_metadata
@@ -35,20 +29,13 @@ from qdcp.storage.metadata import QdcpStorageMeta, check_chunk_geometry, check_s
 __all__ = ["SafeReading", "CheckpointReader", "metadata_error_told", "ReportingLoadPlanner", "AdoptingLoadPlanner",
            "NoMetadataError"]
 
-# a whole stored chunk bound for a CUDA buffer, up to this size divided by the number of reading
-# threads, is read into one of its thread's two reused pinned buffers and copied without blocking:
-# the next item is read while it is copied and hashed (at most twice this size pinned in all)
-_PINNED_MAX = 256 << 20
-
 
 @runtime_checkable
 class ReportingLoadPlanner(Protocol):
-    """A load planner that can say what a load has changed in its targets so far
-    (:class:`qdcp.QuantizedLoadPlanner`), said in the error for an item found corrupt."""
+    """A load planner that says what a load has changed so far, for a corrupt item's error."""
 
     def changed_note(self, read_item: ReadItem, written: bool) -> str:
-        """What the load has changed so far, ``read_item``'s bytes included if ``written`` (copied
-        into ``resolve_tensor``'s buffer before they were found corrupt)."""
+        """What the load has changed, ``read_item``'s corrupt bytes included if ``written``."""
 
 
 @runtime_checkable
@@ -64,8 +51,7 @@ class AdoptingLoadPlanner(Protocol):
 
 
 class _PlannerCalls:
-    """The planner as the reading threads call it, ``calls("method", *args)``: one call at a time
-    (DCP's load planners are called by one thread), its optional capabilities looked up once."""
+    """The planner as the reading threads call it, ``calls("method", *args)``: one call at a time."""
 
     def __init__(self, planner: Any, shared: bool) -> None:
         self.planner = planner
@@ -78,60 +64,16 @@ class _PlannerCalls:
             return getattr(self.planner, method)(*args)
 
     def changed(self, req, written: bool) -> str:
-        """What the load has changed so far, for an error about ``req`` ("" if the planner cannot say)."""
         return self("changed_note", req, written) if self.reporting else ""
 
 
-class _Lane:
-    """One reading thread's memory, kept by the reader from load to load: a scratch buffer, two
-    pinned buffers for CUDA targets (and the copies from them still running), the item whose copy
-    is still running (committed after the next item is read)."""
-
-    def __init__(self) -> None:
-        self.calls: _PlannerCalls | None = None
-        self.scratch: torch.Tensor | None = None
-        self.pinned: list[torch.Tensor | None] = [None, None]
-        self.copied: list[Any] = [None, None]
-        self.slot = 1
-        self.pinned_max = _PINNED_MAX
-        self.pending: Callable[[], None] | None = None
-        self.devices: set[int] = set()  # the CUDA devices of the targets it copied into (this load)
-
-    def buffer(self, length: int, pinned: bool = False) -> torch.Tensor:
-        """``length`` bytes of reused memory: the scratch buffer, or the other of the two pinned
-        buffers once the copy from it has ended (an old buffer is freed before a larger one is made)."""
-        if pinned:
-            self.slot = 1 - self.slot
-            if self.copied[self.slot] is not None:
-                self.copied[self.slot].synchronize()
-            buf = self.pinned[self.slot]
-            if buf is None or buf.numel() < length:
-                self.pinned[self.slot] = None
-                buf = self.pinned[self.slot] = torch.empty(max(length, 1 << 20), dtype=torch.uint8, pin_memory=True)
-            return buf[:length]
-        if self.scratch is None or self.scratch.numel() < length:
-            self.scratch = None
-            self.scratch = torch.empty(max(length, 1 << 20), dtype=torch.uint8)
-        return self.scratch[:length]
-
-    def finish_pending(self) -> None:
-        """Commit the item whose copy was left running (its check waited for first)."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending()
-
-
 class NoMetadataError(CheckpointFormatError):
-    """The checkpoint directory holds no ``.metadata`` (not a checkpoint, or a save that did not
-    finish): ``qdcp.load`` raises :class:`qdcp.CheckpointNotFoundError` for it."""
+    """No ``.metadata`` (``qdcp.load`` raises :class:`qdcp.CheckpointNotFoundError` for it)."""
 
 
 class _MetadataUnreadable(BaseException):
-    """Carries qdcp's ``.metadata`` error (its ``__cause__``) past ``dcp.load``'s ``except Exception``
-    around ``read_metadata``, which would turn it into ``AssertionError("metadata is None; ...")``:
-    DCP wraps it in its CheckpointException, message intact, and ``qdcp.load`` raises the cause.
-    The cause travels with it when DCP gathers each rank's error to the others (pickled, where an
-    exception's ``__cause__`` is lost)."""
+    """Carries qdcp's ``.metadata`` error (its ``__cause__``, kept when pickled) past ``dcp.load``'s
+    ``except Exception`` around ``read_metadata`` (an ``AssertionError`` otherwise)."""
 
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))
@@ -142,9 +84,8 @@ class _MetadataUnreadable(BaseException):
 
 
 def metadata_error_told(reader: Any, rank: int | None, read: Callable[[], Metadata]) -> Metadata:
-    """``read()``, a reader's ``read_metadata`` (``rank``: DCP's rank-local fallback, called when the
-    first call raised): where the fallback fails too, the first call's qdcp error (kept on
-    ``reader``) is raised again as a :class:`_MetadataUnreadable`."""
+    """``read()``, a reader's ``read_metadata`` (``rank``: DCP's fallback after the first call raised);
+    where the fallback fails too, the first call's error is raised as a :class:`_MetadataUnreadable`."""
     try:
         return read()
     except CheckpointFormatError as e:
@@ -157,16 +98,15 @@ def metadata_error_told(reader: Any, rank: int | None, read: Callable[[], Metada
 
 
 class SafeReading:
-    """Mixin for DCP's file-system readers: safe ``.metadata`` and verified checksums."""
+    """Mixin for DCP's file-system readers (see the module)."""
 
     def _setup_safe_reading(self, thread_count: int | None = None) -> None:
         self.thread_count = max(1, int(thread_count)) if thread_count else None  # None: read_threads()
-        self._qdcp_lanes: list[_Lane] = []
+        self._qdcp_lanes: list[Lane] = []
         self._qdcp_sums_of: Metadata | None = None  # the metadata whose record read_metadata checked
 
     def read_threads(self) -> int:
-        """The threads a load reads files on: ``thread_count`` where given; by default the usable
-        cores, at most 4 (into CUDA targets as into host memory)."""
+        """The threads a load reads files on: ``thread_count``, else :func:`default_thread_count`."""
         return self.thread_count or default_thread_count()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -185,19 +125,16 @@ class SafeReading:
         except OSError as e:
             raise CheckpointFormatError(f"the checkpoint's .metadata cannot be read: {e}") from None
         check_stored_sizes(metadata)  # before any planner allocates for what the metadata claims
-        # the record and the metadata's digest before a planner reads the spec (damage refused as damage)
+        # the record and digest checked before a planner reads the spec
         self._qdcp_sums, self._qdcp_sums_of = checksums.record(metadata), metadata
-        # this reader verifies every item it reads: the planner need not (one rule, no per-item calls)
         metadata.storage_meta = QdcpStorageMeta.of(metadata.storage_meta, load_id=self.load_id, verifies_items=True)
         return metadata
 
     def _open_file(self, name: str, what: str) -> Any:
-        """File ``name`` of the checkpoint, opened for reading (``what``: how an error names it)."""
         return self.fs.create_stream(self.fs.concat_path(self.path, name), "rb")
 
     def check_files(self, metadata: Metadata) -> None:
-        """Refuse a checkpoint whose data files may not be read (here: none; local checkpoints check),
-        before anything is read: :meth:`set_up_storage_reader` calls it, as does qdcp's entry reader."""
+        """Refuse, before anything is read, data files that may not be read (local checkpoints check)."""
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.check_files(metadata)
@@ -211,46 +148,18 @@ class SafeReading:
             if isinstance(item, TensorStorageMetadata) for c in item.chunks}
 
     def read_data(self, plan, planner) -> Future:
-        """DCP's ``FileSystemReader.read_data``, every number the metadata gives checked before use
-        and every item verified once (a failure: a :class:`CheckpointFormatError` naming the key).
-        The files are read on up to :meth:`read_threads` threads, each file's items in order by one
-        of them, the planner called by one thread at a time; where reads fail, the error of the
-        first failing file (in the plan's order) is raised once every thread has stopped. Copies
-        into CUDA targets made on other threads have ended when this returns."""
+        """DCP's ``read_data``, each item checked and verified (errors name the key), the files on up
+        to :meth:`read_threads` threads (docs/api.md, *Storage*); CUDA copies have ended on return."""
         files = list(self._files_of(plan).items())
         threads = max(1, min(self.read_threads(), len(files)))
-        calls = _PlannerCalls(planner, shared=threads > 1)
-        while len(self._qdcp_lanes) < threads:
-            self._qdcp_lanes.append(_Lane())
-        lanes = self._qdcp_lanes[:threads]
-        for lane in lanes:
-            lane.calls, lane.pending, lane.devices = calls, None, set()
-            lane.pinned_max = _PINNED_MAX // threads
-        # a new thread's current CUDA device is 0: the others take the caller's (no context made on 0)
-        device = torch.cuda.current_device() if threads > 1 and torch.cuda.is_initialized() else None
-
-        def read(lane: _Lane, job: tuple[str, list], failed: threading.Event) -> tuple:
-            if device is not None:
-                torch.cuda.set_device(device)
-            self._read_file(lane, *job, failed)
-            return ()
-
-        try:
-            run_jobs(files, lanes, read, "qdcp-read")
-            for lane in lanes:
-                lane.finish_pending()
-        finally:
-            if device is not None:  # the other threads' copies ran on their own streams: ended here
-                for index in sorted({d for lane in lanes for d in lane.devices}):
-                    torch.cuda.synchronize(index)
-            for lane in lanes:
-                lane.calls, lane.pending = None, None
+        lanes = lanes_for(self._qdcp_lanes, threads, _PlannerCalls(planner, shared=threads > 1))
+        read_files(files, lanes, lambda lane, job, failed: self._read_file(lane, *job, failed))
         fut: Future = Future()
         fut.set_result(None)
         return fut
 
     def _files_of(self, plan) -> dict[str, list]:
-        """The plan's reads by data file (in the plan's order), every file checked to lie inside the checkpoint."""
+        """The plan's reads by data file, in order, each file checked to lie inside the checkpoint."""
         per_file: dict[str, list] = {}
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
@@ -265,7 +174,7 @@ class SafeReading:
             per_file.setdefault(rel, []).append(req)
         return per_file
 
-    def _read_file(self, lane: _Lane, rel: str, reqs: list, failed: threading.Event) -> None:
+    def _read_file(self, lane: Lane, rel: str, reqs: list, failed: threading.Event) -> None:
         """Read ``reqs`` from data file ``rel``, in order (until ``failed`` is set: another file failed)."""
         where = f"{describe_item(reqs[0].storage_index.fqn)}: its data file"
         with contextlib.ExitStack() as files:
@@ -284,9 +193,8 @@ class SafeReading:
                 lane.pending = None  # the load failed: the item copied last is not committed
                 raise
 
-    def _read_item(self, lane: _Lane, stream, size: int, rel: str, req) -> None:
-        """Read one item, check it (its recorded checksum, else its trailer, else the zip's CRCs)
-        and hand it to the planner: loaded bytes, or the part of a stored chunk ``req`` reads."""
+    def _read_item(self, lane: Lane, stream, size: int, rel: str, req) -> None:
+        """Read one item, check it and hand it (bytes, or the part of a chunk ``req`` reads) to the planner."""
         calls, where = lane.calls, describe_item(req.storage_index.fqn)
         info = self.storage_data[req.storage_index]
         span = _stored_range(info, size, rel, where)
@@ -318,7 +226,7 @@ class SafeReading:
             tensor = archived_tensor(payload, memory) if in_place else None
             adoptable = tensor is None or buffer is not None  # a view of the reader's own memory is copied out
             if tensor is None:
-                tensor = _unpickled(payload, where)
+                tensor = load_pickled_tensor(payload, where)
             verified = self._verification(calls, req, tensor, recorded)
         except QdcpError:
             raise
@@ -327,11 +235,10 @@ class SafeReading:
         self._deliver(lane, req, target, self._requested_part(tensor, req, expected, where), verified, adoptable,
                       where, pinned)
 
-    def _read_straight(self, lane: _Lane, stream, req, span: tuple[int, int], target: torch.Tensor,
+    def _read_straight(self, lane: Lane, stream, req, span: tuple[int, int], target: torch.Tensor,
                        expected: tuple, recorded: int, where: str) -> bool:
-        """Read a whole stored chunk straight into ``target`` (``resolve_tensor``'s buffer), check it
-        there and commit it, where ``target`` takes it as stored: the chunk's ``expected`` shape and
-        dtype, on the CPU, contiguous (True); else False, nothing read into it."""
+        """Read a whole chunk straight into ``target``, check and commit it, where ``target`` is a
+        contiguous plain CPU tensor of its ``expected`` shape and dtype (True); else False, unread."""
         if (tuple(target.shape), target.dtype) != expected or target.device.type != "cpu" \
                 or not target.is_contiguous() or type(target) is not torch.Tensor:
             return False
@@ -345,8 +252,7 @@ class SafeReading:
 
     def _payload(self, stream, span: tuple[int, int], rel: str, memory: torch.Tensor, transforms: list,
                  version: str | None, req, where: str) -> memoryview:
-        """The item's stored bytes, read into ``memory``, its trailer checked and its transforms
-        undone (only those make a copy)."""
+        """The item's bytes read into ``memory``, its trailer checked, its transforms undone (a copy)."""
         offset, length = span
         stream.seek(offset)
         data = memoryview(memory.numpy())[:length]
@@ -361,10 +267,8 @@ class SafeReading:
 
     @staticmethod
     def _verification(calls: _PlannerCalls, req, data: Any, recorded: int | None) -> Callable[..., None]:
-        """Start hashing the item just read (large ones on a background thread, while the caller
-        copies it on); the returned call waits and raises the error for corrupt bytes where the
-        hash is not ``recorded``, saying what the load has changed so far (the planner's account;
-        ``written``, default True: the bytes were copied into ``resolve_tensor``'s buffer)."""
+        """Start hashing the item just read; the call returned waits and raises for a hash that is not
+        ``recorded`` (``written``: its bytes already went into ``resolve_tensor``'s buffer)."""
         if recorded is None:
             return lambda written=True: None
         pending = checksums.hash_later(data)
@@ -378,8 +282,7 @@ class SafeReading:
 
     @staticmethod
     def _planner_buffer(calls: _PlannerCalls, req, length: int) -> torch.Tensor | None:
-        """A buffer the planner offers for this stored item (``buffer_for``: the item is read there
-        and the planner adopts the view), or None."""
+        """The planner's ``buffer_for`` memory for this item (checked), or None."""
         buffer = calls("buffer_for", req, length) if calls.adopting else None
         if buffer is None:
             return None
@@ -391,8 +294,7 @@ class SafeReading:
 
     @staticmethod
     def _requested_part(tensor, req, expected: tuple | None, where: str) -> torch.Tensor:
-        """The part of a loaded stored chunk that ``req`` reads, after checking the chunk is the one
-        the metadata records (``expected``: its shape and dtype) and the read lies within it."""
+        """The part of a loaded chunk ``req`` reads, the chunk checked to be the ``expected`` one."""
         if expected is not None and isinstance(tensor, torch.Tensor):
             tensor = _stored_values(tensor, expected[1], where)
         if not isinstance(tensor, torch.Tensor) or expected is None \
@@ -411,18 +313,17 @@ class SafeReading:
 
     def _deliver_bytes(self, calls: _PlannerCalls, req, payload: memoryview, recorded: int | None, zip_crcs: bool,
                        where: str) -> None:
-        """An object item, checked (the recorded checksum, else a torch.save archive's CRCs), to the planner."""
+        """An object item, checked, to the planner."""
         if recorded is not None:
             self._verification(calls, req, payload, recorded)(written=False)
         elif zip_crcs and payload[:4] == b"PK\x03\x04":  # a torch.save archive
             check_zip_crcs(payload, where)
         calls("load_bytes", req, io.BytesIO(payload))
 
-    def _deliver(self, lane: _Lane, req, target: torch.Tensor | None, tensor: torch.Tensor,
+    def _deliver(self, lane: Lane, req, target: torch.Tensor | None, tensor: torch.Tensor,
                  verified: Callable[..., None], adoptable: bool, where: str, pinned: bool) -> None:
-        """The part of a stored chunk ``req`` reads, to the planner: adopted as it is (qdcp's entry
-        reader keeps a whole chunk as loaded), else copied into ``target`` (``resolve_tensor``'s
-        buffer) while the bytes just read are hashed on another core, then committed."""
+        """The part of a chunk ``req`` reads, to the planner: adopted as it is, else copied into
+        ``target`` while it is hashed on another core, then committed."""
         calls = lane.calls
         if adoptable and calls.adopting:
             verified(written=False)
@@ -430,25 +331,17 @@ class SafeReading:
                 return
         if target is None:
             target = calls("resolve_tensor", req).detach()
-        if target.device.type == "cuda":
-            lane.devices.add(target.device.index if target.device.index is not None else torch.cuda.current_device())
+        lane.note_target(target)
         if target.size() != tensor.size():
             raise CheckpointFormatError(f"{where}: a read of {tuple(tensor.shape)} goes to a buffer of "
                                         f"{tuple(target.shape)}")
-        if pinned and tensor.is_pinned():  # copied while the next item is read; committed after it
-            target.copy_(tensor, non_blocking=True)
-            with torch.cuda.device(target.device):
-                copied = lane.copied[lane.slot] = torch.cuda.Event()
-                copied.record()
-            lane.finish_pending()
-            lane.pending = lambda: self._commit(calls, req, target, verified, where)
-            return
+        if pinned and tensor.is_pinned():
+            return lane.copy_later(target, tensor, lambda: self._commit(calls, req, target, verified, where))
         target.copy_(tensor)
         self._commit(calls, req, target, verified, where)
 
     @staticmethod
     def _commit(calls: _PlannerCalls, req, target: torch.Tensor, verified: Callable[[], None], where: str) -> None:
-        """Wait for ``target``'s check, then commit it to the planner."""
         verified()
         try:
             calls("commit_tensor", req, target)
@@ -459,38 +352,9 @@ class SafeReading:
                 f"{where}: the entry cannot be rebuilt from its stored data ({type(e).__name__}: {e})") from e
 
 
-def _unpickled(payload: memoryview, where: str) -> Any:
-    """A stored item that is a ``torch.save`` archive, loaded with ``weights_only=True``. Stock DCP
-    pickles a quantized tensor whole: where the archive names classes torch does not allow, the
-    adapters of their families allow them (importing their library from its known modules, as a
-    raw entry of the type would); other classes are refused, never imported."""
-    names: list[str] = []
-    for _ in range(3):
-        try:
-            return torch.load(ViewReader(payload), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(ViewReader(payload))
-            try:
-                unknown = allow_pickled(names)
-            except QdcpError as e:  # the family's adapter says what the program must do first
-                raise CheckpointFormatError(f"{where}: {e}") from None
-            if unknown or not names:
-                listed = ", ".join(unknown or names) or "a class"
-                raise CheckpointFormatError(
-                    f"{where}: the stored chunk is a pickled {listed} (DCP's own save of a tensor subclass, "
-                    f"without qdcp's planner), which no registered qdcp adapter handles; refusing to unpickle "
-                    f"it. Install the library that provides it (torchao types: pip install 'qdcp[torchao]'), "
-                    f"or register an adapter with qdcp.register_adapter (the CLI: --import MODULE)") from None
-    raise CheckpointFormatError(f"{where}: the stored chunk is a pickled {', '.join(names)}, which torch's "
-                                f"weights-only loading still refuses with its library imported (the library does "
-                                f"not allow it); refusing to unpickle it")
-
-
 def _stored_values(tensor: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:
-    """A stored chunk as the plain values a plain chunk would hold. Stock DCP (no qdcp planner)
-    pickles a quantized tensor whole: its values are computed by its adapter (as torchao's
-    ``dequantize()``), in the dtype the metadata records; a subclass qdcp has no adapter for is
-    left as it is (DCP's behaviour)."""
+    """A stored chunk's plain values: a whole quantized tensor (stock DCP's) dequantized by its adapter
+    to the recorded dtype; a subclass with no adapter left as it is (as DCP does)."""
     adapter = find_adapter(tensor)
     if adapter is None:
         return tensor
@@ -505,7 +369,7 @@ def _stored_values(tensor: torch.Tensor, dtype: torch.dtype, where: str) -> torc
 
 
 def _stored_range(info, size: int, rel: str, where: str) -> tuple[int, int]:
-    """``(offset, length)`` of an item's stored bytes, checked to lie inside its file of ``size`` bytes."""
+    """``(offset, length)`` of an item's bytes, checked to lie inside its file of ``size`` bytes."""
     offset, length = info.offset, info.length
     if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length <= size - offset):
         raise CheckpointFormatError(
@@ -515,9 +379,8 @@ def _stored_range(info, size: int, rel: str, where: str) -> tuple[int, int]:
 
 
 class CheckpointReader(SafeReading, FileSystemReader):
-    """A ``FileSystemReader`` that never runs code from ``.metadata``, verifies every item it reads
-    and refuses a checkpoint whose save did not finish. ``thread_count``: data files read at once
-    (default: :meth:`read_threads`)."""
+    """A ``FileSystemReader`` that runs no code from ``.metadata`` and verifies every item it reads.
+    ``thread_count``: data files read at once (default: :meth:`read_threads`)."""
 
     def __init__(self, path: str | os.PathLike, thread_count: int | None = None, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
@@ -528,8 +391,7 @@ class CheckpointReader(SafeReading, FileSystemReader):
         return open_inside(self.path, name, what)
 
     def check_files(self, metadata: Metadata) -> None:
-        """Refuse, before anything is read, a checkpoint whose data files resolve outside its
-        directory or are not regular files (each file named, with the first key stored in it)."""
+        """Refuse data files outside the directory or not regular (named with their first key)."""
         first: dict[str, str] = {}
         for index, info in (metadata.storage_data or {}).items():
             first.setdefault(info.relative_path, index.fqn)

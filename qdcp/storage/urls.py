@@ -9,8 +9,7 @@ __all__ = ["is_url", "local_path"]
 
 
 def local_path(path: str | os.PathLike) -> str | os.PathLike:
-    """``path`` itself, or for a ``file://`` URL the local path it names: such a checkpoint is
-    written and read as a local one (its commit a local ``link`` / ``rename``)."""
+    """``path`` itself, or for a ``file://`` URL the local path it names."""
     text = os.fspath(path)
     if not text.startswith("file://"):
         return path
