@@ -76,7 +76,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         _check_is_save(storage_meta)
         if not self.overwrite:
             refuse_existing_checkpoint(storage_meta, type(self).__name__)
-        super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
+        with qspec.no_gc():
+            super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
         self._entries = EntryPlanner(self.dequantize, self.dequantize_dtype)
         # qdcp's writers hash each item as they write it (no pass over the data, no device copy, here)
         by_writer = getattr(storage_meta, "hashes_items", False)
@@ -126,14 +127,15 @@ class QuantizedSavePlanner(DefaultSavePlanner):
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         # On the coordinator: the checksums join the Metadata that finish() writes. Added here, not
         # in create_global_plan, which returns (and plan caching keeps) what DCP's would.
-        if self._sums_record is not None and getattr(self, "metadata", None) is not None:
-            sums.attach(self.metadata, self._sums_record)
-        plan = super().finish_plan(new_plan)
-        # only what the writer will ask for is kept (DCP may have another rank write a replica)
-        keep = {item.index for item in plan.items}
-        self._ready = {index: data for index, data in self._ready.items() if index in keep}
-        self._entries.expect([item for item in plan.items if item.index not in self._ready])
-        return plan
+        with planning():
+            if self._sums_record is not None and getattr(self, "metadata", None) is not None:
+                sums.attach(self.metadata, self._sums_record)
+            plan = super().finish_plan(new_plan)
+            # only what the writer will ask for is kept (DCP may have another rank write a replica)
+            keep = {item.index for item in plan.items}
+            self._ready = {index: data for index, data in self._ready.items() if index in keep}
+            self._entries.expect([item for item in plan.items if item.index not in self._ready])
+            return plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         ready = self._ready.pop(write_item.index, None)
