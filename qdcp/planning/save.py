@@ -127,15 +127,14 @@ class QuantizedSavePlanner(DefaultSavePlanner):
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         # On the coordinator: the checksums join the Metadata that finish() writes. Added here, not
         # in create_global_plan, which returns (and plan caching keeps) what DCP's would.
-        with planning():
-            if self._sums_record is not None and getattr(self, "metadata", None) is not None:
-                sums.attach(self.metadata, self._sums_record)
-            plan = super().finish_plan(new_plan)
-            # only what the writer will ask for is kept (DCP may have another rank write a replica)
-            keep = {item.index for item in plan.items}
-            self._ready = {index: data for index, data in self._ready.items() if index in keep}
-            self._entries.expect([item for item in plan.items if item.index not in self._ready])
-            return plan
+        if self._sums_record is not None and getattr(self, "metadata", None) is not None:
+            sums.attach(self.metadata, self._sums_record)
+        plan = super().finish_plan(new_plan)
+        # only what the writer will ask for is kept (DCP may have another rank write a replica)
+        keep = {item.index for item in plan.items}
+        self._ready = {index: data for index, data in self._ready.items() if index in keep}
+        self._entries.expect([item for item in plan.items if item.index not in self._ready])
+        return plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         ready = self._ready.pop(write_item.index, None)
