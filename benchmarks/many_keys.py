@@ -6,8 +6,8 @@ keys or an optimizer's states reach tens of thousands of keys. Each case is time
 the others (median of ``--repeat``), files in a fresh directory each run:
 
 - vanilla ``dcp.save`` / ``dcp.load`` of the same state with every quantized weight replaced by its
-  components as plain tensors (``<key>.qdata``, ``<key>.scale``: the same bytes in twice the keys'
-  items): the baseline;
+  components as plain tensors (``<key>.qdata``, ``<key>.scale``, ``<key>.zero_point``: the items and
+  bytes qdcp stores): the baseline;
 - ``qdcp.save`` / ``qdcp.load``;
 - ``dcp.save(..., planner=QuantizedSavePlanner())`` / ``dcp.load(..., planner=QuantizedLoadPlanner())``.
 
@@ -45,6 +45,7 @@ def states(keys: int, rows: int) -> tuple[dict, dict]:
         quantized[f"experts.{i}.weight"], quantized[f"experts.{i}.norm"] = w, b
         plain[f"experts.{i}.weight.qdata"] = w.qdata.clone()
         plain[f"experts.{i}.weight.scale"] = w.scale.clone()
+        plain[f"experts.{i}.weight.zero_point"] = w.zero_point.clone()
         plain[f"experts.{i}.norm"] = b.clone()
     return quantized, plain
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from qdcp.errors import AlignmentError, CheckpointFormatError, ChecksumError, ReplicaMismatchError
 from qdcp.layouts import byte_view
-from qdcp.spec import COMPONENT_SEPARATOR, describe_item
+from qdcp.spec import COMPONENT_SEPARATOR, describe_item, no_gc
 from qdcp.spec import PLANNER_DATA_KEY as SPEC_KEY
 
 PLANNER_DATA_KEY = "__qdcp_checksums__"
@@ -312,19 +312,20 @@ def attach(metadata: Metadata, record: dict) -> None:
 
 def metadata_digest(metadata: Metadata, items: Mapping[str, Any], unchecked: Iterable[str] = ()) -> str:
     """XXH3-64 (hex) of the canonical JSON of the metadata's entries, nesting, spec and item hashes
-    (docs/format.md, *The metadata digest*)."""
+    (docs/format.md, *The metadata digest*); built without GC passes (4x slower at 10k keys with them)."""
     entries: dict[str, Any] = {}
-    for fqn, item in (metadata.state_dict_metadata or {}).items():
-        entries[fqn] = [str(item.properties.dtype), list(item.size),
-                        [[list(c.offsets), list(c.sizes)] for c in item.chunks]] \
-            if isinstance(item, TensorStorageMetadata) else "bytes"
-    data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    doc = {"entries": entries, "nesting": {k: list(v) for k, v in data.items() if isinstance(v, (tuple, list))},
-           "spec": data.get(SPEC_KEY),
-           "items": {k: v.hex() for k, v in items.items()}}
-    if unchecked:
-        doc["unchecked"] = sorted(unchecked)
-    return xxhash.xxh3_64_hexdigest(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+    with no_gc():
+        for fqn, item in (metadata.state_dict_metadata or {}).items():
+            entries[fqn] = [str(item.properties.dtype), list(item.size),
+                            [[list(c.offsets), list(c.sizes)] for c in item.chunks]] \
+                if isinstance(item, TensorStorageMetadata) else "bytes"
+        data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+        doc = {"entries": entries, "nesting": {k: list(v) for k, v in data.items() if isinstance(v, (tuple, list))},
+               "spec": data.get(SPEC_KEY),
+               "items": {k: v.hex() for k, v in items.items()}}
+        if unchecked:
+            doc["unchecked"] = sorted(unchecked)
+        return xxhash.xxh3_64_hexdigest(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
 
 
 def corrupt(item_fqn: str, offsets: Any, recorded: int, read: int, changed: str = "") -> ChecksumError:

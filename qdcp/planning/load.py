@@ -109,14 +109,16 @@ value, whose ``load_state_dict`` ``dcp.load`` itself calls). ``loaded_keys`` and
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         _check_instance(self, QuantizedLoadPlanner)
         _check_is_load(metadata)
-        super().set_up_planner(state_dict, metadata, is_coordinator)
+        with qspec.no_gc():
+            super().set_up_planner(state_dict, metadata, is_coordinator)
         # the one rule: a reader that verifies every item says so (qdcp's); with any other, this planner does
         reader_verifies = getattr(metadata.storage_meta, "verifies_items", False)
-        if not reader_verifies:  # qdcp's readers check the chunks themselves; DCP's trusts them
-            qspec.check_chunk_geometry(metadata)
-        self._start(ReadVerifier(sums.record(metadata) if self.checksums and not reader_verifies else None,
-                                      atomic=self.atomic))
-        keys = KeyPlanner(metadata, allow_partial_load=self.allow_partial_load)
+        with planning():
+            if not reader_verifies:  # qdcp's readers check the chunks themselves; DCP's trusts them
+                qspec.check_chunk_geometry(metadata)
+            record = sums.record(metadata) if self.checksums and not reader_verifies else None
+            keys = KeyPlanner(metadata, allow_partial_load=self.allow_partial_load)
+        self._start(ReadVerifier(record, atomic=self.atomic))
         self._target_keys = list(self.state_dict)
         with planning(), _missing_key_hint(self._target_keys, metadata, keys.specs):
             if self._shadows is not None:
@@ -170,18 +172,19 @@ value, whose ``load_state_dict`` ``dcp.load`` itself calls). ``loaded_keys`` and
             self.mappings = found[1]
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
-        self.unread_keys = _unread_entries(self.metadata, self._specs, global_plan)
-        return super().create_global_plan(global_plan)
+        with planning():
+            self.unread_keys = _unread_entries(self.metadata, self._specs, global_plan)
+            return super().create_global_plan(global_plan)
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
-        self.read_bytes = _read_bytes(self.metadata, new_plan.items)
-        self._pending = dict.fromkeys(self._actions, 0)
-        for item in new_plan.items:
-            hit = self._by_item.get(item.dest_index.fqn)
-            if hit is not None:
-                self._pending[hit.action.fqn] += 1
-        self._reads_left = len(new_plan.items)
         with planning():
+            self.read_bytes = _read_bytes(self.metadata, new_plan.items)
+            self._pending = dict.fromkeys(self._actions, 0)
+            for item in new_plan.items:
+                hit = self._by_item.get(item.dest_index.fqn)
+                if hit is not None:
+                    self._pending[hit.action.fqn] += 1
+            self._reads_left = len(new_plan.items)
             self._verify.plan(new_plan.items)
             if self._shadows is not None:
                 written = self._written_bytes(new_plan.items)

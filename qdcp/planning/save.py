@@ -76,7 +76,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         _check_is_save(storage_meta)
         if not self.overwrite:
             refuse_existing_checkpoint(storage_meta, type(self).__name__)
-        super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
+        with qspec.no_gc():
+            super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
         self._entries = EntryPlanner(self.dequantize, self.dequantize_dtype)
         # qdcp's writers hash each item as they write it (no pass over the data, no device copy, here)
         by_writer = getattr(storage_meta, "hashes_items", False)

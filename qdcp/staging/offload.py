@@ -13,7 +13,10 @@ import torch
 from qdcp.adapters.base import find_adapter
 
 
-def _move(t: torch.Tensor, device: torch.device, pin_memory: bool, non_blocking: bool) -> torch.Tensor:
+def tensor_to_device(t: torch.Tensor, device: torch.device | str, pin_memory: bool = False,
+                     non_blocking: bool = False) -> torch.Tensor:
+    """A copy of ``t`` (plain or quantized) on ``device``, every inner buffer moved."""
+    device = torch.device(device)
     pin = pin_memory and device.type == "cpu"
 
     def move(x: torch.Tensor) -> torch.Tensor:
@@ -25,12 +28,6 @@ def _move(t: torch.Tensor, device: torch.device, pin_memory: bool, non_blocking:
         return move(t.detach())
     buffers = {n: move(b) for n, b in adapter.inner_buffers(t).items()}
     return adapter.from_inner_buffers(t, buffers)
-
-
-def tensor_to_device(t: torch.Tensor, device: torch.device | str, pin_memory: bool = False,
-                     non_blocking: bool = False) -> torch.Tensor:
-    """A copy of ``t`` (plain or quantized) on ``device``, every inner buffer moved."""
-    return _move(t, torch.device(device), pin_memory, non_blocking)
 
 
 def to_device(obj: torch.nn.Module | torch.Tensor, device: torch.device | str, pin_memory: bool = False,
@@ -53,11 +50,13 @@ def to_device(obj: torch.nn.Module | torch.Tensor, device: torch.device | str, p
         raise TypeError(f"to_device takes a Module or a Tensor, got {type(obj).__name__}")
     moves = []
     for name, t in named:
-        moved = _move(t, device, pin_memory, non_blocking)
+        moved = tensor_to_device(t, device, pin_memory, non_blocking)
         grad = t.grad if isinstance(t, torch.nn.Parameter) else None
         if isinstance(t, torch.nn.Parameter) or getattr(t, "_is_param", False):
             moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
-        moves.append((name, t, moved, None if grad is None else _move(grad, device, pin_memory, non_blocking)))
+        if grad is not None:
+            grad = tensor_to_device(grad, device, pin_memory, non_blocking)
+        moves.append((name, t, moved, grad))
     done = []
     for name, t, moved, grad in moves:
         try:
