@@ -24,8 +24,9 @@ The package, data flowing one way (each folder's ``__init__`` says what its modu
 - ``checkpoint.py`` (``qdcp.save`` / ``load``), ``runs.py`` (a run's checkpoints: ``latest``,
   ``checkpoints``, ``prune``), ``reading/`` (reading without a target: entries, describe, verify,
   consolidation), ``hf/`` (Hugging Face layouts), ``frameworks/`` (torchtitan, Lightning,
-  ``install()``), ``cli.py``, ``outputs.py`` (where those tools write: never over their input),
-  ``owners.py`` (which process owns a claim or scratch file, and whether it still runs).
+  ``install()``), ``cli.py`` + ``commands.py`` (the command line: its parser, its verbs),
+  ``outputs.py`` (where those tools write: never over their input), ``owners.py`` (which process
+  owns a claim or scratch file, and whether it still runs).
 """
 
 import importlib

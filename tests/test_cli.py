@@ -201,3 +201,25 @@ def test_long_work_shows_progress_on_a_terminal_only(checkpoint, tmp_path):
     assert rc == 0 and err.strip() == skipped
     proc = run("convert", path, tmp_path / "c.safetensors", "--to", "safetensors")  # not a terminal (a StringIO)
     assert proc.stderr.strip() == skipped
+
+
+def test_help_and_import_qdcp_import_no_torch():
+    """``qdcp --help`` (any verb's too) and ``import qdcp`` import no torch: the help is instant; the
+    verbs and qdcp's names import what they need at their first use."""
+    import os
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parent.parent)
+    probe = ("import sys, contextlib, io\n"
+             "import qdcp, qdcp.cli\n"
+             "for argv in (['--help'], ['convert', '--help'], ['export', '--help']):\n"
+             "    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+             "        qdcp.cli.main(argv)\n"
+             "    assert 'usage: qdcp' in out.getvalue(), out.getvalue()\n"
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    env = {**os.environ, "PYTHONPATH": repo}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=repo)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)
+    probe = "import qdcp; print(qdcp.QuantizedSavePlanner.__module__, len(qdcp.registered_type_names()) > 10)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=repo)
+    assert done.stdout.split() == ["qdcp.planning.save", "True"], (done.stdout, done.stderr)

@@ -93,5 +93,5 @@ class CompressedTensorsAdapter(StoredOnlyAdapter, RawInterchangeAdapter):
 
 
 def builtin_adapters() -> list[Adapter]:
-    """The compressed-tensors adapter qdcp registers at import (the library itself is not needed)."""
+    """The compressed-tensors adapter qdcp registers at its registry's first use (the library itself is not needed)."""
     return [CompressedTensorsAdapter()]

@@ -133,7 +133,7 @@ class BitNetPacked2bitWeightAdapter(TorchAOAdapter):
 
 
 def builtin_adapters() -> list[Adapter]:
-    """The torchao training adapters qdcp registers at import."""
+    """The torchao training adapters qdcp registers at its registry's first use."""
     wrappers = ("Float8TrainingWeightWrapperTensor", "MXFP8TrainingWeightWrapperTensor",
                 "Int8MixedPrecisionTrainingLinearWeight", "BitNetTrainingLinearWeight")
     return [Float8TrainingWeightAdapter(), *map(_WrapperAdapter, wrappers), Int8QuantizedTrainingWeightAdapter(),

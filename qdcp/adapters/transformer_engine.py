@@ -554,6 +554,6 @@ class TENVFP4TensorAdapter(TEAdapter):
 
 
 def builtin_adapters() -> list[Adapter]:
-    """The TransformerEngine adapters qdcp registers at import (TE itself is not imported)."""
+    """The TransformerEngine adapters qdcp registers at its registry's first use (TE itself is not imported)."""
     return [TEFloat8TensorAdapter(), TEMXFP8TensorAdapter(), TEFloat8BlockwiseQTensorAdapter(),
             TENVFP4TensorAdapter()]

@@ -6,7 +6,7 @@ so that fails before anything is written. :func:`register_new_empty` adds one, t
 library's own op registry, for each class a registered adapter handles that lacks it: only the
 tensor's own size and dtype, an instance over new uninitialised inner buffers (any other request
 raises ``NotImplementedError`` as before); an implementation the library has is never replaced.
-Registered at import and by each :class:`qdcp.QuantizedSavePlanner` (for classes imported since);
+Registered at the first use of qdcp's API and by each :class:`qdcp.QuantizedSavePlanner` (for classes imported since);
 ``QDCP_FILL_NEW_EMPTY=0`` before importing qdcp, or :func:`unregister_new_empty`, turns it off.
 """
 

@@ -50,7 +50,7 @@ _SHARED_MAX = 2
 
 
 def set_default_stager(factory: Callable[[], AsyncStager] | None) -> None:
-    """What a qdcp writer given no stager stages through: ``factory()``'s stagers (``import qdcp`` sets
+    """What a qdcp writer given no stager stages through: ``factory()``'s stagers (qdcp's first use sets
     :class:`qdcp.QuantizedStager`), shared by this process's writers so their buffers are reused from
     save to save (a save finding them all busy gets another). None: DCP's own staging. Setting it
     drops the shared stagers."""

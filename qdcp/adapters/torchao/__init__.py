@@ -32,7 +32,7 @@ __all__ = [
 
 
 def builtin_adapters() -> list[Adapter]:
-    """The torchao adapters qdcp registers at import."""
+    """The torchao adapters qdcp registers at its registry's first use."""
     return [Int8TensorAdapter(), Float8TensorAdapter(), IntxUnpackedToInt8TensorAdapter(),
             MXTensorAdapter(), NVFP4TensorAdapter(), NF4TensorAdapter(),
             OptimState8bitAdapter(), OptimState4bitAdapter(), OptimStateFp8Adapter()]
