@@ -103,39 +103,24 @@ def async_save(state_dict: dict[str, Any], path: str | os.PathLike, *, stager=No
     upload = getattr(result, "upload_completion", result)  # DCP's AsyncSaveResponse, or the Future itself
     upload.add_done_callback(lambda _: writer.abandon())  # a failed upload's files removed, claim released
     upload.add_done_callback(lambda done: _log_upload(done, path, start))
-    _in_flight_on(group).add(upload)
     where = _where(path, no_dist)
     uploaded = _own_errors(upload, writer, where)
-    _wait_at_exit(uploaded, where)
+    _track(group, uploaded, where)
     if isinstance(result, Future):
         return uploaded
     return dataclasses.replace(result, staging_completion=_own_errors(result.staging_completion, writer, where),
                                upload_completion=uploaded)
 
 
-# this process's async saves not yet done (their Future: where), waited for at exit by one hook
-_at_exit: dict[Future, str] = {}
-_exit_hook: list[bool] = []
-
-
-def _wait_at_exit(upload: Future, where: str) -> None:
-    """Have the interpreter's exit wait for ``upload``. A script that ends while an async save is
-    running would otherwise lose it without a word: at exit ``concurrent.futures`` refuses the work
-    the save still hands its pools. The hook runs from threading's exit hooks, before that refusal
-    (``threading._register_atexit``; atexit's run after it); it says once that it waits, and how a
-    save that failed meanwhile failed."""
-    with _uploads_lock:
-        if not _exit_hook:
-            threading._register_atexit(_finish_at_exit)
-            _exit_hook.append(True)
-        _at_exit[upload] = where
-    upload.add_done_callback(lambda done: _at_exit.pop(done, None))
-
-
 def _finish_at_exit() -> None:
+    """Wait, at the interpreter's exit, for this process's async saves still running (:func:`_track`),
+    saying so once, and how one failed if it did. A script that ends while an async save runs would
+    otherwise lose it without a word: at exit ``concurrent.futures`` refuses the work the save still
+    hands its pools. Run from threading's exit hooks (``threading._register_atexit``), which come
+    before that refusal (``atexit``'s come after it)."""
     with _uploads_lock:
-        pending = dict(_at_exit)
-        _at_exit.clear()
+        pending = {f: where for group in _uploads.values() for f, where in group.items() if not f.done()}
+        _uploads.clear()
     if not pending:
         return
     logger.warning("qdcp: waiting at exit for %d async save(s) still running (%s); wait on the Future "
@@ -308,16 +293,27 @@ def _where(path: str | os.PathLike, no_dist: bool) -> str:
     return f"qdcp.async_save to {os.fspath(path)!r} on rank {dist.get_rank()} of {dist.get_world_size()}"
 
 
-# this process's qdcp.async_save uploads not yet done, per process group (None: the default one)
-_uploads: dict[Any, set[Future]] = {}
+# this process's qdcp.async_save uploads not yet done (each Future: where it saves), per process
+# group (None: the default one); waited for at exit by one hook
+_uploads: dict[Any, dict[Future, str]] = {}
 _uploads_lock = threading.Lock()
+_exit_hook: list[bool] = []
 
 
-def _in_flight_on(group: Any) -> set[Future]:
+def _in_flight_on(group: Any) -> dict[Future, str]:
     with _uploads_lock:
-        pending = {f for f in _uploads.get(group, ()) if not f.done()}
+        pending = {f: where for f, where in _uploads.get(group, {}).items() if not f.done()}
         _uploads[group] = pending
         return pending
+
+
+def _track(group: Any, upload: Future, where: str) -> None:
+    """Count ``upload`` in flight on ``group`` (later saves on it wait for it; so does the exit)."""
+    with _uploads_lock:
+        if not _exit_hook:
+            threading._register_atexit(_finish_at_exit)
+            _exit_hook.append(True)
+        _uploads.setdefault(group, {})[upload] = where
 
 
 def _refuse_at_call(state_dict: Any, path: str | os.PathLike, writer: Any, dequantize: DequantizeChoice,
