@@ -19,7 +19,7 @@ import warnings
 from typing import Sequence
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-DTYPES = ("bf16", "fp16", "fp32")  # --dtype (qdcp.commands maps them to torch's)
+DTYPES = ("bf16", "fp16", "fp32")  # --dtype (qdcp.commands maps them to torch's, in this order)
 
 _DESCRIPTION = "Inspect, verify, convert, export, list and prune qdcp/DCP checkpoints."
 _CHECKPOINT = "the qdcp/DCP checkpoint (a directory)"

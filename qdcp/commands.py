@@ -16,7 +16,7 @@ import torch
 
 from qdcp import checksums, outputs, runs
 from qdcp.checkpoint import save
-from qdcp.cli import EXIT_FAILED, EXIT_OK, one_line
+from qdcp.cli import DTYPES, EXIT_FAILED, EXIT_OK, one_line
 from qdcp.errors import QdcpError
 from qdcp.hf.convert import to_safetensors
 from qdcp.hf.export import export
@@ -31,7 +31,7 @@ from qdcp.reading import (
 )
 from qdcp.reading.consolidate import nest
 
-_DTYPE_ARGS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPE_ARGS = dict(zip(DTYPES, (torch.bfloat16, torch.float16, torch.float32), strict=True))
 
 
 #: the field an encoded attribute (qdcp.spec's JSON forms) is shown by, by its keys

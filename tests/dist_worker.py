@@ -769,12 +769,16 @@ def fsdp_limits(root: str, mesh) -> None:
         check("fsdp_limits", False, "fully_shard of a weight-only Int8Tensor model now works: update docs/fsdp2.md")
     except NotImplementedError as e:
         check("fsdp_limits", "aten.split" in str(e), f"another torchao error than the docs say: {_short(e)}")
-    model = int8_model()
-    fully_shard(model, mesh=mesh, ignored_params={p for n, p in model.named_parameters() if n.endswith("weight")})
+
+    def int8_sharded():  # the docs' workaround: the Int8Tensor weights kept out of FSDP2
+        model = int8_model()
+        fully_shard(model, mesh=mesh, ignored_params={p for n, p in model.named_parameters() if n.endswith("weight")})
+        return model
+
+    model = int8_sharded()
     path = os.path.join(root, "fsdp_limits", "int8")
     qdcp.save({"model": model.state_dict()}, path)
-    fresh = int8_model()  # the same seed: zero the weights' buffers, then load them back
-    fully_shard(fresh, mesh=mesh, ignored_params={p for n, p in fresh.named_parameters() if n.endswith("weight")})
+    fresh = int8_sharded()  # the same seed: zero the weights' buffers, then load them back
     for lin in fresh:
         lin.weight.qdata.zero_()
     qdcp.load({"model": fresh.state_dict()}, path)

@@ -139,8 +139,13 @@ def _edit_spec(md, rng: random.Random, kind: str) -> str:
     return label
 
 
+def _storage_record(md, rng: random.Random):
+    """One storage record's index, drawn in a fixed order (the same seed, the same record)."""
+    return rng.choice(sorted(md.storage_data, key=lambda i: (i.fqn, tuple(i.offset or ()), i.index or 0)))
+
+
 def _edit_storage(md, path: Path, rng: random.Random) -> str:
-    index = rng.choice(sorted(md.storage_data, key=lambda i: (i.fqn, tuple(i.offset or ()), i.index or 0)))
+    index = _storage_record(md, rng)
     info = md.storage_data[index]
     files = sorted({i.relative_path for i in md.storage_data.values()})
     what = rng.choice(["offset", "length", "file"])
@@ -245,7 +250,7 @@ def _deflated(raw: bytes) -> bytes:
 
 
 def _edit_archive(md, path: Path, rng: random.Random) -> str:
-    index = rng.choice(sorted(md.storage_data, key=lambda i: (i.fqn, tuple(i.offset or ()), i.index or 0)))
+    index = _storage_record(md, rng)
     info = md.storage_data[index]
     f = path / info.relative_path
     data = f.read_bytes()
